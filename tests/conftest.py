@@ -1,0 +1,13 @@
+"""Test-wide setup.
+
+Eight fake CPU devices so that mesh sharding is exercised on a laptop or CI box. The flag must
+be set before jax is imported anywhere, which is why it lives here and not in a test.
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No hub traffic from tests: everything they load is built locally.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
