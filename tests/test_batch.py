@@ -1,0 +1,49 @@
+"""SampleBatch contract: padding, sentinels, pytree registration."""
+import jax
+import numpy as np
+import pytest
+
+from strata_jax.algos.batch import PAD_ID, SampleBatch, bucket_size, make_sample_batch
+
+
+def _rec(**kw):
+    base = dict(prompt_ids=[5, 6, 7], response_ids=[1, 2], task_id=3, trajectory_id=0, kind=0)
+    base.update(kw)
+    return base
+
+
+def test_padding_rows_get_sentinels_and_prompt_is_left_padded():
+    b = make_sample_batch([_rec(score=0.5), _rec(prompt_ids=[9], response_ids=[4, 5, 6, 7, 8],
+                                                 response_mask=[1, 1, 1, 0, 0], trajectory_id=1)],
+                          row_multiple=8)
+    assert b.prompt_ids.shape == (8, 8) and b.response_ids.shape == (8, 8)
+    np.testing.assert_array_equal(b.prompt_ids[0], [0, 0, 0, 0, 0, 5, 6, 7])
+    np.testing.assert_array_equal(b.prompt_mask[1], [0] * 7 + [1])
+    np.testing.assert_array_equal(b.response_mask[1], [1, 1, 1, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(b.valid, [1, 1, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(b.task_id[2:], [PAD_ID] * 6)
+    np.testing.assert_array_equal(b.kind[2:], [PAD_ID] * 6)
+    assert b.score.dtype == np.float32 and b.task_id.dtype == np.int32
+    assert b.score[0] == np.float32(0.5)
+
+
+def test_bucketed_sizes_are_static():
+    b = make_sample_batch([_rec()] * 3, row_buckets=[4, 16], response_buckets=[32, 64])
+    assert b.num_rows == 4 and b.response_len == 32
+    with pytest.raises(ValueError, match="larger bucket"):
+        bucket_size(17, [4, 16])
+
+
+def test_is_a_pytree_that_jits():
+    b = make_sample_batch([_rec(score=1.0)])
+    leaves = jax.tree_util.tree_leaves(b)
+    assert len(leaves) == len(SampleBatch.__dataclass_fields__)
+    out = jax.jit(lambda x: x.replace(values=x.score * 2))(b)
+    assert float(out.values[0]) == 2.0
+
+
+def test_missing_key_and_mismatched_mask_raise():
+    with pytest.raises(ValueError, match="required"):
+        make_sample_batch([dict(prompt_ids=[1], response_ids=[1])])
+    with pytest.raises(ValueError, match="response_mask"):
+        make_sample_batch([_rec(response_mask=[1])])
