@@ -1,0 +1,94 @@
+"""LM head: logits from hidden states, and chunked token logprobs + entropy.
+
+The sampler and the trainer both score tokens through `token_logprobs_and_entropy`, so
+temperature is applied the same way in both (method.md section 6: "temperature applied
+differently in the sampler and the trainer logprobs"). Logits are fp32 whatever the param dtype,
+and are computed in chunks over the sequence so that B x T x V logits never exist at once
+(design.md performance notes: full-vocabulary logits memory).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from strata_jax.models.config import Qwen2Config
+
+Params = dict[str, Any]
+
+
+def lm_head_weight(params: Params, config: Qwen2Config) -> jax.Array:
+    """The [V, D] output matrix: the embedding when tied, else ``params["lm_head"]``."""
+    if config.tie_word_embeddings:
+        return params["embed"]
+    if "lm_head" not in params:
+        raise KeyError("params have no 'lm_head' but config.tie_word_embeddings is False")
+    return params["lm_head"]
+
+
+def _logits(hidden: jax.Array, w: jax.Array) -> jax.Array:
+    # bf16 x bf16 products are exact in fp32, so accumulating in fp32 equals the fp32 matmul
+    # without materialising an fp32 copy of the [V, D] matrix.
+    if hidden.dtype != w.dtype:
+        hidden, w = hidden.astype(jnp.float32), w.astype(jnp.float32)
+    return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+def logits_from_hidden(params: Params, config: Qwen2Config, hidden: jax.Array) -> jax.Array:
+    """Logits [..., V] float32 from hidden [..., D] (x @ embed.T when tied, x @ lm_head.T else).
+
+    Call it only where logits are needed (e.g. the last prompt position when sampling).
+    """
+    return _logits(hidden, lm_head_weight(params, config))
+
+
+def token_logprobs_and_entropy(params: Params, config: Qwen2Config, hidden: jax.Array,
+                               targets: jax.Array, temperature: float | jax.Array = 1.0,
+                               chunk_size: int = 64) -> tuple[jax.Array, jax.Array]:
+    """Logprob of given tokens and per-token entropy at a temperature, in chunks over T.
+
+    Args:
+      params, config: the model.
+      hidden: [B, T, D] states; hidden[b, t] is the state whose next-token distribution scores
+        targets[b, t] (the caller shifts).
+      targets: [B, T] int32 token ids.
+      temperature: scalar > 0, may be traced; logits are divided by it.
+      chunk_size: sequence positions per chunk (peak logits memory B x chunk_size x V fp32).
+    Returns:
+      logprobs [B, T] float32 = log_softmax(logits / temperature)[targets];
+      entropy [B, T] float32 of softmax(logits / temperature).
+    Differentiable w.r.t. params, hidden and temperature; each chunk is rematerialised in the
+    backward pass (``jax.checkpoint`` inside ``lax.scan``) so the backward never holds B x T x V.
+    """
+    if hidden.ndim != 3 or targets.shape != hidden.shape[:2]:
+        raise ValueError(f"hidden must be [B, T, D] and targets [B, T]; got {hidden.shape}, "
+                         f"{targets.shape}")
+    b, t, d = hidden.shape
+    c = max(1, min(int(chunk_size), t))
+    n = -(-t // c)
+    pad = n * c - t
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    h_chunks = hidden.reshape(b, n, c, d).swapaxes(0, 1)
+    t_chunks = targets.astype(jnp.int32).reshape(b, n, c).swapaxes(0, 1)
+    w = lm_head_weight(params, config)
+    temperature = jnp.asarray(temperature, jnp.float32)
+
+    @jax.checkpoint
+    def chunk(w, temperature, h, tgt):
+        z = _logits(h, w) / temperature
+        lse = jax.nn.logsumexp(z, axis=-1)
+        z_t = jnp.take_along_axis(z, tgt[..., None], axis=-1)[..., 0]
+        p = jnp.exp(z - lse[..., None])
+        entropy = lse - jnp.sum(p * z, axis=-1)
+        return z_t - lse, entropy
+
+    def body(carry, xs):
+        return carry, chunk(w, temperature, *xs)
+
+    _, (lp, ent) = jax.lax.scan(body, None, (h_chunks, t_chunks))
+    lp = lp.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+    ent = ent.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+    return lp, ent

@@ -1,0 +1,297 @@
+"""HF safetensors checkpoints <-> the params pytree.
+
+`load_params` / `load_checkpoint` read a local checkpoint dir (one ``model.safetensors`` or shards
+listed by ``model.safetensors.index.json``) or a hub id (downloaded with huggingface_hub when
+online). Tensors are memory-mapped and each device reads only its own shard
+(``jax.make_array_from_callback`` with the target ``NamedSharding``), so no full copy per device is
+built. `export_params` writes params back as HF safetensors + config.json that transformers and
+vLLM load.
+
+safetensors format (header length u64 LE, JSON header, raw little-endian data) is read and written
+here directly with numpy memmaps: it keeps bf16 (via ml_dtypes, a jax dependency) zero-copy.
+Source: https://github.com/huggingface/safetensors (format spec); transformers Qwen2 weight names.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax.models.config import Qwen2Config
+from strata_jax.models.qwen2 import Params, param_shapes
+
+_ST_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(jnp.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+# HF Qwen2 per-layer tensor names -> our per-layer keys.
+_HF_LAYER = {
+    "input_layernorm.weight": "input_norm",
+    "self_attn.q_proj.weight": "q_proj", "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.weight": "k_proj", "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.weight": "v_proj", "self_attn.v_proj.bias": "v_bias",
+    "self_attn.o_proj.weight": "o_proj",
+    "post_attention_layernorm.weight": "post_norm",
+    "mlp.gate_proj.weight": "gate_proj", "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
+}
+_HF_TOP = {"model.embed_tokens.weight": ("embed",), "model.norm.weight": ("final_norm",),
+           "lm_head.weight": ("lm_head",)}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Non-parameter buffers some older checkpoints carry.
+_IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def hf_name_to_path(name: str) -> tuple | None:
+    """Params-tree path of an HF tensor name, e.g. ('layers', 3, 'q_proj'); None if unknown."""
+    if name in _HF_TOP:
+        return _HF_TOP[name]
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _HF_LAYER:
+        return ("layers", int(m.group(1)), _HF_LAYER[m.group(2)])
+    return None
+
+
+def _path_to_hf_name(path: tuple) -> str:
+    if path[0] == "layers":
+        inv = {v: k for k, v in _HF_LAYER.items()}
+        return f"model.layers.{path[1]}.{inv[path[2]]}"
+    return {v[0]: k for k, v in _HF_TOP.items()}[path[0]]
+
+
+def read_safetensors(file: str) -> dict[str, np.ndarray]:
+    """Memory-mapped, read-only numpy views of every tensor in one safetensors file.
+
+    Raises ValueError for a truncated/garbled header or an unsupported dtype."""
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    if not header:
+        return {}
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + n)
+    out = {}
+    for name, info in header.items():
+        if info["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        dt = _ST_DTYPES[info["dtype"]]
+        out[name] = data[begin:end].view(dt).reshape(info["shape"])
+    return out
+
+
+def write_safetensors(file: str, tensors: dict[str, np.ndarray],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write numpy arrays (f32/f16/bf16/int) as one safetensors file."""
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    arrays = []
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype not in _ST_NAMES:
+            raise ValueError(f"tensor {name!r}: dtype {arr.dtype} cannot be written to safetensors")
+        header[name] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+        arrays.append(arr)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # align the data section to 8 bytes
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for arr in arrays:
+            f.write(arr.tobytes())
+
+
+def resolve_checkpoint(path_or_id: str) -> str:
+    """Local directory of a checkpoint: the path itself, or a hub snapshot download.
+
+    Raises:
+      FileNotFoundError: a path-like argument that does not exist.
+      RuntimeError: a hub id that cannot be downloaded (offline, no cache): says to set the model
+        path to a local checkpoint directory.
+    """
+    if os.path.isdir(path_or_id):
+        return path_or_id
+    if path_or_id.startswith((".", "/", "~")) or os.sep + os.sep in path_or_id or \
+            path_or_id.count("/") != 1:
+        raise FileNotFoundError(f"checkpoint directory {path_or_id!r} does not exist; set the "
+                                "model path to a local HF checkpoint dir (config.json + "
+                                "*.safetensors) or an 'org/name' hub id")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(path_or_id, allow_patterns=[
+            "*.json", "*.safetensors", "merges.txt", "vocab.json", "*.model", "*.txt"])
+    except Exception as e:  # offline mode, no network, missing repo: one actionable message
+        raise RuntimeError(
+            f"could not download {path_or_id!r} from the Hugging Face hub ({type(e).__name__}: "
+            f"{e}). On a machine without hub access, download the checkpoint elsewhere and set "
+            "the model path to its local directory.") from e
+
+
+def _checkpoint_tensors(ckpt_dir: str) -> dict[str, np.ndarray]:
+    index = os.path.join(ckpt_dir, "model.safetensors.index.json")
+    single = os.path.join(ckpt_dir, "model.safetensors")
+    tensors: dict[str, np.ndarray] = {}
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        for file in sorted(set(weight_map.values())):
+            tensors.update(read_safetensors(os.path.join(ckpt_dir, file)))
+        missing = set(weight_map) - set(tensors)
+        if missing:
+            raise ValueError(f"{index} lists tensors not found in its shards: {sorted(missing)}")
+    elif os.path.isfile(single):
+        tensors = read_safetensors(single)
+    else:
+        files = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {ckpt_dir!r} (PyTorch .bin checkpoints "
+                                    "are not supported: re-save with safe_serialization)")
+        for file in files:
+            tensors.update(read_safetensors(os.path.join(ckpt_dir, file)))
+    return tensors
+
+
+def _set(tree: Any, path: tuple, value: Any) -> None:
+    for p in path[:-1]:
+        tree = tree[p]
+    tree[path[-1]] = value
+
+
+def _get(tree: Any, path: tuple) -> Any:
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def load_params(path_or_id: str, config: Qwen2Config | None = None,
+                dtype: Any = jnp.float32, mesh: jax.sharding.Mesh | None = None) -> Params:
+    """Load an HF Qwen2 checkpoint into the params pytree.
+
+    Args:
+      path_or_id: local checkpoint dir or hub id (see `resolve_checkpoint`).
+      config: model config; default: read from the checkpoint's config.json.
+      dtype: param dtype (float32 or bfloat16); None keeps each tensor's stored dtype.
+      mesh: place each array with its ``strata_jax.sharding.param_shardings`` sharding (each
+        device reads only its slice); None: the default device.
+    Returns: params (module docstring of qwen2.py). A tied checkpoint yields no "lm_head"; an
+      "lm_head.weight" present in a tied checkpoint is ignored.
+    Raises:
+      ValueError: a missing, unexpected or mis-shaped tensor (named in the message).
+    """
+    ckpt_dir = resolve_checkpoint(path_or_id)
+    if config is None:
+        config = Qwen2Config.from_pretrained(ckpt_dir)
+    tensors = _checkpoint_tensors(ckpt_dir)
+    shapes = param_shapes(config)
+    expected: dict[tuple, tuple] = {}
+    for kp, shape in jax.tree_util.tree_flatten_with_path(
+            shapes, is_leaf=lambda x: isinstance(x, tuple))[0]:
+        expected[tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp)] = shape
+
+    found: dict[tuple, np.ndarray] = {}
+    for name, arr in tensors.items():
+        if _IGNORED_RE.search(name):
+            continue
+        path = hf_name_to_path(name)
+        if path == ("lm_head",) and config.tie_word_embeddings:
+            continue
+        if path is None or path not in expected:
+            raise ValueError(f"checkpoint {ckpt_dir!r} has unexpected tensor {name!r} for "
+                             f"config {config}")
+        if tuple(arr.shape) != tuple(expected[path]):
+            raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected "
+                             f"{tuple(expected[path])} for this config")
+        found[path] = arr
+    missing = [_path_to_hf_name(p) for p in expected if p not in found]
+    if missing:
+        raise ValueError(f"checkpoint {ckpt_dir!r} lacks tensors {missing}")
+
+    shardings = None
+    if mesh is not None:
+        from strata_jax.sharding import param_shardings
+        shardings = param_shardings(jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes,
+            is_leaf=lambda x: isinstance(x, tuple)), config, mesh)
+
+    params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    for path, view in found.items():
+        target = np.dtype(dtype) if dtype is not None else view.dtype
+        if shardings is None:
+            arr = jax.device_put(np.asarray(view).astype(target, copy=False))
+        else:
+            arr = jax.make_array_from_callback(
+                view.shape, _get(shardings, path),
+                lambda idx, view=view, target=target: np.asarray(view[idx]).astype(target))
+        _set(params, path, arr)
+    return params
+
+
+def load_checkpoint(path_or_id: str, dtype: Any = jnp.float32,
+                    mesh: jax.sharding.Mesh | None = None) -> tuple[Qwen2Config, Params]:
+    """(config, params) of a local dir or hub id; see `load_params` for arguments and errors."""
+    ckpt_dir = resolve_checkpoint(path_or_id)
+    config = Qwen2Config.from_pretrained(ckpt_dir)
+    return config, load_params(ckpt_dir, config, dtype=dtype, mesh=mesh)
+
+
+def _iter_hf_tensors(params: Params, config: Qwen2Config) -> Iterator[tuple[str, Any]]:
+    yield "model.embed_tokens.weight", params["embed"]
+    for i, layer in enumerate(params["layers"]):
+        for hf, ours in _HF_LAYER.items():
+            yield f"model.layers.{i}.{hf}", layer[ours]
+    yield "model.norm.weight", params["final_norm"]
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", params["lm_head"]
+
+
+def export_params(params: Params, config: Qwen2Config, out_dir: str, dtype: Any = None,
+                  max_shard_bytes: int = 5 * 2**30) -> str:
+    """Write params as an HF checkpoint (config.json + safetensors) loadable by transformers/vLLM.
+
+    Args:
+      params, config: the model. out_dir: created if missing.
+      dtype: stored dtype (default: the embedding's dtype).
+      max_shard_bytes: above this, split into ``model-0000k-of-0000n.safetensors`` shards with a
+        ``model.safetensors.index.json``.
+    Returns: out_dir. Gathers one tensor at a time to host (single-process only).
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    target = np.dtype(dtype) if dtype is not None else np.dtype(params["embed"].dtype)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in _iter_hf_tensors(params, config):
+        host = np.asarray(jax.device_get(arr)).astype(target, copy=False)
+        if size and size + host.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = host
+        size += host.nbytes
+    if len(shards) == 1:
+        write_safetensors(os.path.join(out_dir, "model.safetensors"), shards[0])
+    else:
+        weight_map = {}
+        for k, shard in enumerate(shards):
+            file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(os.path.join(out_dir, file), shard)
+            weight_map.update({name: file for name in shard})
+        total = sum(a.nbytes for s in shards for a in s.values())
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    cfg = config.to_hf_dict()
+    cfg["torch_dtype"] = {"float32": "float32", "bfloat16": "bfloat16",
+                          "float16": "float16"}[target.name]
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return out_dir

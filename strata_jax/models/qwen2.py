@@ -1,0 +1,278 @@
+"""Qwen2 / Qwen2.5 decoder in plain JAX: embeddings, RMSNorm, grouped-query attention with q/k/v
+bias (no o_proj bias), HF rotate-half RoPE, SwiGLU MLP, tied or untied LM head.
+
+Source: transformers ``modeling_qwen2.py`` (Qwen2ForCausalLM), the parity reference in tests;
+method.md section 6 (Qwen2 pitfalls); the pinned interface in notes/model_interface.md.
+
+Params layout (plain nested dict of jnp arrays; matrices keep the HF ``[out, in]`` layout so that
+loading needs no transpose and every projection is ``x @ W.T``):
+
+    {"embed":      [V, D],
+     "layers":     list of num_layers dicts, each
+                     {"input_norm": [D], "q_proj": [H*Dh, D], "q_bias": [H*Dh],
+                      "k_proj": [K*Dh, D], "k_bias": [K*Dh], "v_proj": [K*Dh, D], "v_bias": [K*Dh],
+                      "o_proj": [D, H*Dh], "post_norm": [D],
+                      "gate_proj": [F, D], "up_proj": [F, D], "down_proj": [D, F]},
+     "final_norm": [D],
+     "lm_head":    [V, D]   (absent when config.tie_word_embeddings)}
+
+Layers are a Python list walked by an unrolled loop: on CPU this was faster than ``lax.scan``
+over stacked weights (design.md performance notes), and slicing a stacked weight per layer would
+copy it. Code outside this package must not depend on the per-layer layout; use
+`param_logical_axes`, `init_params` and the loading functions instead.
+
+KV cache: `KVCache` (k, v: [L, B, S, K, Dh]; valid: [B, S] bool). Slots are indexed by write
+order, not position: RoPE positions are explicit per token, so left padding, gaps and shared
+prefixes work by marking slots invalid.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax.models.config import Qwen2Config
+from strata_jax.sharding import constrain
+
+Params = dict[str, Any]
+
+# Per-layer weights: name -> (shape builder, logical axes). One table for init and sharding.
+_LAYER_AXES: dict[str, tuple[str | None, ...]] = {
+    "input_norm": ("norm",),
+    "q_proj": ("heads", "embed"),
+    "q_bias": ("heads",),
+    "k_proj": ("kv_heads", "embed"),
+    "k_bias": ("kv_heads",),
+    "v_proj": ("kv_heads", "embed"),
+    "v_bias": ("kv_heads",),
+    "o_proj": ("embed", "heads"),
+    "post_norm": ("norm",),
+    "gate_proj": ("mlp", "embed"),
+    "up_proj": ("mlp", "embed"),
+    "down_proj": ("embed", "mlp"),
+}
+
+
+def layer_shapes(config: Qwen2Config) -> dict[str, tuple[int, ...]]:
+    """Shape of every per-layer weight (see the module docstring for names)."""
+    d, f = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {
+        "input_norm": (d,), "q_proj": (q, d), "q_bias": (q,), "k_proj": (kv, d),
+        "k_bias": (kv,), "v_proj": (kv, d), "v_bias": (kv,), "o_proj": (d, q),
+        "post_norm": (d,), "gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f),
+    }
+
+
+def param_shapes(config: Qwen2Config) -> Params:
+    """The params pytree with shape tuples at the leaves (no arrays allocated)."""
+    shapes: Params = {
+        "embed": (config.vocab_size, config.hidden_size),
+        "layers": [layer_shapes(config) for _ in range(config.num_layers)],
+        "final_norm": (config.hidden_size,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.vocab_size, config.hidden_size)
+    return shapes
+
+
+def param_logical_axes(config: Qwen2Config, params: Params | None = None) -> Params:
+    """Tree of logical-axes tuples with the structure of the params pytree.
+
+    Consumed by ``strata_jax.sharding.param_shardings``. With `params`, the lm_head entry
+    follows the params (present or not) rather than the config.
+    """
+    has_head = ("lm_head" in params) if params is not None else not config.tie_word_embeddings
+    axes: Params = {
+        "embed": ("vocab", "embed"),
+        "layers": [dict(_LAYER_AXES) for _ in range(config.num_layers)],
+        "final_norm": ("norm",),
+    }
+    if has_head:
+        axes["lm_head"] = ("vocab", "embed")
+    return axes
+
+
+def init_params(config: Qwen2Config, key: jax.Array, dtype: Any = jnp.float32) -> Params:
+    """Random params: N(0, 0.02) matrices, zero biases, unit norm weights (HF's initialiser).
+
+    Args:
+      config: model shape. key: PRNG key. dtype: param dtype (float32 or bfloat16).
+    Returns: the params pytree described in the module docstring.
+    """
+    shapes = param_shapes(config)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for path, shape, k in zip(paths, leaves, keys):
+        if "norm" in path:
+            out.append(jnp.ones(shape, dtype))
+        elif "bias" in path:
+            out.append(jnp.zeros(shape, dtype))
+        else:
+            out.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Key/value cache of every layer.
+
+    Attributes:
+      k, v: [num_layers, B, S, num_kv_heads, head_dim], cache dtype (default: param dtype);
+        keys are stored after RoPE.
+      valid: [B, S] bool; slot s of row b holds a real token written by some forward call.
+    Slots are indexed by write order: `forward` writes its T tokens into slots
+    [cache_index, cache_index + T) of every row.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        """Number of slots S."""
+        return self.valid.shape[1]
+
+
+def init_cache(config: Qwen2Config, batch: int, max_len: int,
+               dtype: Any = jnp.float32) -> KVCache:
+    """An empty `KVCache` (zeros, valid all False) for `batch` rows and `max_len` slots."""
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   valid=jnp.zeros((batch, max_len), bool))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF Qwen2RMSNorm: normalise in fp32, cast back to x.dtype, then scale by weight."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int,
+                 theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, head_dim] fp32 of HF's default RoPE (frequencies repeated twice)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on x [B, T, N, Dh] with cos/sin [B, T, Dh] (HF apply_rotary_pos_emb)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    y = jnp.einsum("btd,fd->btf", x, w)
+    return y if b is None else y + b
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
+               num_kv_heads: int) -> jax.Array:
+    """Grouped-query attention. q [B,T,H,Dh]; k, v [B,S,K,Dh]; allowed [B,T,S] bool.
+
+    Returns [B, T, H*Dh] in q.dtype. Scores and softmax in fp32; a row with no allowed key gets
+    a uniform (finite) distribution instead of NaN.
+    """
+    b, t, h, dh = q.shape
+    g = h // num_kv_heads
+    q = q.reshape(b, t, num_kv_heads, g, dh)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(q.dtype),
+                        preferred_element_type=jnp.float32) * (dh ** -0.5)
+    scores = jnp.where(allowed[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(q.dtype))
+    return out.reshape(b, t, h * dh)
+
+
+def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: jax.Array,
+            mask: jax.Array, cache: KVCache | None = None,
+            cache_index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
+    """Run the decoder and return final hidden states (after the final RMSNorm).
+
+    Args:
+      params: params pytree (module docstring); float32 or bfloat16.
+      config: static, hashable model config.
+      tokens: [B, T] int32 token ids.
+      positions: [B, T] int32 RoPE position of each token (e.g. cumsum(mask) - 1 for left pad).
+      mask: [B, T] bool, True for real tokens.
+      cache: optional `KVCache` with S slots. The T new tokens are written into slots
+        [cache_index, cache_index + T) of every row, valid[:, those slots] = mask, and the query
+        in slot j attends key slots i <= j with valid[b, i]. Without a cache the same rule
+        applies over the T tokens themselves.
+      cache_index: int32 scalar, may be traced. cache_index + T must be <= S (not checkable
+        when traced: ``lax.dynamic_update_slice`` would clamp the start).
+    Returns:
+      hidden [B, T, D] in the param dtype; the updated cache (None without one).
+    Raises:
+      ValueError: shape mismatches, or a static cache_index with cache_index + T > S.
+    """
+    if tokens.ndim != 2 or positions.shape != tokens.shape or mask.shape != tokens.shape:
+        raise ValueError(f"tokens, positions, mask must all be [B, T]; got {tokens.shape}, "
+                         f"{positions.shape}, {mask.shape}")
+    b, t = tokens.shape
+    nh, nk, dh = config.num_heads, config.num_kv_heads, config.head_dim
+    mask = mask.astype(bool)
+    x = jnp.take(params["embed"], tokens, axis=0)
+    x = constrain(x, ("batch", "length", "embed"))
+    cos, sin = rope_cos_sin(positions, dh, config.rope_theta)
+
+    if cache is None:
+        q_slot = jnp.arange(t)
+        key_valid = mask
+        key_slot = jnp.arange(t)
+    else:
+        s = cache.max_len
+        if cache.k.shape[:3] != (config.num_layers, b, s):
+            raise ValueError(f"cache k {cache.k.shape} does not match L={config.num_layers}, "
+                             f"B={b}, S={s}")
+        if isinstance(cache_index, int) and cache_index + t > s:
+            raise ValueError(f"cache_index {cache_index} + T {t} exceeds cache length {s}")
+        cache_index = jnp.asarray(cache_index, jnp.int32)
+        zero = jnp.zeros((), jnp.int32)
+        key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (zero, cache_index))
+        q_slot = cache_index + jnp.arange(t)
+        key_slot = jnp.arange(s)
+        cache_k, cache_v = cache.k, cache.v
+    allowed = key_valid[:, None, :] & (key_slot[None, :] <= q_slot[:, None])[None]
+
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["input_norm"], config.rms_norm_eps)
+        q = _linear(h, layer["q_proj"], layer["q_bias"]).reshape(b, t, nh, dh)
+        k = _linear(h, layer["k_proj"], layer["k_bias"]).reshape(b, t, nk, dh)
+        v = _linear(h, layer["v_proj"], layer["v_bias"]).reshape(b, t, nk, dh)
+        q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
+        k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        if cache is not None:
+            idx = (jnp.int32(i), zero, cache_index, zero, zero)
+            cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), idx)
+            cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), idx)
+            k, v = cache_k[i], cache_v[i]
+        attn = _attention(q, k, v, allowed, nk)
+        x = x + _linear(attn, layer["o_proj"])
+        x = constrain(x, ("batch", "length", "embed"))
+        h = rms_norm(x, layer["post_norm"], config.rms_norm_eps)
+        gate = constrain(_linear(h, layer["gate_proj"]), ("batch", "length", "mlp"))
+        up = constrain(_linear(h, layer["up_proj"]), ("batch", "length", "mlp"))
+        x = x + _linear(jax.nn.silu(gate) * up, layer["down_proj"])
+        x = constrain(x, ("batch", "length", "embed"))
+
+    hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    new_cache = None
+    if cache is not None:
+        new_cache = KVCache(k=cache_k, v=cache_v, valid=key_valid)
+    return hidden, new_cache
