@@ -1,0 +1,138 @@
+"""Checkpoint loading and export: tied, sharded-index, mis-shaped, missing/extra, mesh placement,
+export -> transformers reload with the same logits."""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from strata_jax.models import (Qwen2Config, export_params, forward, load_checkpoint,
+                               load_params, logits_from_hidden)
+from strata_jax.models.loading import read_safetensors, resolve_checkpoint, write_safetensors
+from strata_jax.sharding import make_mesh
+from tests.model_fixtures import PARITY_CONFIGS, hf_logits, make_hf_model, padded_batch
+
+_fwd = jax.jit(forward, static_argnames=("config",))
+_logits = jax.jit(logits_from_hidden, static_argnames=("config",))
+
+
+def _our_logits(params, config, tokens, mask, positions):
+    hidden, _ = _fwd(params, config, jnp.asarray(tokens), jnp.asarray(positions),
+                     jnp.asarray(mask))
+    return np.asarray(_logits(params, config, hidden))
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    model = make_hf_model(seed=5, **PARITY_CONFIGS["tied_gqa2"])
+    path = str(tmp_path_factory.mktemp("tied"))
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    model = make_hf_model(seed=6, **PARITY_CONFIGS["untied_gqa3"])
+    path = str(tmp_path_factory.mktemp("untied"))
+    model.save_pretrained(path)
+    return model, path
+
+
+def test_tied_checkpoint_has_no_lm_head(tied):
+    _, path = tied
+    names = read_safetensors(os.path.join(path, "model.safetensors"))
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    config, params = load_checkpoint(path)
+    assert config.tie_word_embeddings and "lm_head" not in params
+    np.testing.assert_array_equal(np.asarray(params["embed"]),
+                                  names["model.embed_tokens.weight"])
+
+
+def test_sharded_index_checkpoint_equals_single_file(untied, tmp_path):
+    model, single = untied
+    sharded = str(tmp_path / "sharded")
+    model.save_pretrained(sharded, max_shard_size="40KB")
+    index = json.load(open(os.path.join(sharded, "model.safetensors.index.json")))
+    assert len(set(index["weight_map"].values())) > 1
+    a = load_params(single)
+    b = load_params(sharded)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+
+
+def _rewrite(src: str, dst: str, edit) -> str:
+    os.makedirs(dst, exist_ok=True)
+    tensors = {k: np.array(v) for k, v in
+               read_safetensors(os.path.join(src, "model.safetensors")).items()}
+    edit(tensors)
+    write_safetensors(os.path.join(dst, "model.safetensors"), tensors)
+    with open(os.path.join(src, "config.json")) as f, \
+            open(os.path.join(dst, "config.json"), "w") as g:
+        g.write(f.read())
+    return dst
+
+
+def test_mis_shaped_missing_and_extra_tensors_are_named(untied, tmp_path):
+    _, path = untied
+    name = "model.layers.1.self_attn.k_proj.weight"
+    bad = _rewrite(path, str(tmp_path / "bad"), lambda t: t.update({name: t[name][:-1]}))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*shape"):
+        load_params(bad)
+    gone = _rewrite(path, str(tmp_path / "gone"), lambda t: t.pop("model.norm.weight"))
+    with pytest.raises(ValueError, match=r"lacks.*model\.norm\.weight"):
+        load_params(gone)
+    extra = _rewrite(path, str(tmp_path / "extra"),
+                     lambda t: t.update({"model.layers.9.mlp.up_proj.weight": t[name]}))
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.9\.mlp\.up_proj"):
+        load_params(extra)
+
+
+def test_export_reloads_in_transformers_with_same_logits(untied, tied, tmp_path):
+    from transformers import Qwen2ForCausalLM
+    for i, (model, path) in enumerate([untied, tied]):
+        config, params = load_checkpoint(path)
+        out = export_params(params, config, str(tmp_path / f"export{i}"))
+        reloaded = Qwen2ForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+        tokens, mask, positions = padded_batch(config.vocab_size, [7, 3, 5], seed=i)
+        ref = hf_logits(model, tokens, mask)
+        again = hf_logits(reloaded, tokens, mask)
+        np.testing.assert_allclose(again[mask], ref[mask], atol=1e-6)
+        np.testing.assert_allclose(_our_logits(params, config, tokens, mask, positions)[mask],
+                                   again[mask], atol=1e-4)
+        assert Qwen2Config.from_pretrained(out) == config
+
+
+def test_export_bf16_and_sharded_index_roundtrip(untied, tmp_path):
+    config, params = load_checkpoint(untied[1])
+    out = export_params(params, config, str(tmp_path / "bf16"), dtype=jnp.bfloat16,
+                        max_shard_bytes=20_000)
+    assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+    back = load_params(out, dtype=None)
+    assert back["embed"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(back["layers"][2]["q_proj"]),
+                                  np.asarray(params["layers"][2]["q_proj"].astype(jnp.bfloat16)))
+
+
+def test_load_onto_mesh_places_each_array_with_its_sharding(untied):
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    config, ref = load_checkpoint(untied[1])
+    params = load_params(untied[1], mesh=mesh)
+    q = params["layers"][0]["q_proj"]  # [H*Dh=96, D=96]: heads on tensor, embed on fsdp
+    assert q.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+    assert q.addressable_shards[0].data.shape == (48, 48)
+    assert params["final_norm"].sharding.is_fully_replicated
+    for x, y in zip(jax.tree.leaves(ref), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_hub_id_offline_says_to_set_model_path(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(RuntimeError, match="model path"):
+        resolve_checkpoint("nonexistent-org-zz/nonexistent-model-zz")
+    with pytest.raises(FileNotFoundError, match="model path"):
+        resolve_checkpoint("/no/such/checkpoint/dir")
