@@ -3,5 +3,30 @@
 See method.md sections 2-4 and 6 for the pinned conventions.
 """
 from strata_jax.algos.batch import KIND_ACTION, KIND_STRATEGY, PAD_ID, SampleBatch, make_sample_batch
+from strata_jax.algos.config import EstimatorConfig, LossConfig
+from strata_jax.algos.dapo_filter import keep_informative_groups
+from strata_jax.algos.estimators import (
+    ESTIMATORS,
+    compute_advantages,
+    get_estimator,
+    register_estimator,
+    strategy_rewards,
+)
+from strata_jax.algos.losses import (
+    aggregate,
+    kl_penalty,
+    loss_mask,
+    loss_normalizers,
+    policy_loss_per_token,
+    ppo_loss,
+    value_loss,
+)
+from strata_jax.algos.stapo import stapo_eta, stapo_weights
 
-__all__ = ["KIND_ACTION", "KIND_STRATEGY", "PAD_ID", "SampleBatch", "make_sample_batch"]
+__all__ = [
+    "KIND_ACTION", "KIND_STRATEGY", "PAD_ID", "SampleBatch", "make_sample_batch",
+    "EstimatorConfig", "LossConfig", "keep_informative_groups",
+    "ESTIMATORS", "compute_advantages", "get_estimator", "register_estimator", "strategy_rewards",
+    "aggregate", "kl_penalty", "loss_mask", "loss_normalizers", "policy_loss_per_token",
+    "ppo_loss", "value_loss", "stapo_eta", "stapo_weights",
+]

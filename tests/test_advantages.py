@@ -1,0 +1,335 @@
+"""Advantage estimators against hand-computed numbers; each test is named after the pitfall it guards.
+
+Sources: method.md sections 2-4 and 6. Hand numbers are worked out in the comments.
+"""
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from strata_jax.algos import (
+    EstimatorConfig,
+    compute_advantages,
+    get_estimator,
+    keep_informative_groups,
+    make_sample_batch,
+    stapo_weights,
+)
+from strata_jax.algos.batch import KIND_ACTION, KIND_STRATEGY
+
+EPS = 1e-6
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def act(task, traj, step=0, score=0.0, **kw):
+    return dict(prompt_ids=[1, 2], response_ids=[3, 4], task_id=task, trajectory_id=traj,
+                step_index=step, kind=KIND_ACTION, score=score, **kw)
+
+
+def strat(task, sid, **kw):
+    return dict(prompt_ids=[1], response_ids=[5, 6, 7], task_id=task, trajectory_id=-1,
+                strategy_id=sid, kind=KIND_STRATEGY, **kw)
+
+
+def run(name, records, step=0, **cfg):
+    b = make_sample_batch(records)
+    adv, w, m = compute_advantages(name, b, EstimatorConfig(**cfg), step)
+    return np.asarray(adv)[: len(records)], np.asarray(w)[: len(records)], m
+
+
+# ----------------------------------------------------------------------------- GRPO / RLOO
+
+
+def test_all_equal_group_gives_exact_zero_despite_fp32_mean_residue():
+    # 0.1 is not exact in fp32: a one-pass mean leaves a residue that /(std + eps) would blow up.
+    adv, w, m = run("grpo", [act(0, i, score=0.1) for i in range(7)])
+    assert np.all(adv == 0.0)
+    np.testing.assert_array_equal(w, np.ones(7))
+    assert float(m["adv/zero_var_group_frac"]) == 1.0
+
+
+def test_size1_group_uses_mean0_std1_for_grpo_and_zero_for_rloo():
+    adv, _, _ = run("grpo", [act(0, 0, score=0.7), act(1, 0, score=0.0), act(1, 1, score=1.0)])
+    np.testing.assert_allclose(adv[0], 0.7 / (1 + EPS), **TOL)
+    adv, _, _ = run("rloo", [act(0, 0, score=0.7)])
+    assert adv[0] == 0.0
+
+
+@pytest.mark.parametrize("ddof,std", [(0, 0.5), (1, math.sqrt(0.5))])
+def test_ddof_0_vs_1(ddof, std):
+    adv, _, _ = run("grpo", [act(0, 0, score=0.0), act(0, 1, score=1.0)], std_ddof=ddof)
+    np.testing.assert_allclose(adv, [-0.5 / (std + EPS), 0.5 / (std + EPS)], **TOL)
+
+
+def test_grpo_default_ddof_is_1_and_strata_default_is_0():
+    assert EstimatorConfig().ddof(1) == 1 and EstimatorConfig().ddof(0) == 0
+    assert EstimatorConfig(std_ddof=0).ddof(1) == 0
+
+
+def test_rows_of_a_group_interleaved_with_other_groups_group_by_id_not_position():
+    # task 0 rows 0,2,4 scores 1,2,6: mean 3, dev -2,-1,3, ddof1 var 7.
+    # task 1 rows 1,3,5 scores 10,0,20: mean 10, dev 0,-10,10, ddof1 var 100.
+    recs = [act(t, i, score=s) for i, (t, s) in enumerate(
+        [(0, 1.0), (1, 10.0), (0, 2.0), (1, 0.0), (0, 6.0), (1, 20.0)])]
+    adv, _, _ = run("grpo", recs)
+    s7 = math.sqrt(7) + EPS
+    np.testing.assert_allclose(adv, [-2 / s7, 0.0, -1 / s7, -10 / (10 + EPS), 3 / s7, 10 / (10 + EPS)],
+                               **TOL)
+
+
+def test_per_group_not_whole_batch_normalisation():
+    # Per group: +-0.5 / std(ddof1 = sqrt .5) = +-0.7071 in both groups. Whole-batch would give
+    # (0 - 5.5)/std(0,1,10,11) = -1.04 etc.
+    adv, _, _ = run("grpo", [act(0, 0, score=0.0), act(0, 1, score=1.0),
+                             act(1, 0, score=10.0), act(1, 1, score=11.0)])
+    a = 0.5 / (math.sqrt(0.5) + EPS)
+    np.testing.assert_allclose(adv, [-a, a, -a, a], **TOL)
+
+
+def test_invalid_format_penalty_on_that_steps_score_only():
+    # scores 1, 1 - 0.1 = 0.9: mean .95, ddof1 std sqrt(.005) = .070711
+    adv, _, _ = run("grpo", [act(0, 0, score=1.0), act(0, 0, 1, score=1.0, invalid=True)])
+    s = math.sqrt(0.005) + EPS
+    np.testing.assert_allclose(adv, [0.05 / s, -0.05 / s], rtol=1e-4)
+
+
+def test_dr_grpo_no_std():
+    adv, _, _ = run("grpo", [act(0, 0, score=0.0), act(0, 1, score=1.0)], norm_by_std=False)
+    np.testing.assert_allclose(adv, [-0.5, 0.5], **TOL)
+
+
+def test_rloo_k8_leave_one_out():
+    # 3 successes of 8: A = 8/7 (S - 3/8): successes 5/7, failures -3/7 (= S - mean of the others).
+    scores = [1, 0, 0, 1, 1, 0, 0, 0]
+    adv, _, _ = run("rloo", [act(0, i, score=float(s)) for i, s in enumerate(scores)])
+    np.testing.assert_allclose(adv, [5 / 7 if s else -3 / 7 for s in scores], **TOL)
+
+
+def test_padding_and_crashed_rows_are_out_of_the_statistics_and_weights():
+    # crashed row (score 100) must not shift the group's mean.
+    adv, w, _ = run("grpo", [act(0, 0, score=0.0), act(0, 1, score=1.0), act(0, 2, score=100.0, valid=False)])
+    a = 0.5 / (math.sqrt(0.5) + EPS)
+    np.testing.assert_allclose(adv, [-a, a, 0.0], **TOL)
+    np.testing.assert_array_equal(w, [1, 1, 0])
+
+
+# ----------------------------------------------------------------------------- GiGPO
+
+
+def test_gigpo_repeated_anchor_singleton_step_group_and_discounting():
+    # Task 0: trajectory A (return 1) visits anchors a, b, a with step rewards 0, 0, 1;
+    # trajectory B (return 0) visits a, d with rewards 0, 0. gamma .95:
+    #   G_A = [.9025, .95, 1], G_B = [0, 0].
+    # anchor a = {.9025, 1, 0}: mean .634167 -> step terms .268333, .365833, -.634167;
+    # anchors b and d are singletons -> 0.
+    # Episode term (mean_norm, over the 5 step samples): mean .6 -> A rows +.4, B rows -.6.
+    # Task 1: one row with the same anchor hash: its own groups (singleton episode: S - 0 = .5).
+    recs = [act(0, 0, 0, 1.0, anchor_id=11), act(0, 0, 1, 1.0, anchor_id=22),
+            act(0, 0, 2, 1.0, anchor_id=11, step_reward=1.0),
+            act(0, 1, 0, 0.0, anchor_id=11), act(0, 1, 1, 0.0, anchor_id=44),
+            act(1, 0, 0, 0.5, anchor_id=11)]
+    recs = [recs[i] for i in (3, 0, 5, 2, 4, 1)]  # shuffle rows: grouping and step order by id
+    adv, _, m = run("gigpo", recs)
+    m_a = (0.9025 + 1.0) / 3
+    want = {(0, 0, 0): 0.4 + 0.9025 - m_a, (0, 0, 1): 0.4, (0, 0, 2): 0.4 + 1.0 - m_a,
+            (0, 1, 0): -0.6 - m_a, (0, 1, 1): -0.6, (1, 0, 0): 0.5}
+    got = {(r["task_id"], r["trajectory_id"], r["step_index"]): a for r, a in zip(recs, adv)}
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, err_msg=str(k))
+    g = np.asarray(m["row/step_returns"])[: len(recs)]
+    got_g = {(r["task_id"], r["trajectory_id"], r["step_index"]): x for r, x in zip(recs, g)}
+    np.testing.assert_allclose([got_g[(0, 0, s)] for s in range(3)], [0.9025, 0.95, 1.0], **TOL)
+
+
+def test_gigpo_mean_std_norm():
+    # Two one-step episodes, same anchor: episode term +-.7071 (ddof1), step term +-.7071.
+    recs = [act(0, 0, 0, 1.0, step_reward=1.0, anchor_id=1), act(0, 1, 0, 0.0, anchor_id=1)]
+    adv, _, _ = run("gigpo", recs, gigpo_step_norm="mean_std_norm")
+    a = 0.5 / (math.sqrt(0.5) + EPS)
+    np.testing.assert_allclose(adv, [2 * a, -2 * a], **TOL)
+
+
+# ----------------------------------------------------------------------------- GAE / PPO
+
+
+def test_gae_per_step_sample_terminal_at_last_step():
+    # rewards 0,0,1, V = .5,.6,.7, gamma = lambda = 1: A = returns - V = .5,.4,.3; targets 1,1,1.
+    recs = [act(0, 0, s, 1.0, step_reward=r, values=v) for s, r, v in
+            [(2, 1.0, 0.7), (0, 0.0, 0.5), (1, 0.0, 0.6)]]
+    adv, _, m = run("gae", recs, gae_whiten=False)
+    np.testing.assert_allclose(adv, [0.3, 0.5, 0.4], **TOL)
+    np.testing.assert_allclose(np.asarray(m["row/value_targets"])[:3], [1, 1, 1], **TOL)
+    # whitened: mean .4, unbiased std .1 -> -1, 1, 0
+    adv, _, _ = run("ppo", recs)
+    np.testing.assert_allclose(adv, [-1.0, 1.0, 0.0], rtol=1e-4, atol=1e-5)
+
+
+def test_gae_lambda_095():
+    # delta = .1, .1, .3; A2 = .3, A1 = .1 + .95*.3 = .385, A0 = .1 + .95*.385 = .46575
+    recs = [act(0, 0, s, 1.0, step_reward=r, values=v) for s, r, v in
+            [(0, 0.0, 0.5), (1, 0.0, 0.6), (2, 1.0, 0.7)]]
+    adv, _, _ = run("gae", recs, gae_whiten=False, gae_lambda=0.95)
+    np.testing.assert_allclose(adv, [0.46575, 0.385, 0.3], **TOL)
+
+
+# ----------------------------------------------------------------------------- StraTA
+
+
+def _strata_batch():
+    # Task 0, three strategies.
+    # s0: episodes e0 (2 steps), e1, e2 with returns 1, .5, .5; |z| = 384 -> P_len = .5*128/256 = .25.
+    #     top-delta with M=3 (odd): k = ceil(1.5) = 2, ties among the .5s: (1 + .5)/2 = .75 -> R = .5
+    # s1: returns -.5 x3, format fail: -.5 - 1 = -1.5 -> clipped to -1.
+    # s2: returns 2, 2 (scaled returns): top mean 2 -> clipped to 1.
+    return [
+        strat(0, 0, strategy_len=384), strat(0, 1, format_fail=True), strat(0, 2),
+        act(0, 0, 0, 1.0, strategy_id=0), act(0, 0, 1, 1.0, strategy_id=0, judge_flag=True),
+        act(0, 1, 0, 0.5, strategy_id=0, invalid=True), act(0, 2, 0, 0.5, strategy_id=0),
+        act(0, 3, 0, -0.5, strategy_id=1), act(0, 4, 0, -0.5, strategy_id=1),
+        act(0, 5, 0, -0.5, strategy_id=1),
+        act(0, 6, 0, 2.0, strategy_id=2), act(0, 7, 0, 2.0, strategy_id=2),
+    ]
+
+
+def test_strategy_reward_top_delta_ties_odd_m_and_both_clip_bounds_with_penalties():
+    recs = _strata_batch()
+    adv, w, m = run("strata", recs)
+    np.testing.assert_allclose(np.asarray(m["row/strategy_reward"])[:3], [0.5, -1.0, 1.0], **TOL)
+    # strategy level GRPO, ddof 0, over R = [.5, -1, 1]
+    np.testing.assert_allclose(adv[:3], [0.39223181, -1.37281133, 0.98057952], rtol=1e-5)
+    np.testing.assert_array_equal(w, np.ones(len(recs)))
+
+
+def test_top_delta_even_m_and_plain_mean_ablation():
+    recs = [strat(0, 0), strat(0, 1)] + [act(0, i, 0, s, strategy_id=0) for i, s in
+                                         enumerate([0.0, 0.2, 0.6, 1.0])]
+    recs += [act(0, 9, 0, 0.0, strategy_id=1)]
+    _, _, m = run("strata", recs)
+    assert np.isclose(float(m["row/strategy_reward"][0]), 0.8)       # k = 2: (1 + .6)/2
+    _, _, m = run("strata", recs, top_delta=1.0)
+    assert np.isclose(float(m["row/strategy_reward"][0]), 0.45)      # plain mean
+
+
+def test_judge_penalty_lands_only_on_flagged_steps_in_advantage_mode():
+    recs = _strata_batch()
+    adv, _, _ = run("strata", recs)
+    # s0 episodes counted once each (e0 has two steps): returns 1,.5,.5, ddof0 std sqrt(1/18).
+    a_e0, a_e1 = 1.41420756, -0.70710378
+    np.testing.assert_allclose(adv[3:7], [a_e0, a_e0 - 0.1, a_e1 - 0.1, a_e1], rtol=1e-5)
+    # zero-variance action groups give exactly 0 and are kept.
+    np.testing.assert_array_equal(adv[7:], np.zeros(5))
+
+
+def test_judge_reward_mode_uses_step_scores_over_the_step_samples():
+    # S = 1, 1-.1, .5-.1 (invalid), .5 over the 4 step samples of s0: mean .7, ddof0 std .254951
+    adv, _, _ = run("strata", _strata_batch(), judge_mode="reward")
+    np.testing.assert_allclose(adv[3:7], [1.1766922, 0.78446146, -1.1766922, -0.78446146], rtol=1e-5)
+
+
+def test_strategy_without_valid_episodes_gets_zero_and_leaves_stats():
+    recs = [strat(0, 0), strat(0, 1), strat(0, 2), act(0, 0, 0, 1.0, strategy_id=0),
+            act(0, 1, 0, 0.0, strategy_id=1), act(0, 2, 0, 0.5, strategy_id=2, valid=False)]
+    adv, w, _ = run("strata", recs)
+    # R(z) = 1 and 0 (ddof 0: mean .5, std .5); the third strategy has no valid episode.
+    np.testing.assert_allclose(adv[:3], [0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS), 0.0], rtol=1e-5)
+    np.testing.assert_array_equal(w, [1, 1, 0, 1, 1, 0])
+
+
+# ----------------------------------------------------------------------------- STAPO
+
+ADV6 = np.array([1.0, 0.6, 0.2, -0.2, -0.7, -1.0], np.float32)
+
+
+def _weights(adv, step=0, c_u=0.0, std=None, **cfg):
+    n = len(adv)
+    w, m = stapo_weights(adv, np.ones(n, bool), np.zeros(n, np.int32),
+                         np.zeros(n, np.float32) if std is None else std,
+                         EstimatorConfig(**cfg), step, uncertainty_coef=c_u)
+    return np.asarray(w), m
+
+
+def test_stapo_weights_eta_fixed():
+    # raw 1,1,0,0,.3,.3 (sum 2.6) -> mean 1: x 6/2.6
+    w, m = _weights(ADV6)
+    np.testing.assert_allclose(w, np.array([1, 1, 0, 0, 0.3, 0.3]) * 6 / 2.6, rtol=1e-6)
+    assert np.isclose(float(m["stapo/selected_frac"]), 4 / 6)
+    assert np.isclose(float(m["stapo/selected_adv_mean"]), (1 + 0.6 - 0.7 - 1.0) / 4)
+    w, _ = _weights(ADV6, stapo_w_pos="advantage")
+    np.testing.assert_allclose(w, np.array([1, .6, 0, 0, .3, .3]) * 6 / 2.2, rtol=1e-6)
+
+
+def test_stapo_weights_by_quantile_with_annealing():
+    # |A| sorted .2,.2,.6,.7,1,1: q=.5 -> .65: raw 1,0,0,0,.3,.3
+    w, m = _weights(ADV6, stapo_eta_quantile=0.5)
+    assert np.isclose(float(m["stapo/eta"]), 0.65)
+    np.testing.assert_allclose(w, np.array([1, 0, 0, 0, .3, .3]) * 6 / 1.6, rtol=1e-6)
+    # annealed .5 -> 1.0 over 10 steps, step 5: q = .75 -> .7 + .75 * .3 = .925: raw 1,0,0,0,0,.3
+    w, m = _weights(ADV6, step=5, stapo_eta_quantile=0.5, stapo_eta_quantile_end=1.0,
+                    stapo_anneal_steps=10)
+    assert np.isclose(float(m["stapo/eta"]), 0.925)
+    np.testing.assert_allclose(w, np.array([1, 0, 0, 0, 0, .3]) * 6 / 1.3, rtol=1e-6)
+
+
+def test_stapo_uncertainty_bonus_reaches_the_mediocre_band():
+    std = np.array([0, 0, 0.4, 0, 0, 0], np.float32)
+    w, _ = _weights(ADV6, c_u=0.5, std=std)   # raw 1,1,.2,0,.3,.3 (sum 2.8)
+    np.testing.assert_allclose(w, np.array([1, 1, .2, 0, .3, .3]) * 6 / 2.8, rtol=1e-6)
+
+
+def test_stapo_bonus_off_without_a_critic():
+    # modifier on GRPO: value_std present in the batch but c_u = 0 (no critic).
+    recs = [act(0, i, score=s, value_std=0.4) for i, s in enumerate([0.0, 0.0, 1.0, 1.0])]
+    adv, w, m = run("grpo", recs, stapo_weighting=True)
+    # GRPO: +-.5/std(ddof1 = .57735) = +-.866 > eta: all selected, w_pos 1, w_neg .3 -> mean 1
+    np.testing.assert_allclose(w, np.array([.3, .3, 1, 1]) * 4 / 2.6, rtol=1e-6)
+    assert float(m["stapo/selected_frac"]) == 1.0
+
+
+def test_stapo_all_zero_weights_case():
+    w, m = _weights(np.array([0.1, -0.2, 0.0, 0.4], np.float32))
+    np.testing.assert_array_equal(w, np.zeros(4))
+    assert float(m["stapo/empty"]) == 1.0 and np.isfinite(float(m["stapo/selected_adv_mean"]))
+
+
+def test_stapo_estimator_gae_lambda_095_whitened_then_weighted():
+    # raw GAE .46575, .385, .3 (see test_gae_lambda_095), whitened: mean .383583,
+    # unbiased std .082918 -> 1.0, .0169, -1.0169: selected: first (w 1) and last (w .3);
+    # bonus .5 * value_std .2 on every row -> raw 1.1, .1, .4 (sum 1.6) -> x 3/1.6
+    recs = [act(0, 0, s, 1.0, step_reward=r, values=v, value_std=0.2) for s, r, v in
+            [(0, 0.0, 0.5), (1, 0.0, 0.6), (2, 1.0, 0.7)]]
+    adv, w, m = run("stapo", recs)
+    raw = np.array([0.46575, 0.385, 0.3])
+    np.testing.assert_allclose(adv, (raw - raw.mean()) / raw.std(ddof=1), rtol=1e-4)
+    np.testing.assert_allclose(w, np.array([1.1, 0.1, 0.4]) * 3 / 1.6, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(m["row/value_targets"])[:3], [0.96575, 0.985, 1.0], rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- DAPO, registry
+
+
+def test_dapo_filter_drops_all_equal_groups():
+    keep = keep_informative_groups([0, 0, 1, 1, 2, 2, 3], [1, 1, 0, 1, 0, 0.0, 1],
+                                   valid=[1, 1, 1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(keep, [0, 0, 1, 1, 0, 0, 0])
+    keep = keep_informative_groups([0, 0, 0], [1, 0, 5], valid=[1, 1, 0])
+    np.testing.assert_array_equal(keep, [1, 1, 0])
+    with pytest.raises(ValueError, match="same length"):
+        keep_informative_groups([0], [1, 2])
+
+
+def test_registry_names_and_unknown_name():
+    for n in ("grpo", "rloo", "gigpo", "gae", "ppo", "strata", "dapo", "stapo"):
+        assert callable(get_estimator(n))
+    with pytest.raises(KeyError, match="registered"):
+        get_estimator("nope")
+    with pytest.raises(ValueError, match="judge_mode"):
+        EstimatorConfig(judge_mode="rewards").validate()
+
+
+def test_config_reads_base_configdict():
+    import ml_collections
+    c = ml_collections.ConfigDict(dict(std_ddof=0, judge_mode="reward", unknown_field=3))
+    ec = EstimatorConfig.from_config(c)
+    assert ec.std_ddof == 0 and ec.judge_mode == "reward" and ec.eps == 1e-6
+    hash(ec)  # static under jit
