@@ -1,0 +1,21 @@
+"""Batched KV-cache sampler: jitted prefill + one ``lax.while_loop`` decode (issue 3).
+
+Public API:
+  ``Sampler(config, mesh=None, max_cache_len=None, ...)`` with ``generate``,
+  ``generate_with_prefixes`` and ``score``; ``SamplingParams``; ``Generation`` /
+  ``GenerationBatch``; ``select_next_tokens`` and its parts (top-k / top-p masks, sampling,
+  argmax); ``bucket``; ``compiled_program_count``.
+"""
+
+from strata_jax.sampling.buckets import bucket
+from strata_jax.sampling.outputs import FINISH_LENGTH, FINISH_STOP, Generation, GenerationBatch
+from strata_jax.sampling.params import SamplingParams
+from strata_jax.sampling.sampler import Sampler, compiled_program_count
+from strata_jax.sampling.selection import (greedy_argmax, sample_categorical,
+                                           select_next_tokens, top_k_mask, top_p_mask)
+
+__all__ = [
+    "Sampler", "SamplingParams", "Generation", "GenerationBatch", "FINISH_STOP",
+    "FINISH_LENGTH", "bucket", "compiled_program_count", "select_next_tokens", "top_k_mask",
+    "top_p_mask", "sample_categorical", "greedy_argmax",
+]

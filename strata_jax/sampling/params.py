@@ -1,0 +1,69 @@
+"""Sampling parameters of one sampler call (issue 3, method.md section 6).
+
+One ``SamplingParams`` applies to every row of a call. The rollout runs greedy evaluation and
+sampled training rollouts as separate calls, so per-row parameters are not needed; per-row
+randomness comes from the caller's per-row PRNG keys instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen and when a row stops.
+
+    Attributes:
+      temperature: softmax temperature (> 0), or 0 meaning greedy. Logprobs are reported as
+        ``log_softmax(logits / temperature)`` of the chosen token, BEFORE top-k / top-p
+        renormalisation, so that the trainer's recomputation of pi_old matches (method.md
+        section 6, "Temperature / top-p applied differently in the sampler and the trainer").
+      top_p: nucleus mass in (0, 1]; 1 disables it. Keeps the smallest set of most likely
+        tokens whose mass (after temperature and top-k) reaches ``top_p``; ties at the
+        threshold are all kept.
+      top_k: keep the ``top_k`` most likely tokens (ties at the k-th value all kept); 0
+        disables it.
+      greedy: argmax decoding (also implied by ``temperature == 0``). Greedy rows report
+        temperature-1 logprobs.
+      max_new_tokens: generation limit per row (>= 0); 0 returns empty generations.
+      stop_token_ids: a row finishes when it emits one of these ids (the stop token is kept
+        in the output).
+
+    Raises:
+      ValueError: on a negative temperature, top_p outside (0, 1], negative top_k or
+        max_new_tokens, or negative stop ids.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    max_new_tokens: int = 256
+    stop_token_ids: Sequence[int] = ()
+
+    def __post_init__(self) -> None:
+        # Normalise to a tuple so the dataclass stays hashable whatever the caller passed.
+        object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in self.stop_token_ids))
+        if not self.temperature >= 0.0:
+            raise ValueError(
+                f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if any(s < 0 for s in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative ids, got {self.stop_token_ids}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when tokens are chosen by argmax (``greedy`` or ``temperature == 0``)."""
+        return self.greedy or self.temperature == 0.0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature used for the reported logprobs: 1 for greedy rows, else ``temperature``."""
+        return 1.0 if self.is_greedy else float(self.temperature)

@@ -1,0 +1,416 @@
+"""Batched KV-cache sampler: one jitted prefill, then one jitted ``lax.while_loop`` decode.
+
+Source: issue 3; design.md "Principles" and "Performance notes"; method.md section 6.
+
+Flow of `Sampler.generate` (and of `Sampler.generate_with_prefixes`):
+
+1. Host: validate and left-pad the prompts into bucketed ``[B, T]`` arrays (`packing`).
+2. ``_prefill`` (jit): allocate the ``KVCache`` (``T + N`` slots, N = bucketed max_new_tokens),
+   run the model over the prompts and keep only the last column's hidden state: logits are
+   computed for that position alone, never ``B x T x V``. With shared prefixes, the P prefixes
+   are run once into their own cache, gathered into the rows' caches, and the suffixes are run
+   on top with positions continuing each row's prefix.
+3. ``_decode`` (jit, cache donated): token 0 is chosen from the prefill state; then a
+   ``lax.while_loop`` feeds the previous token through the model (cache slot ``T + step - 1``,
+   written in place by ``dynamic_update_slice``), computes the logits of that one position and
+   chooses the next token. Rows stop at a stop id or at max_new_tokens; the loop exits when all
+   rows are done. No host round trip per token: one device->host copy at the end.
+
+Params are always arguments of the jitted functions, never closed over (a closed-over 2 GB
+constant would be baked into the executable). Compilation is bounded by bucketing the batch
+and every length to powers of two with a floor (`buckets`); max_new_tokens, temperature, top_p,
+top_k and the stop ids are traced values, so changing them does not recompile (only the
+greedy / top-k-on / top-p-on switches and the buckets do).
+
+Sharding: pass a ``Mesh`` (``strata_jax.sharding.make_mesh``) and params placed with
+``strata_jax.sharding.shard_params``; rows are split over (data, fsdp) and the cache's kv heads
+over tensor, following ``strata_jax.sharding.LOGICAL_RULES``. The batch bucket is a multiple of
+the number of batch shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+
+from strata_jax import sharding as shd
+from strata_jax.models import KVCache, Qwen2Config, forward, init_cache
+from strata_jax.models.heads import logits_from_hidden, token_logprobs_and_entropy
+from strata_jax.sampling.buckets import bucket
+from strata_jax.sampling.outputs import GenerationBatch
+from strata_jax.sampling.packing import PackedRows, as_id_lists, pack_left
+from strata_jax.sampling.params import SamplingParams
+from strata_jax.sampling.selection import select_next_tokens
+
+Params = dict[str, Any]
+
+_CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
+def _constrain_cache(cache: KVCache) -> KVCache:
+    """Sharding hints for the cache: rows over (data, fsdp), kv heads over tensor."""
+    return KVCache(k=shd.constrain(cache.k, _CACHE_AXES), v=shd.constrain(cache.v, _CACHE_AXES),
+                   valid=shd.constrain(cache.valid, ("batch", "length")))
+
+
+def _cache_dtype(params: Params, cache_dtype: str | None) -> Any:
+    return jnp.dtype(cache_dtype) if cache_dtype else params["embed"].dtype
+
+
+@functools.partial(jax.jit, static_argnames=("config", "cache_len", "cache_dtype"))
+def _prefill(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.Array, *,
+             config: Qwen2Config, cache_len: int,
+             cache_dtype: str | None) -> tuple[KVCache, jax.Array]:
+    """Prompts [B, T] (left padded) -> (cache with T + N slots, last-column hidden [B, D])."""
+    b, _ = tokens.shape
+    cache = _constrain_cache(init_cache(config, b, cache_len, _cache_dtype(params, cache_dtype)))
+    hidden, cache = forward(params, config, tokens, positions, mask, cache, 0)
+    return _constrain_cache(cache), hidden[:, -1]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "cache_len", "cache_dtype"))
+def _prefill_prefixed(params: Params, p_tokens: jax.Array, p_positions: jax.Array,
+                      p_mask: jax.Array, row_prefix: jax.Array, s_tokens: jax.Array,
+                      s_positions: jax.Array, s_mask: jax.Array, *, config: Qwen2Config,
+                      cache_len: int, cache_dtype: str | None) -> tuple[KVCache, jax.Array]:
+    """Shared prefixes [P, Lp] once, gathered per row, then suffixes [B, Ts] at slot Lp.
+
+    row_prefix: [B] int32 prefix index of each row. Returns (cache with cache_len slots, the
+    suffix's last-column hidden [B, D]).
+    """
+    dtype = _cache_dtype(params, cache_dtype)
+    n_prefix, prefix_len = p_tokens.shape
+    pcache = init_cache(config, n_prefix, prefix_len, dtype)
+    # The prefixes' hidden states are unused: XLA drops the last layer's MLP and final norm.
+    _, pcache = forward(params, config, p_tokens, p_positions, p_mask, pcache, 0)
+    pad = cache_len - prefix_len
+    kv_pad = ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))
+    cache = KVCache(k=jnp.pad(jnp.take(pcache.k, row_prefix, axis=1), kv_pad),
+                    v=jnp.pad(jnp.take(pcache.v, row_prefix, axis=1), kv_pad),
+                    valid=jnp.pad(jnp.take(pcache.valid, row_prefix, axis=0), ((0, 0), (0, pad))))
+    cache = _constrain_cache(cache)
+    hidden, cache = forward(params, config, s_tokens, s_positions, s_mask, cache, prefix_len)
+    return _constrain_cache(cache), hidden[:, -1]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "n_out", "greedy", "use_top_k", "use_top_p"),
+    donate_argnames=("cache",))
+def _decode(params: Params, cache: KVCache, last_hidden: jax.Array, keys: jax.Array,
+            next_position: jax.Array, active: jax.Array, max_new: jax.Array,
+            stop_ids: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, *,
+            config: Qwen2Config, n_out: int, greedy: bool, use_top_k: bool,
+            use_top_p: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, KVCache]:
+    """The decode loop.
+
+    Args:
+      cache: from a prefill, S = T + n_out slots, slots [0, T) hold the prompts (donated).
+      last_hidden: [B, D] state after each row's last prompt token.
+      keys: [B] typed PRNG keys; step t uses ``fold_in(key, t)``.
+      next_position: [B] int32 RoPE position of the first generated token (prompt length).
+      active: [B] bool, False for filler rows of the batch bucket (done from the start).
+      max_new: int32 scalar in [1, n_out]. stop_ids: [n_stop] int32, -1 = unused slot.
+      temperature, top_p: float32 scalars; top_k: int32 scalar.
+    Returns:
+      tokens [B, n_out] int32, logprobs [B, n_out] float32 (0 past each row's length),
+      lengths [B] int32, stopped [B] bool, and the final cache: returning it lets XLA alias
+      the donated input buffers to the loop's carry, so the cache is updated in place instead
+      of copied once (the caller drops it).
+    """
+    b = last_hidden.shape[0]
+    start_slot = cache.max_len - n_out  # first free slot (static)
+
+    def choose(hidden, step):
+        logits = logits_from_hidden(params, config, hidden)  # [B, V] fp32, one position only
+        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+        return select_next_tokens(logits, step_keys, temperature, top_p, top_k, greedy=greedy,
+                                  use_top_k=use_top_k, use_top_p=use_top_p)
+
+    def is_stop(tok):
+        return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+
+    tok0, lp0 = choose(last_hidden, jnp.int32(0))
+    tok0 = jnp.where(active, tok0, 0)
+    lp0 = jnp.where(active, lp0, 0.0)
+    out_tokens = jnp.zeros((b, n_out), jnp.int32).at[:, 0].set(tok0)
+    out_logprobs = jnp.zeros((b, n_out), jnp.float32).at[:, 0].set(lp0)
+    stopped = active & is_stop(tok0)
+    done = ~active | stopped | (max_new <= 1)
+    lengths = active.astype(jnp.int32)
+
+    def cond(state):
+        step, _, _, done, *_ = state
+        return (step < max_new) & ~jnp.all(done)
+
+    def body(state):
+        step, cache, prev, done, lengths, stopped, out_tokens, out_logprobs = state
+        position = (next_position + step - 1)[:, None]
+        hidden, cache = forward(params, config, prev[:, None], position,
+                                jnp.ones((b, 1), bool), cache, start_slot + step - 1)
+        tok, lp = choose(hidden[:, 0], step)
+        live = ~done
+        tok = jnp.where(live, tok, 0)
+        lp = jnp.where(live, lp, 0.0)
+        zero = jnp.int32(0)
+        out_tokens = lax.dynamic_update_slice(out_tokens, tok[:, None], (zero, step))
+        out_logprobs = lax.dynamic_update_slice(out_logprobs, lp[:, None], (zero, step))
+        lengths = lengths + live.astype(jnp.int32)
+        hit = live & is_stop(tok)
+        stopped = stopped | hit
+        done = done | hit | (step + 1 >= max_new)
+        return step + 1, cache, tok, done, lengths, stopped, out_tokens, out_logprobs
+
+    state = (jnp.int32(1), cache, tok0, done, lengths, stopped, out_tokens, out_logprobs)
+    _, cache, _, _, lengths, stopped, out_tokens, out_logprobs = lax.while_loop(cond, body, state)
+    return out_tokens, out_logprobs, lengths, stopped, cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "n_resp"))
+def _score(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
+           temperature: jax.Array, *, config: Qwen2Config, n_resp: int) -> jax.Array:
+    """Logprobs of the last ``n_resp`` columns of left-padded prompt+response rows [B, T]."""
+    hidden, _ = forward(params, config, tokens, positions, mask)
+    t = tokens.shape[1]
+    lp, _ = token_logprobs_and_entropy(params, config, hidden[:, t - n_resp - 1:t - 1],
+                                       tokens[:, t - n_resp:], temperature)
+    return lp
+
+
+def compiled_program_count() -> int:
+    """Number of programs compiled so far by the sampler's jitted functions (all instances)."""
+    return sum(f._cache_size() for f in (_prefill, _prefill_prefixed, _decode, _score))
+
+
+class Sampler:
+    """Batched KV-cache sampler for a Qwen2 model (see the module docstring).
+
+    Args:
+      config: the model's ``Qwen2Config`` (static).
+      mesh: optional ``jax.sharding.Mesh`` with axes (data, fsdp, tensor); params must then be
+        placed with ``strata_jax.sharding.shard_params``.
+      max_cache_len: the longest prompt + max_new_tokens allowed (default
+        ``config.max_position_embeddings``).
+      batch_floor, length_floor, new_tokens_floor: smallest bucket for the batch, prompt /
+        prefix / suffix lengths, and max_new_tokens (powers of two above them).
+      cache_dtype: KV cache dtype name (default: the params' dtype).
+    """
+
+    def __init__(self, config: Qwen2Config, *, mesh: jax.sharding.Mesh | None = None,
+                 max_cache_len: int | None = None, batch_floor: int = 1,
+                 length_floor: int = 16, new_tokens_floor: int = 16,
+                 cache_dtype: str | None = None) -> None:
+        self.config = config
+        self.mesh = mesh
+        self.max_cache_len = int(max_cache_len or config.max_position_embeddings)
+        self.batch_floor = batch_floor
+        self.length_floor = length_floor
+        self.new_tokens_floor = new_tokens_floor
+        self.cache_dtype = None if cache_dtype is None else jnp.dtype(cache_dtype).name
+        self._batch_multiple = 1
+        if mesh is not None:
+            self._batch_multiple = math.prod(
+                mesh.shape[a] for a in (shd.LOGICAL_RULES["batch"] or ()) if a in mesh.shape)
+
+    # ----------------------------------------------------------------- helpers
+
+    def _mesh_context(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _put_rows(self, *arrays: Any) -> list[Any]:
+        """Place host arrays on device, rows split over the batch mesh axes."""
+        if self.mesh is None:
+            return [jnp.asarray(a) for a in arrays]
+        out = []
+        for a in arrays:
+            axes = ("batch",) + (None,) * (np.ndim(a) - 1)
+            spec = shd.logical_to_spec(axes, np.shape(a), self.mesh)
+            out.append(jax.device_put(a, NamedSharding(self.mesh, spec)))
+        return out
+
+    def _batch_bucket(self, n: int) -> int:
+        return bucket(n, self.batch_floor, self._batch_multiple)
+
+    def _check_keys(self, keys: Any, n: int) -> jax.Array:
+        keys = jnp.asarray(keys) if not isinstance(keys, jax.Array) else keys
+        if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+            keys = jax.random.wrap_key_data(keys)
+        if keys.ndim != 1 or keys.shape[0] != n:
+            raise ValueError(f"need one PRNG key per row: {n} rows, keys of shape {keys.shape} "
+                             f"(pass jax.random.split(key, n) or keys derived per row)")
+        return keys
+
+    def _check_lengths(self, totals: Sequence[int], max_new: int, what: str) -> None:
+        for i, n in enumerate(totals):
+            if n > self.max_cache_len or n + max_new > self.max_cache_len:
+                raise ValueError(
+                    f"{what} {i} has {n} tokens; with max_new_tokens={max_new} that exceeds the "
+                    f"cache length {self.max_cache_len} (max_cache_len): shorten the prompt, "
+                    f"lower max_new_tokens or build the Sampler with a larger max_cache_len")
+
+    def _empty(self, n: int) -> GenerationBatch:
+        return GenerationBatch(token_ids=np.zeros((n, 0), np.int32),
+                               logprobs=np.zeros((n, 0), np.float32),
+                               lengths=np.zeros((n,), np.int32), stopped=np.zeros((n,), bool))
+
+    def _run_decode(self, params: Params, cache: KVCache, last_hidden: jax.Array,
+                    keys: jax.Array, next_position: np.ndarray, n_rows: int, b: int,
+                    n_out: int, sampling: SamplingParams) -> GenerationBatch:
+        if b > n_rows:  # filler rows reuse row 0's key; their output is dropped
+            keys = jnp.concatenate([keys, jnp.broadcast_to(keys[:1], (b - n_rows,))])
+        active = np.arange(b) < n_rows
+        stop = sorted(set(sampling.stop_token_ids))
+        stop_ids = np.full((bucket(len(stop), 8),), -1, np.int32)
+        stop_ids[: len(stop)] = stop
+        vocab = self.config.vocab_size
+        use_top_k = (not sampling.is_greedy) and 0 < sampling.top_k < vocab
+        use_top_p = (not sampling.is_greedy) and sampling.top_p < 1.0
+        keys, next_position, active = self._put_rows(keys, next_position, active)
+        with self._mesh_context():
+            out = _decode(params, cache, last_hidden, keys, next_position, active,
+                          jnp.int32(sampling.max_new_tokens), jnp.asarray(stop_ids),
+                          jnp.float32(sampling.temperature if not sampling.is_greedy else 1.0),
+                          jnp.float32(sampling.top_p), jnp.int32(max(sampling.top_k, 1)),
+                          config=self.config, n_out=n_out, greedy=sampling.is_greedy,
+                          use_top_k=use_top_k, use_top_p=use_top_p)
+        tokens, logprobs, lengths, stopped = jax.device_get(out[:4])
+        del out  # frees the cache
+        m = sampling.max_new_tokens
+        return GenerationBatch(token_ids=np.asarray(tokens[:n_rows, :m]),
+                               logprobs=np.asarray(logprobs[:n_rows, :m]),
+                               lengths=np.asarray(lengths[:n_rows]),
+                               stopped=np.asarray(stopped[:n_rows]))
+
+    # ----------------------------------------------------------------- public API
+
+    def generate(self, params: Params, prompts: Sequence[Sequence[int]],
+                 sampling: SamplingParams, keys: Any) -> GenerationBatch:
+        """Generate a continuation for every prompt.
+
+        Args:
+          params: model params (sharded with ``shard_params`` when a mesh is used).
+          prompts: B token-id lists of any lengths >= 1.
+          sampling: `SamplingParams` for all rows.
+          keys: [B] PRNG keys (typed, or raw uint32 [B, 2]), one per row; a row's tokens
+            depend only on its prompt and its key, not on its place in the batch.
+        Returns:
+          `GenerationBatch` (index it for per-row `Generation`s).
+        Raises:
+          ValueError: no prompts, an empty prompt, ids outside the vocabulary, a prompt +
+            max_new_tokens longer than ``max_cache_len``, or a wrong number of keys.
+        """
+        rows = as_id_lists(prompts, "prompt", self.config.vocab_size)
+        if not rows:
+            raise ValueError("generate needs at least one prompt")
+        keys = self._check_keys(keys, len(rows))
+        self._check_lengths([len(r) for r in rows], sampling.max_new_tokens, "prompt")
+        if sampling.max_new_tokens == 0:
+            return self._empty(len(rows))
+        b = self._batch_bucket(len(rows))
+        t = bucket(max(len(r) for r in rows), self.length_floor)
+        n_out = bucket(sampling.max_new_tokens, self.new_tokens_floor)
+        packed = pack_left(rows, t, b)
+        tokens, positions, mask = self._put_rows(packed.tokens, packed.positions, packed.mask)
+        with self._mesh_context():
+            cache, last_hidden = _prefill(params, tokens, positions, mask, config=self.config,
+                                          cache_len=t + n_out, cache_dtype=self.cache_dtype)
+        return self._run_decode(params, cache, last_hidden, keys, packed.lengths, len(rows), b,
+                                n_out, sampling)
+
+    def generate_with_prefixes(self, params: Params, prefixes: Sequence[Sequence[int]],
+                               prefix_index: Sequence[int], suffixes: Sequence[Sequence[int]],
+                               sampling: SamplingParams, keys: Any) -> GenerationBatch:
+        """Generate for rows ``prefixes[prefix_index[b]] + suffixes[b]``, prefilling each prefix once.
+
+        The P prefixes' KV caches are computed in one prefill and gathered into the rows'
+        caches; each suffix is then prefilled with RoPE positions continuing its prefix.
+        Identical (up to float rounding) to `generate` on the concatenated prompts.
+
+        Args:
+          prefixes: P token-id lists (>= 1 token each), e.g. StraTA's role + task + strategy
+            block, tokenised separately from the suffixes.
+          prefix_index: [B] index into ``prefixes`` for each row.
+          suffixes: B token-id lists (>= 1 token each): the per-row rest of the prompt.
+          params, sampling, keys: as in `generate`.
+        Returns / Raises: as `generate`; also ValueError for a prefix index out of range or
+          mismatched row counts.
+        """
+        pre = as_id_lists(prefixes, "prefix", self.config.vocab_size)
+        suf = as_id_lists(suffixes, "suffix", self.config.vocab_size)
+        idx = np.asarray(prefix_index, np.int64).reshape(-1)
+        if not pre or not suf:
+            raise ValueError("generate_with_prefixes needs at least one prefix and one row")
+        if idx.shape[0] != len(suf):
+            raise ValueError(f"{idx.shape[0]} prefix indices for {len(suf)} suffixes: give one "
+                             f"prefix index per row")
+        if idx.min() < 0 or idx.max() >= len(pre):
+            raise ValueError(f"prefix_index must be in [0, {len(pre)}), got {idx.min()}..{idx.max()}")
+        keys = self._check_keys(keys, len(suf))
+        prefix_lens = np.asarray([len(p) for p in pre], np.int32)
+        row_lens = prefix_lens[idx] + np.asarray([len(s) for s in suf], np.int32)
+        self._check_lengths(row_lens.tolist(), sampling.max_new_tokens, "row")
+        if sampling.max_new_tokens == 0:
+            return self._empty(len(suf))
+        b = self._batch_bucket(len(suf))
+        p_b = self._batch_bucket(len(pre))
+        lp = bucket(int(prefix_lens.max()), self.length_floor)
+        ts = bucket(max(len(s) for s in suf), self.length_floor)
+        n_out = bucket(sampling.max_new_tokens, self.new_tokens_floor)
+        p_packed = pack_left(pre, lp, p_b)
+        row_prefix = np.zeros((b,), np.int32)
+        row_prefix[: len(suf)] = idx
+        s_start = prefix_lens[row_prefix]
+        s_packed = pack_left(suf, ts, b, start=s_start[: len(suf)])
+        p_args = self._put_rows(p_packed.tokens, p_packed.positions, p_packed.mask)
+        s_args = self._put_rows(row_prefix, s_packed.tokens, s_packed.positions, s_packed.mask)
+        with self._mesh_context():
+            cache, last_hidden = _prefill_prefixed(
+                params, *p_args, *s_args, config=self.config, cache_len=lp + ts + n_out,
+                cache_dtype=self.cache_dtype)
+        next_position = np.ones((b,), np.int32)
+        next_position[: len(suf)] = row_lens
+        return self._run_decode(params, cache, last_hidden, keys, next_position, len(suf), b,
+                                n_out, sampling)
+
+    def score(self, params: Params, prompts: Sequence[Sequence[int]],
+              responses: Sequence[Sequence[int]], temperature: float = 1.0) -> list[np.ndarray]:
+        """Logprobs of each response given its prompt, by one full forward (no cache).
+
+        Uses ``models.heads.token_logprobs_and_entropy`` on the response positions only, the
+        same function the trainer uses, so it is the reference for the sampler's logprobs.
+
+        Args:
+          prompts: B token-id lists (>= 1 token each). responses: B token-id lists (may be
+            empty). temperature: > 0.
+        Returns:
+          B float32 arrays, ``[len(responses[b])]`` each.
+        Raises:
+          ValueError: mismatched counts, empty prompts, bad ids, temperature <= 0.
+        """
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        pr = as_id_lists(prompts, "prompt", self.config.vocab_size)
+        rs = as_id_lists(responses, "response", self.config.vocab_size, allow_empty=True)
+        rows = [np.concatenate([p, r]) for p, r in zip(pr, rs)]
+        b = self._batch_bucket(len(rows))
+        n_resp = bucket(max(len(r) for r in rs), self.new_tokens_floor)
+        t = bucket(max(len(x) for x in rows), self.length_floor)
+        t = max(t, bucket(n_resp + 1, self.length_floor))
+        packed: PackedRows = pack_left(rows, t, b)
+        args = self._put_rows(packed.tokens, packed.positions, packed.mask)
+        with self._mesh_context():
+            lp = _score(params, *args, jnp.float32(temperature), config=self.config,
+                        n_resp=n_resp)
+        lp = np.asarray(jax.device_get(lp))
+        return [lp[i, n_resp - len(r):] if len(r) else np.zeros((0,), np.float32)
+                for i, r in enumerate(rs)]
