@@ -1,0 +1,211 @@
+"""Built-in text envs: deterministic, fast (pure Python), each with a known optimal policy
+(`expert_action()`), for tests and CPU demos.
+
+- `memory_key`: the vault code is shown ONLY in the first observation; the agent walks a
+  corridor of `n` rooms and then types the code. Under non-cumulative prompts with a short
+  history window the code scrolls out of the prompt, so a strategy written at step 1
+  ("the code is 4-7-1; walk north, then enter 471") is what lets the agent succeed.
+  Optimal return 1 in n + 1 steps.
+- `guess_number`: guess a hidden integer in [1, 2^k]; the env answers higher / lower.
+  Binary search is optimal (at most k + 1 guesses).
+- `grid_nav`: reach a goal cell on a w x h grid (goal position shown every step);
+  optimal = Manhattan distance moves.
+
+Task: `Task(env=<name>, task_id=<name>, variation=<seed>, split=...)`. Splits own disjoint
+seed ranges: train [0, 1000), dev [1000, 1100), test [1100, 1200). The world is a pure
+function of the seed (`random.Random(seed)`), so M copies of a task are identical.
+Reward 1.0 on success (score 1), else 0; done on success or at the step limit.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from envs_bridge.base import PromptPieces, Task, TextEnv
+from envs_bridge.registry import register_env
+
+SPLIT_SEEDS = {"train": range(0, 1000), "dev": range(1000, 1100), "test": range(1100, 1200)}
+
+
+def builtin_task_list(name: str, split: str) -> list[Task]:
+    """All tasks of built-in env `name` in `split` (one per seed). Raises KeyError on a bad split."""
+    if split not in SPLIT_SEEDS:
+        raise KeyError(f"unknown split {split!r}; use one of {list(SPLIT_SEEDS)}")
+    return [Task(name, name, s, split) for s in SPLIT_SEEDS[split]]
+
+
+class _BuiltinEnv(TextEnv):
+    templates: tuple[str, ...] = ()
+
+    def __init__(self, max_steps: int = 20) -> None:
+        super().__init__(max_steps)
+        self._desc = ""
+
+    @classmethod
+    def task_list(cls, split: str) -> list[Task]:
+        """Tasks of this env in `split`."""
+        return builtin_task_list(cls.name, split)
+
+    def admissible_actions(self) -> list[str]:
+        """Current admissible actions."""
+        raise NotImplementedError
+
+    def expert_action(self) -> str:
+        """The optimal next action in the current state."""
+        raise NotImplementedError
+
+    def prompt_pieces(self) -> PromptPieces:
+        """Role name, task description, templates and admissible actions."""
+        return PromptPieces(self.environment, self._desc, self.templates, tuple(self.admissible_actions()))
+
+    def _info(self, score: float, invalid: bool = False) -> dict[str, Any]:
+        return {
+            "task_description": self._desc,
+            "admissible_actions": self.admissible_actions(),
+            "score": score,
+            "success": score >= 1.0,
+            "won": score >= 1.0,
+            "invalid": invalid,
+            "family": self.name,
+        }
+
+
+@register_env("memory_key")
+class MemoryKeyEnv(_BuiltinEnv):
+    """Vault code shown only at step 1; walk `corridor` rooms north, then `enter <code>`."""
+
+    name = "memory_key"
+    environment = "a text adventure (memory key)"
+    templates = ("go north", "go south", "enter <digits>", "look")
+
+    def _reset(self, task: Task) -> tuple[str, dict[str, Any]]:
+        rng = random.Random(task.variation)
+        self.code = "".join(str(rng.randrange(10)) for _ in range(3))
+        self.corridor = rng.randint(3, 5)
+        self.pos = 0
+        self._desc = "Open the vault at the far north end of the corridor by entering its code."
+        obs = (f"You are at the south end of a corridor. A note on the wall reads: 'vault code "
+               f"{'-'.join(self.code)}'. The note crumbles to dust as you read it.")
+        return obs, self._info(0.0)
+
+    def admissible_actions(self) -> list[str]:
+        acts = ["look"]
+        if self.pos < self.corridor:
+            acts.append("go north")
+        if self.pos > 0:
+            acts.append("go south")
+        if self.pos == self.corridor:
+            acts.append("enter <digits>")
+        return acts
+
+    def _where(self) -> str:
+        if self.pos == self.corridor:
+            return "You stand before the vault. A keypad waits for a 3-digit code."
+        return f"You are in the corridor, room {self.pos} of {self.corridor}. The corridor continues north."
+
+    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        if action == "go north" and self.pos < self.corridor:
+            self.pos += 1
+            return self._where(), 0.0, False, self._info(0.0)
+        if action == "go south" and self.pos > 0:
+            self.pos -= 1
+            return self._where(), 0.0, False, self._info(0.0)
+        if action == "look":
+            return self._where(), 0.0, False, self._info(0.0)
+        if action.startswith("enter ") and self.pos == self.corridor:
+            digits = "".join(ch for ch in action[6:] if ch.isdigit())
+            if digits == self.code:
+                return "The vault swings open. You win.", 1.0, True, self._info(1.0)
+            return "The keypad buzzes: wrong code.", 0.0, False, self._info(0.0)
+        return "Nothing happens.", 0.0, False, self._info(0.0, invalid=True)
+
+    def expert_action(self) -> str:
+        """`go north` until the vault, then `enter <code>`."""
+        return "go north" if self.pos < self.corridor else f"enter {self.code}"
+
+
+@register_env("guess_number")
+class GuessNumberEnv(_BuiltinEnv):
+    """Guess a hidden integer in [1, 2^bits]; replies higher / lower; binary search is optimal."""
+
+    name = "guess_number"
+    environment = "a number guessing game"
+    templates = ("guess <integer>",)
+
+    def __init__(self, max_steps: int = 12, bits: int = 6) -> None:
+        super().__init__(max_steps)
+        self.high_limit = 2 ** bits
+
+    def _reset(self, task: Task) -> tuple[str, dict[str, Any]]:
+        self.secret = random.Random(task.variation).randint(1, self.high_limit)
+        self.lo, self.hi = 1, self.high_limit
+        self._desc = f"Find the hidden integer between 1 and {self.high_limit}. After each guess you hear higher or lower."
+        return f"A hidden integer between 1 and {self.high_limit} is waiting. Make a guess.", self._info(0.0)
+
+    def admissible_actions(self) -> list[str]:
+        return ["guess <integer>"]
+
+    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        parts = action.split()
+        if len(parts) != 2 or parts[0] != "guess" or not parts[1].lstrip("-").isdigit():
+            return "Nothing happens. Say `guess <integer>`.", 0.0, False, self._info(0.0, invalid=True)
+        g = int(parts[1])
+        if g == self.secret:
+            return f"{g} is correct!", 1.0, True, self._info(1.0)
+        if g < self.secret:
+            self.lo = max(self.lo, g + 1)
+            return f"{g} is too low: the number is higher.", 0.0, False, self._info(0.0)
+        self.hi = min(self.hi, g - 1)
+        return f"{g} is too high: the number is lower.", 0.0, False, self._info(0.0)
+
+    def expert_action(self) -> str:
+        """Binary search: guess the midpoint of the interval still consistent with the replies."""
+        return f"guess {(self.lo + self.hi) // 2}"
+
+
+@register_env("grid_nav")
+class GridNavEnv(_BuiltinEnv):
+    """Reach the goal cell on a grid; position and goal are shown every step."""
+
+    name = "grid_nav"
+    environment = "a grid world"
+    templates = ("go north", "go south", "go east", "go west")
+    _MOVES = {"go north": (0, 1), "go south": (0, -1), "go east": (1, 0), "go west": (-1, 0)}
+
+    def __init__(self, max_steps: int = 20, size: int = 5) -> None:
+        super().__init__(max_steps)
+        self.size = size
+
+    def _reset(self, task: Task) -> tuple[str, dict[str, Any]]:
+        rng = random.Random(task.variation)
+        cells = [(x, y) for x in range(self.size) for y in range(self.size)]
+        self.pos, self.goal = rng.sample(cells, 2)
+        self._desc = f"Walk to the goal cell on a {self.size}x{self.size} grid (x grows east, y grows north)."
+        return self._where(), self._info(0.0)
+
+    def _where(self) -> str:
+        return f"You are at ({self.pos[0]}, {self.pos[1]}). The goal is at ({self.goal[0]}, {self.goal[1]})."
+
+    def admissible_actions(self) -> list[str]:
+        out = []
+        for a, (dx, dy) in self._MOVES.items():
+            x, y = self.pos[0] + dx, self.pos[1] + dy
+            if 0 <= x < self.size and 0 <= y < self.size:
+                out.append(a)
+        return out
+
+    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        if action not in self.admissible_actions():
+            return "Nothing happens. " + self._where(), 0.0, False, self._info(0.0, invalid=True)
+        dx, dy = self._MOVES[action]
+        self.pos = (self.pos[0] + dx, self.pos[1] + dy)
+        if self.pos == self.goal:
+            return "You reached the goal!", 1.0, True, self._info(1.0)
+        return self._where(), 0.0, False, self._info(0.0)
+
+    def expert_action(self) -> str:
+        """Close the x gap first, then the y gap (Manhattan-optimal)."""
+        dx, dy = self.goal[0] - self.pos[0], self.goal[1] - self.pos[1]
+        if dx:
+            return "go east" if dx > 0 else "go west"
+        return "go north" if dy > 0 else "go south"

@@ -1,0 +1,67 @@
+"""Action parsing: `<think>...</think><action>...</action>` (method.md section 5).
+
+Rules [P]: the action is the body of the FIRST `<action>...</action>` block, stripped and
+lower-cased. Runs of whitespace inside the action collapse to one space. The output is valid only if it holds a closed `<think>...</think>` block and a
+closed, non-empty `<action>` block, and contains no CJK character anywhere. Invalid output
+yields `ParsedAction(action=None, valid=False)` (an invalid step, never an exception).
+Tag matching is case-insensitive (`<Action>` counts). A nested `<action>` inside the first
+action block makes it invalid (the model did not produce one clean action).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+_THINK_RE = re.compile(r"<think>(.*?)</think>", re.IGNORECASE | re.DOTALL)
+_ACTION_RE = re.compile(r"<action>(.*?)</action>", re.IGNORECASE | re.DOTALL)
+# CJK Unified Ideographs (+ext A, compatibility), kana, hangul, CJK punctuation, fullwidth forms.
+_CJK_RE = re.compile(
+    "[\u3000-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedAction:
+    """Result of `parse_action`.
+
+    Attributes:
+      action: lower-cased, stripped action text, or None when `valid` is False.
+      valid: True iff the output passed the format rules in the module docstring.
+      think: body of the first think block (stripped; "" when absent).
+      reason: why the output was invalid ("" when valid), for logs.
+    """
+
+    action: str | None
+    valid: bool
+    think: str = ""
+    reason: str = ""
+
+
+def contains_cjk(text: str) -> bool:
+    """True if `text` contains a CJK ideograph, kana, hangul, or CJK/fullwidth punctuation."""
+    return _CJK_RE.search(text) is not None
+
+
+def parse_action(output: str) -> ParsedAction:
+    """Parse one model output into an env action (see module docstring for the rules).
+
+    Args:
+      output: the decoded response text.
+    Returns:
+      ParsedAction; never raises on any string input.
+    """
+    if contains_cjk(output):
+        return ParsedAction(None, False, reason="cjk")
+    think = _THINK_RE.search(output)
+    if think is None:
+        return ParsedAction(None, False, reason="missing think block")
+    act = _ACTION_RE.search(output)
+    if act is None:
+        return ParsedAction(None, False, think.group(1).strip(), reason="missing action block")
+    body = act.group(1)
+    if re.search(r"<action>", body, re.IGNORECASE):
+        return ParsedAction(None, False, think.group(1).strip(), reason="nested action tags")
+    action = " ".join(body.split()).lower()
+    if not action:
+        return ParsedAction(None, False, think.group(1).strip(), reason="empty action")
+    return ParsedAction(action, True, think.group(1).strip())

@@ -1,0 +1,536 @@
+"""Parallel env pool: steps many episodes between decode calls (method.md section 5,
+design.md "Env I/O stays outside jit").
+
+Model
+-----
+The pool owns `max_live_envs` slots; each slot holds one live env (one ScienceWorld JVM,
+one ALFWorld game, one HTTP env). An *episode* is a task played on a slot. Episodes are
+started with `submit_reset(tasks)` (M copies of one task = a group-synchronised reset:
+every copy starts from the identical state, and the call returns when all are reset) and
+stepped with `submit(episode_ids, actions)`. Both return a `Ticket` at once; `collect(ticket)`
+blocks until that cohort's outcomes are in. So the rollout can decode cohort B while
+cohort A's envs step. `reset` / `step` are the blocking forms. A finished (done or crashed)
+episode frees its slot; `run_episodes` plays any number of tasks in waves of
+`max_live_envs` (a paper-scale iteration has 512 episodes; one ScienceWorld JVM takes
+~250-330 MB with the default 384 MB heap cap, ~660 MB uncapped, so 512 live JVMs would
+not fit: bound the slots by memory / ~0.35 GB).
+
+Threads vs processes (measured with benchmarks/envs.py on a 2-core box, ScienceWorld)
+------------------------------------------------------------------------------------
+`backend="thread"` (default): envs live in this process and are stepped by a thread pool.
+ScienceWorld's work happens in its JVM (py4j releases the GIL while waiting on the socket),
+ALFWorld steps are milliseconds of Python, WebShop is HTTP I/O: threads give the same
+parallelism as processes without pickling, without a second Python interpreter per env
+(~80-100 MB each) and with direct access to the env objects. `backend="process"`: one
+spawned worker process per slot, talking over a pipe; it isolates envs whose Python side
+holds the GIL for long (pure-Python simulators) or leaks memory, and a hung step is ended
+by killing the worker. Both backends have the same API and give identical transcripts.
+Numbers (steps/s, 1/2/4 workers) are in the benchmark script's output and the issue report.
+
+Failures
+--------
+A step or reset that raises (a killed JVM, a dead server) or exceeds `step_timeout_s`
+marks that episode `crashed` (outcome.done = True, outcome.crashed = True; method.md
+section 3: the episode is kept for logging but masked out of the loss); the slot's env is
+closed and a fresh one is started in the background (stats["restarts"]), while the other
+episodes continue. Bad input (an unknown task: ValueError / KeyError) is re-raised.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import itertools
+import multiprocessing as mp
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from envs_bridge.base import Env, Task
+
+_USER_ERRORS = (ValueError, KeyError, TypeError)
+
+
+@dataclasses.dataclass
+class StepOutcome:
+    """Result of one reset or step of one episode.
+
+    Attributes:
+      episode_id: pool-wide episode id.
+      observation: env observation text ("" when crashed).
+      reward: step reward (0.0 on reset and crash).
+      done: episode over (success, failure, step limit, or crash).
+      info: env info dict (see envs_bridge.base).
+      crashed: the env failed (exception or timeout); the episode is over.
+      error: the failure message when crashed.
+    """
+
+    episode_id: int
+    observation: str
+    reward: float
+    done: bool
+    info: dict[str, Any]
+    crashed: bool = False
+    error: str = ""
+
+
+@dataclasses.dataclass
+class EpisodeRecord:
+    """Transcript of one episode: observations[0] is the reset observation; observations[t+1],
+    rewards[t] and infos[t+1] follow actions[t]."""
+
+    episode_id: int
+    task: Task
+    observations: list[str] = dataclasses.field(default_factory=list)
+    actions: list[str | None] = dataclasses.field(default_factory=list)
+    rewards: list[float] = dataclasses.field(default_factory=list)
+    infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    done: bool = False
+    crashed: bool = False
+    error: str = ""
+
+    @property
+    def episode_return(self) -> float:
+        """Sum of step rewards."""
+        return float(sum(self.rewards))
+
+    @property
+    def success(self) -> bool:
+        """The last info's success flag (False when crashed or never stepped)."""
+        return bool(self.infos and self.infos[-1].get("success", False)) and not self.crashed
+
+
+@dataclasses.dataclass
+class Ticket:
+    """Handle of a submitted cohort (see EnvPool.submit / collect)."""
+
+    ident: int
+    episode_ids: list[int]
+    futures: list[cf.Future]
+    submitted_at: float
+    timeout_s: float
+    kind: str  # "reset" | "step"
+
+
+# --------------------------------------------------------------------------- slots
+
+
+class _ThreadSlot:
+    """One live env in this process; calls run on the pool's thread executor."""
+
+    def __init__(self, factory: Callable[[], Env]) -> None:
+        self._factory = factory
+        self.env: Env | None = None
+        self.lock = threading.Lock()
+
+    def call(self, method: str, *args: Any) -> Any:
+        with self.lock:
+            if self.env is None:
+                self.env = self._factory()
+            return getattr(self.env, method)(*args)
+
+    def ensure_started(self) -> None:
+        with self.lock:
+            if self.env is None:
+                self.env = self._factory()
+
+    def discard(self) -> None:
+        """Close the env (a hung call on it is unblocked when its simulator dies)."""
+        env, self.env = self.env, None
+        if env is not None:
+            threading.Thread(target=_close_quietly, args=(env,), daemon=True).start()
+
+    def close(self) -> None:
+        env, self.env = self.env, None
+        if env is not None:
+            _close_quietly(env)
+
+
+def _close_quietly(env: Env) -> None:
+    try:
+        env.close()
+    except Exception:
+        pass
+
+
+def _process_worker(conn, env_name: str, env_kwargs: dict[str, Any]) -> None:
+    """Worker process loop: build the env, then serve (method, args) requests over `conn`."""
+    from envs_bridge.registry import make_env
+
+    env = make_env(env_name, **env_kwargs)
+    conn.send(("ok", None))
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            break
+        if method == "__close__":
+            break
+        try:
+            conn.send(("ok", getattr(env, method)(*args)))
+        except BaseException as e:  # report every env error to the parent
+            conn.send(("err", (type(e).__name__, str(e))))
+    _close_quietly(env)
+
+
+class _ProcessSlot:
+    """One live env in a spawned worker process (registry name + kwargs must be picklable)."""
+
+    def __init__(self, env_name: str, env_kwargs: dict[str, Any], timeout_s: float) -> None:
+        self._name, self._kwargs, self._timeout = env_name, env_kwargs, timeout_s
+        self.proc: mp.Process | None = None
+        self.conn = None
+        self.lock = threading.Lock()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")  # never fork a process that may hold JVM / XLA threads
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_process_worker, args=(child, self._name, self._kwargs), daemon=True)
+        self.proc.start()
+        child.close()
+        self.conn = parent
+        self._recv(max(self._timeout, 120.0))
+
+    def _recv(self, timeout: float) -> Any:
+        from envs_bridge.base import EnvError
+
+        if not self.conn.poll(timeout):
+            self.discard()
+            raise TimeoutError(f"env worker did not answer within {timeout:.1f}s")
+        try:
+            status, payload = self.conn.recv()
+        except (EOFError, OSError) as e:
+            self.discard()
+            raise EnvError(f"env worker process died: {e!r}") from e
+        if status == "err":
+            kind, msg = payload
+            if kind in {c.__name__ for c in _USER_ERRORS}:
+                raise ValueError(msg)
+            raise EnvError(f"{kind}: {msg}")
+        return payload
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def ensure_started(self) -> None:
+        with self.lock:
+            if self.proc is None:
+                self._start()
+
+    def call(self, method: str, *args: Any) -> Any:
+        from envs_bridge.base import EnvError
+
+        with self.lock:
+            if self.proc is None:
+                self._start()
+            try:
+                self.conn.send((method, args))
+            except (BrokenPipeError, OSError) as e:
+                self.discard()
+                raise EnvError(f"env worker process died: {e!r}") from e
+            return self._recv(self._timeout)
+
+    def discard(self) -> None:
+        proc, conn, self.proc, self.conn = self.proc, self.conn, None, None
+        if proc is not None and proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        if self.conn is not None and self.proc is not None and self.proc.is_alive():
+            try:
+                self.conn.send(("__close__", ()))
+                self.proc.join(timeout=10)
+            except Exception:
+                pass
+        self.discard()
+
+
+# --------------------------------------------------------------------------- pool
+
+
+@dataclasses.dataclass
+class _Episode:
+    episode_id: int
+    task: Task
+    slot: int
+    done: bool = False
+    pending: bool = False
+
+
+class EnvPool:
+    """Bounded pool of live envs stepped in parallel (see the module docstring).
+
+    Args:
+      env_name: registry name of the env (see envs_bridge.registry).
+      env_kwargs: keyword arguments for the env constructor (picklable for processes).
+      max_live_envs: number of slots = live envs at most (episodes run in waves).
+      num_workers: threads stepping envs (default = max_live_envs). With the process
+        backend every slot steps in its own process; the threads only wait on pipes.
+      backend: "thread" (default) or "process".
+      step_timeout_s: per-step limit (seconds); a step over it crashes its episode.
+      reset_timeout_s: limit for a reset, which may include starting the env (a JVM: ~1-3 s).
+    Raises:
+      ValueError on a bad backend or sizes; KeyError on an unknown env name.
+    """
+
+    def __init__(self, env_name: str, env_kwargs: dict[str, Any] | None = None, *, max_live_envs: int = 8,
+                 num_workers: int | None = None, backend: str = "thread", step_timeout_s: float = 60.0,
+                 reset_timeout_s: float = 180.0) -> None:
+        from envs_bridge.registry import get_env_factory
+
+        if backend not in ("thread", "process"):
+            raise ValueError(f"backend must be 'thread' or 'process', got {backend!r}")
+        if max_live_envs < 1:
+            raise ValueError(f"max_live_envs must be >= 1, got {max_live_envs}")
+        self.env_name = env_name
+        self.env_kwargs = dict(env_kwargs or {})
+        self.backend = backend
+        self.max_live_envs = max_live_envs
+        self.step_timeout_s = step_timeout_s
+        self.reset_timeout_s = reset_timeout_s
+        factory = get_env_factory(env_name)  # fail fast on an unknown name
+        if backend == "thread":
+            self._slots: list[Any] = [_ThreadSlot(lambda: factory(**self.env_kwargs)) for _ in range(max_live_envs)]
+            workers = num_workers or max_live_envs
+        else:
+            self._slots = [_ProcessSlot(env_name, self.env_kwargs, step_timeout_s) for _ in range(max_live_envs)]
+            workers = max_live_envs
+        self._executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="envpool")
+        self._free = list(range(max_live_envs))
+        self._episodes: dict[int, _Episode] = {}
+        self._ids = itertools.count()
+        self._tickets = itertools.count()
+        self._lock = threading.Lock()
+        self._stats = dict(steps=0, resets=0, crashes=0, timeouts=0, restarts=0, env_time_s=0.0, wait_time_s=0.0)
+        self._t_first: float | None = None
+        self._t_last = 0.0
+
+    # ---- lifecycle
+
+    def warm_up(self) -> None:
+        """Start every slot's env now (in parallel) instead of at first reset."""
+        for f in [self._executor.submit(s.ensure_started) for s in self._slots]:
+            f.result()
+
+    def close(self) -> None:
+        """Close every env and the worker threads."""
+        for s in self._slots:
+            s.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "EnvPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def num_free(self) -> int:
+        """Slots free for new episodes."""
+        return len(self._free)
+
+    def env_for(self, episode_id: int) -> Env:
+        """The live env object of an episode (thread backend only; for tests and experts)."""
+        if self.backend != "thread":
+            raise RuntimeError("env_for() needs backend='thread'; process envs live in workers")
+        env = self._slots[self._episodes[episode_id].slot].env
+        if env is None:
+            raise RuntimeError(f"episode {episode_id}'s env is not running (crashed or not started)")
+        return env
+
+    def worker_pid(self, episode_id: int) -> int | None:
+        """Worker process id of an episode (process backend only)."""
+        if self.backend != "process":
+            raise RuntimeError("worker_pid() needs backend='process'")
+        return self._slots[self._episodes[episode_id].slot].pid
+
+    # ---- timed env calls (run on the executor)
+
+    def _timed(self, slot: Any, method: str, *args: Any) -> tuple[Any, float]:
+        t = time.perf_counter()
+        out = slot.call(method, *args)
+        return out, time.perf_counter() - t
+
+    def _mark(self) -> float:
+        now = time.perf_counter()
+        if self._t_first is None:
+            self._t_first = now
+        return now
+
+    # ---- submit / collect
+
+    def submit_reset(self, tasks: Sequence[Task]) -> Ticket:
+        """Start one episode per task on free slots; returns at once.
+
+        For a group-synchronised reset pass M copies of one task. Raises RuntimeError when
+        there are fewer free slots than tasks (use run_episodes for waves).
+        """
+        with self._lock:
+            if len(tasks) > len(self._free):
+                raise RuntimeError(
+                    f"{len(tasks)} episodes requested but only {len(self._free)} of {self.max_live_envs} "
+                    "slots are free; finish episodes first or use run_episodes() to run in waves"
+                )
+            eps = []
+            for task in tasks:
+                ep = _Episode(next(self._ids), task, self._free.pop(0), pending=True)
+                self._episodes[ep.episode_id] = ep
+                eps.append(ep)
+        now = self._mark()
+        futs = [self._executor.submit(self._timed, self._slots[ep.slot], "reset", ep.task) for ep in eps]
+        return Ticket(next(self._tickets), [ep.episode_id for ep in eps], futs, now, self.reset_timeout_s, "reset")
+
+    def submit(self, episode_ids: Sequence[int], actions: Sequence[str | None]) -> Ticket:
+        """Step each episode with its action (None = format-invalid output); returns at once.
+
+        Raises ValueError on length mismatch, an unknown / finished episode, or an episode
+        whose previous request has not been collected.
+        """
+        if len(episode_ids) != len(actions):
+            raise ValueError(f"{len(episode_ids)} episode ids but {len(actions)} actions")
+        eps = []
+        for eid in episode_ids:
+            ep = self._episodes.get(eid)
+            if ep is None or ep.done:
+                raise ValueError(f"episode {eid} is unknown or finished; start a new one with submit_reset")
+            if ep.pending:
+                raise ValueError(f"episode {eid} has an uncollected request; collect() its ticket first")
+            eps.append(ep)
+        for ep in eps:
+            ep.pending = True
+        now = self._mark()
+        futs = [self._executor.submit(self._timed, self._slots[ep.slot], "step", a) for ep, a in zip(eps, actions)]
+        return Ticket(next(self._tickets), list(episode_ids), futs, now, self.step_timeout_s, "step")
+
+    def ready(self, ticket: Ticket) -> bool:
+        """True when every request of the ticket has finished (collect will not block)."""
+        return all(f.done() for f in ticket.futures)
+
+    def collect(self, ticket: Ticket) -> list[StepOutcome]:
+        """Wait for a ticket's outcomes (same order as submitted). Crashes and timeouts become
+        crashed outcomes; bad input (ValueError / KeyError / TypeError from reset) is re-raised."""
+        t0 = time.perf_counter()
+        deadline = ticket.submitted_at + ticket.timeout_s
+        outcomes = []
+        user_error: BaseException | None = None
+        for eid, fut in zip(ticket.episode_ids, ticket.futures):
+            ep = self._episodes[eid]
+            try:
+                result, dt = fut.result(timeout=max(0.0, deadline - time.perf_counter()))
+                self._stats["env_time_s"] += dt
+                if ticket.kind == "reset":
+                    obs, info = result
+                    self._stats["resets"] += 1
+                    out = StepOutcome(eid, obs, 0.0, False, info)
+                else:
+                    obs, reward, done, info = result
+                    self._stats["steps"] += 1
+                    out = StepOutcome(eid, obs, reward, done, info)
+            except cf.TimeoutError:
+                self._stats["timeouts"] += 1
+                out = self._crash(ep, f"timeout: no answer within {ticket.timeout_s:.1f}s")
+            except _USER_ERRORS as e:
+                if ticket.kind == "reset":
+                    user_error = user_error or e
+                out = self._crash(ep, f"{type(e).__name__}: {e}", restart=False)
+            except Exception as e:
+                out = self._crash(ep, f"{type(e).__name__}: {e}")
+            ep.pending = False
+            if out.done:
+                self._finish(ep)
+            outcomes.append(out)
+        now = time.perf_counter()
+        self._stats["wait_time_s"] += now - t0
+        self._t_last = now
+        if user_error is not None:
+            raise user_error
+        return outcomes
+
+    def _crash(self, ep: _Episode, error: str, restart: bool = True) -> StepOutcome:
+        self._stats["crashes"] += 1
+        if restart:
+            slot = self._slots[ep.slot]
+            slot.discard()
+            self._stats["restarts"] += 1
+            self._executor.submit(slot.ensure_started)  # fresh env in the background
+        return StepOutcome(ep.episode_id, "", 0.0, True, {"crashed": True}, crashed=True, error=error)
+
+    def _finish(self, ep: _Episode) -> None:
+        with self._lock:
+            ep.done = True
+            self._free.append(ep.slot)
+            self._free.sort()
+
+    def release(self, episode_ids: Sequence[int]) -> None:
+        """Abandon unfinished episodes and free their slots (their envs stay alive for reuse)."""
+        for eid in episode_ids:
+            ep = self._episodes[eid]
+            if ep.pending:
+                raise ValueError(f"episode {eid} has an uncollected request; collect() it first")
+            if not ep.done:
+                self._finish(ep)
+
+    # ---- blocking forms
+
+    def reset(self, tasks: Sequence[Task]) -> list[StepOutcome]:
+        """Blocking submit_reset + collect."""
+        return self.collect(self.submit_reset(tasks))
+
+    def reset_group(self, task: Task, m: int) -> list[StepOutcome]:
+        """Group-synchronised reset: M episodes on identical copies of `task`."""
+        return self.reset([task] * m)
+
+    def step(self, episode_ids: Sequence[int], actions: Sequence[str | None]) -> list[StepOutcome]:
+        """Blocking submit + collect."""
+        return self.collect(self.submit(episode_ids, actions))
+
+    def run_episodes(self, tasks: Sequence[Task],
+                     policy: Callable[[list[EpisodeRecord]], list[str | None]]) -> list[EpisodeRecord]:
+        """Play every task to the end, in waves of at most `max_live_envs` episodes.
+
+        Args:
+          tasks: any number of tasks.
+          policy: maps the transcripts of the still-running episodes of a wave to one action
+            each (None = format-invalid output).
+        Returns:
+          one EpisodeRecord per task, in task order.
+        """
+        records: list[EpisodeRecord] = []
+        for start in range(0, len(tasks), self.max_live_envs):
+            wave = list(tasks[start:start + self.max_live_envs])
+            recs = []
+            for task, out in zip(wave, self.reset(wave)):
+                rec = EpisodeRecord(out.episode_id, task, [out.observation], infos=[out.info])
+                rec.done, rec.crashed, rec.error = out.done, out.crashed, out.error
+                recs.append(rec)
+            while True:
+                live = [r for r in recs if not r.done]
+                if not live:
+                    break
+                actions = policy(live)
+                for rec, act, out in zip(live, actions, self.step([r.episode_id for r in live], actions)):
+                    rec.actions.append(act)
+                    rec.observations.append(out.observation)
+                    rec.rewards.append(out.reward)
+                    rec.infos.append(out.info)
+                    rec.done, rec.crashed, rec.error = out.done, out.crashed, out.error
+            records.extend(recs)
+        return records
+
+    # ---- stats
+
+    def stats(self) -> dict[str, float]:
+        """Counters and timings: steps, resets, crashes, timeouts, restarts, env_time_s (sum of
+        env call durations), wait_time_s (caller blocked in collect), wall_s (first submit to
+        last collect), steps_per_s (steps / wall_s), live_envs."""
+        out: dict[str, float] = dict(self._stats)
+        wall = (self._t_last - self._t_first) if self._t_first is not None else 0.0
+        out["wall_s"] = max(wall, 0.0)
+        out["steps_per_s"] = self._stats["steps"] / wall if wall > 0 else 0.0
+        out["live_envs"] = sum(
+            1 for s in self._slots if (getattr(s, "env", None) is not None or getattr(s, "proc", None) is not None)
+        )
+        return out

@@ -1,0 +1,107 @@
+"""Built-in envs, the env registry, the step bookkeeping and the task sampler."""
+import json
+
+import pytest
+
+from envs_bridge import Task, TaskSampler, list_envs, make_env
+from envs_bridge.base import Env
+from envs_bridge.builtin import builtin_task_list
+
+BUILTINS = ["memory_key", "guess_number", "grid_nav"]
+
+
+def play_expert(env, task):
+    obs, info = env.reset(task)
+    actions, ret, done = [], 0.0, False
+    while not done:
+        a = env.expert_action()
+        obs, r, done, info = env.step(a)
+        actions.append(a)
+        ret += r
+    return actions, ret, info
+
+
+def test_registry_lists_every_env():
+    assert {"memory_key", "guess_number", "grid_nav", "scienceworld", "alfworld", "webshop"} <= set(list_envs())
+    with pytest.raises(KeyError, match="registered envs"):
+        make_env("no_such_env")
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_expert_solves_every_dev_task(name):
+    env = make_env(name)
+    assert isinstance(env, Env)
+    for task in builtin_task_list(name, "dev")[:30]:
+        actions, ret, info = play_expert(env, task)
+        assert ret == 1.0 and info["success"] and info["score"] == 1.0
+
+
+def test_expert_optimal_lengths():
+    env = make_env("memory_key")
+    actions, _, _ = play_expert(env, Task("memory_key", "memory_key", 3))
+    # seed 3: code 398, corridor of 3 rooms (random.Random(3)): 3 moves + 1 code entry
+    assert actions == ["go north"] * 3 + ["enter 398"]
+    env = make_env("guess_number")
+    actions, _, _ = play_expert(env, Task("guess_number", "guess_number", 3))
+    assert actions[0] == "guess 32" and len(actions) <= 7  # binary search over 64 values
+    env = make_env("grid_nav")
+    env.reset(Task("grid_nav", "grid_nav", 3))
+    dist = abs(env.goal[0] - env.pos[0]) + abs(env.goal[1] - env.pos[1])
+    actions, _, _ = play_expert(env, Task("grid_nav", "grid_nav", 3))
+    assert len(actions) == dist
+
+
+def test_memory_key_code_only_in_first_observation():
+    env = make_env("memory_key")
+    obs0, _ = env.reset(Task("memory_key", "memory_key", 3))
+    assert "3-9-8" in obs0
+    later = [env.step("go north")[0] for _ in range(3)]
+    assert not any("398" in o or "3-9-8" in o for o in later)
+    assert "398" not in env.prompt_pieces().task_description
+    obs, r, done, info = env.step("enter 123")
+    assert (r, done) == (0.0, False) and "wrong" in obs
+
+
+def test_deterministic_identical_copies():
+    a, b = make_env("grid_nav"), make_env("grid_nav")
+    t = Task("grid_nav", "grid_nav", 42)
+    assert a.reset(t)[0] == b.reset(t)[0]
+
+
+def test_invalid_format_step_counts_toward_limit_and_repeats_observation():
+    env = make_env("guess_number", max_steps=3)
+    obs0, _ = env.reset(Task("guess_number", "guess_number", 0))
+    obs, r, done, info = env.step(None)
+    assert (obs, r, done, info["invalid_format"], info["steps"]) == (obs0, 0.0, False, True, 1)
+    obs, r, done, info = env.step("hello there")  # format-valid but rejected by the env
+    assert info["invalid"] and not info["invalid_format"] and not done
+    obs, r, done, info = env.step(None)
+    assert done and info["truncated"] and info["steps"] == 3
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step("guess 1")
+    with pytest.raises(ValueError, match="for env"):
+        env.reset(Task("grid_nav", "grid_nav", 0))
+
+
+def test_splits_disjoint():
+    seeds = {s: {t.variation for t in builtin_task_list("grid_nav", s)} for s in ("train", "dev", "test")}
+    assert not (seeds["train"] & seeds["dev"]) and not (seeds["train"] & seeds["test"]) and not (seeds["dev"] & seeds["test"])
+
+
+def test_sampler_same_seed_same_sequence_and_exact_resume():
+    tasks = builtin_task_list("memory_key", "dev")  # 100 tasks
+    s1, s2 = TaskSampler(tasks, seed=7), TaskSampler(tasks, seed=7)
+    seq = s1.sample(150)  # crosses an epoch boundary
+    assert seq == s2.sample(150)
+    assert len(set(seq[:100])) == 100  # an epoch visits every task once
+    assert seq != TaskSampler(tasks, seed=8).sample(150)
+    s3 = TaskSampler(tasks, seed=7)
+    s3.sample(37)
+    state = json.loads(json.dumps(s3.get_state()))
+    s4 = TaskSampler(tasks, seed=0)
+    s4.set_state(state)
+    assert s4.sample(113) == seq[37:150]
+    with pytest.raises(ValueError, match="same env/split"):
+        TaskSampler(tasks[:10], seed=7).set_state(state)
+    with pytest.raises(ValueError):
+        TaskSampler([], seed=0)

@@ -1,0 +1,47 @@
+"""Action parsing table (method.md section 5; issue 4 tests)."""
+import pytest
+
+from envs_bridge.parsing import contains_cjk, parse_action
+
+LONG_THINK = "step " * 5000
+
+CASES = [
+    # (output, expected action, expected valid)
+    ("<think>go</think><action>open door</action>", "open door", True),
+    ("<think>x</think>\n<action>  Open Door To Kitchen </action>", "open door to kitchen", True),  # upper case, spaces
+    ("<THINK>x</THINK><ACTION>LOOK</ACTION>", "look", True),  # upper-case tags
+    ("<think>a</think><action>look</action><action>go north</action>", "look", True),  # first block wins
+    ("Sure! <think>a</think> some text <action>go north</action> trailing", "go north", True),  # extra text
+    ("<action>look</action>", None, False),  # missing think
+    ("<think>a</think>look around", None, False),  # missing action
+    ("<think>a</think><action>look", None, False),  # unclosed action
+    ("<think>a<action>look</action>", None, False),  # unclosed think
+    ("<think>a</think><action></action>", None, False),  # empty action
+    ("<think>a</think><action>   \n </action>", None, False),  # whitespace-only action
+    ("<think>a</think><action><action>go</action></action>", None, False),  # nested action tags
+    ("<think>去厨房</think><action>go to kitchen</action>", None, False),  # CJK in think
+    ("<think>a</think><action>打开门</action>", None, False),  # CJK in action
+    ("<think>a</think><action>look</action> 好的", None, False),  # CJK outside the blocks
+    ("<think>a</think><action>ｌｏｏｋ</action>", None, False),  # fullwidth forms count as CJK
+    ("", None, False),  # empty output
+    (f"<think>{LONG_THINK}</think><action>wait</action>", "wait", True),  # very long output
+    (f"<think>{LONG_THINK}", None, False),  # very long, truncated before any action
+    ("<think>a</think><action>move\n  apple 1\tto fridge 1</action>", "move apple 1 to fridge 1", True),
+    ("<think></think><action>click[Buy Now]</action>", "click[buy now]", True),  # empty think is allowed
+]
+
+
+@pytest.mark.parametrize("output,action,valid", CASES)
+def test_parse_table(output, action, valid):
+    got = parse_action(output)
+    assert (got.action, got.valid) == (action, valid)
+    assert (got.reason == "") == valid
+
+
+def test_table_size():
+    assert len(CASES) >= 15
+
+
+def test_think_body_and_cjk_detector():
+    assert parse_action("<think> plan A </think><action>go</action>").think == "plan A"
+    assert contains_cjk("カタカナ") and contains_cjk("한국어") and not contains_cjk("café naïve ü")
