@@ -112,3 +112,65 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict(dict(every=10, split="test", temperature=0.4, max_tasks=200))
     c.log = ml_collections.ConfigDict(dict(dump_trajectories=8))
     return c
+
+
+# Ablations of method.md section 2.9, selectable as variants (`--config=configs/x.py:vanilla`).
+ABLATIONS = {
+    "full": dict(diverse_sampling=True, self_judgment=True),
+    "vanilla": dict(diverse_sampling=False, self_judgment=False),   # plain hierarchy
+    "diverse": dict(diverse_sampling=True, self_judgment=False),    # + diverse sampling
+    "judgment": dict(diverse_sampling=False, self_judgment=True),   # + self-judgment
+}
+
+
+def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
+                  tiny_fn=None) -> ml_collections.ConfigDict:
+    """Apply a comma-separated variant string to a config, in order.
+
+    Tokens: ``tiny`` (the file's CPU smoke setting, via `tiny_fn`), an algo name
+    (``grpo``, ``gigpo``, ...), an ablation (``vanilla``, ``diverse``, ``judgment``, ``full``),
+    ``mean`` (plain mean instead of top-delta), ``matched`` (baselines get N*M episodes per task,
+    the StraTA episode budget), or ``key=value`` for any dotted field
+    (``tiny,grpo,optim.lr=1e-5``). Raises ValueError on an unknown token, naming the valid ones.
+    """
+    for token in [t.strip() for t in (arg or "").split(",") if t.strip()]:
+        if token == "tiny":
+            if tiny_fn is None:
+                raise ValueError("this config file has no `tiny` variant")
+            tiny_fn(c)
+        elif token in ALGOS:
+            c.algo = token
+        elif token in ABLATIONS:
+            c.rollout.update(ABLATIONS[token])
+        elif token == "mean":
+            c.adv.top_delta = 1.0
+        elif token == "matched":
+            c.rollout.group_size = c.rollout.num_strategies * c.rollout.episodes_per_strategy
+        elif "=" in token:
+            key, value = token.split("=", 1)
+            _set_dotted(c, key, value)
+        else:
+            raise ValueError(
+                f"unknown config variant {token!r}; use tiny, an algo {ALGOS}, an ablation "
+                f"{tuple(ABLATIONS)}, 'mean', 'matched' or key=value")
+    return c
+
+
+def _set_dotted(c: ml_collections.ConfigDict, key: str, value: str) -> None:
+    """Set ``a.b.c`` from a string, parsed with the type of the current value."""
+    *parents, leaf = key.split(".")
+    node = c
+    for p in parents:
+        node = node[p]
+    if leaf not in node:
+        raise ValueError(f"unknown config field {key!r}")
+    old = node[leaf]
+    if isinstance(old, bool):
+        parsed = value.lower() in ("1", "true", "yes", "on")
+    elif isinstance(old, (int, float)) and not isinstance(old, bool):
+        parsed = type(old)(float(value)) if isinstance(old, int) else float(value)
+    elif isinstance(old, tuple):
+        parsed = tuple(v for v in value.split("+") if v)
+    else:
+        parsed = value
+    node[leaf] = parsed
