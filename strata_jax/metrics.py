@@ -1,0 +1,109 @@
+"""Run logging: tensorboardX scalars, the same scalars as JSONL, trajectory dumps, progress line.
+
+One `MetricsWriter` per run directory (process 0 only on multi-host). Scalars go to
+TensorBoard (``<workdir>/tb``) and, one JSON object per iteration, to
+``<workdir>/metrics.jsonl`` so that curves can be plotted without TensorBoard. Sample
+trajectories (strategy, steps, verdict) go to ``<workdir>/trajectories.jsonl``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+
+def _to_float(v: Any) -> float | None:
+    try:
+        f = float(np.asarray(v))
+    except (TypeError, ValueError):
+        return None
+    return f
+
+
+class MetricsWriter:
+    """Writes scalars to tensorboardX and JSONL, trajectories to JSONL.
+
+    Args:
+      workdir: run directory (created).
+      enabled: False on non-zero hosts: every method becomes a no-op.
+      tensorboard: set False to skip tensorboardX (e.g. on images without it).
+    """
+
+    def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True) -> None:
+        self.workdir = workdir
+        self.enabled = enabled
+        self._tb = None
+        if not enabled:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+        self._scalars = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
+        self._trajs = open(os.path.join(workdir, "trajectories.jsonl"), "a", buffering=1)
+
+    def scalars(self, step: int, values: Mapping[str, Any]) -> dict[str, float]:
+        """Log a dict of scalars at `step`; non-numeric values are skipped, NaN kept as null.
+
+        Returns the floats that were written (tag -> value).
+        """
+        clean = {}
+        for k, v in values.items():
+            f = _to_float(v)
+            if f is not None:
+                clean[k] = f
+        if not self.enabled:
+            return clean
+        if self._tb is not None:
+            for k, f in clean.items():
+                self._tb.add_scalar(k, f, step)
+            self._tb.flush()
+        row = {"step": int(step), "time": time.time(),
+               **{k: (None if not math.isfinite(f) else f) for k, f in clean.items()}}
+        self._scalars.write(json.dumps(row) + "\n")
+        return clean
+
+    def trajectories(self, step: int, records: Iterable[Mapping[str, Any]]) -> None:
+        """Append trajectory records (JSON-able dicts) tagged with the iteration."""
+        if not self.enabled:
+            return
+        for r in records:
+            self._trajs.write(json.dumps({"step": int(step), **r}, default=str) + "\n")
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._tb is not None:
+            self._tb.close()
+        self._scalars.close()
+        self._trajs.close()
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """All rows of a JSONL file (the metrics or trajectory log)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Progress:
+    """A one-line console progress bar with ETA, updated once per iteration."""
+
+    def __init__(self, total: int, start: int = 0, stream=sys.stderr) -> None:
+        self.total, self.start, self.stream = total, start, stream
+        self.t0 = time.time()
+
+    def update(self, done: int, info: str = "") -> str:
+        n = done - self.start
+        elapsed = time.time() - self.t0
+        eta = elapsed / n * (self.total - done) if n > 0 else float("nan")
+        width = 24
+        filled = int(width * done / max(self.total, 1))
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} "
+                f"elapsed {elapsed:6.1f}s eta {eta:6.1f}s {info}")
+        print(line, file=self.stream, flush=True)
+        return line
