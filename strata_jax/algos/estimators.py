@@ -221,7 +221,9 @@ def gae(b: SampleBatch, c: EstimatorConfig, step=0):
 def stapo(b: SampleBatch, c: EstimatorConfig, step=0):
     """STAPO: GAE (gamma 1, lambda 0.95) over the trajectory-aware critic's values, whitened,
     then selective weights with the dropout-uncertainty bonus c_u * std(V) (method.md 4).
-    Metric row/value_targets = A_raw + V for the weighted value loss.
+    Metric row/value_targets = A_raw + V for the weighted value loss. Only step samples carry
+    a value, so strategy rows (if any) get advantage and weight 0. Out of scope (method.md 4):
+    the source's prioritised replay pool and weight-stratified batch sampling.
     """
     adv, targets, mask = _gae(b, c, c.stapo_gae_lambda, c.stapo_whiten)
     w, sm = stapo_weights(adv, mask, b.kind, b.value_std, c, step,
