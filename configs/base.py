@@ -62,7 +62,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     # --- Advantages / losses (method.md 2-4) ---------------------------------------------
     c.adv = ml_collections.ConfigDict()
     c.adv.eps = 1e-6
-    c.adv.std_ddof = 0             # StraTA pins 0; GRPO baseline uses 1
+    c.adv.std_ddof = None          # None = each estimator's pin (strata 0; grpo/gigpo/dapo 1)
     c.adv.norm_by_std = True
     c.adv.top_delta = 0.5          # delta; 1.0 = plain mean ablation
     c.adv.len_penalty = 0.5        # beta_len
@@ -165,7 +165,9 @@ def _set_dotted(c: ml_collections.ConfigDict, key: str, value: str) -> None:
     if leaf not in node:
         raise ValueError(f"unknown config field {key!r}")
     old = node[leaf]
-    if isinstance(old, bool):
+    if old is None:
+        parsed = _parse_literal(value)
+    elif isinstance(old, bool):
         parsed = value.lower() in ("1", "true", "yes", "on")
     elif isinstance(old, (int, float)) and not isinstance(old, bool):
         parsed = type(old)(float(value)) if isinstance(old, int) else float(value)
@@ -174,3 +176,15 @@ def _set_dotted(c: ml_collections.ConfigDict, key: str, value: str) -> None:
     else:
         parsed = value
     node[leaf] = parsed
+
+
+def _parse_literal(value: str):
+    """int, float, bool or string, in that order of preference (for fields that default to None)."""
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return value

@@ -53,7 +53,8 @@ def test_unknown_variant_and_field_are_clear_errors():
 
 def test_typed_key_value_parsing():
     c = base.apply_variant(base.get_base_config(),
-                           "rollout.self_judgment=false,env.max_steps=7,env.tasks=a+b")
+                           "rollout.self_judgment=false,env.max_steps=7,env.tasks=a+b,adv.std_ddof=1")
     assert c.rollout.self_judgment is False
     assert c.env.max_steps == 7 and isinstance(c.env.max_steps, int)
     assert c.env.tasks == ("a", "b")
+    assert c.adv.std_ddof == 1 and isinstance(c.adv.std_ddof, int)
