@@ -12,8 +12,9 @@ blocks until that cohort's outcomes are in. So the rollout can decode cohort B w
 cohort A's envs step. `reset` / `step` are the blocking forms. A finished (done or crashed)
 episode frees its slot; `run_episodes` plays any number of tasks in waves of
 `max_live_envs` (a paper-scale iteration has 512 episodes; one ScienceWorld JVM takes
-~250-330 MB with the default 384 MB heap cap, ~660 MB uncapped, so 512 live JVMs would
-not fit: bound the slots by memory / ~0.35 GB).
+~210-240 MB resident on short tasks with the default 384 MB heap cap (at most ~450 MB
+when a task fills the heap), ~660 MB uncapped, so 512 live JVMs would not fit: bound the
+slots by free memory / ~0.45 GB).
 
 Threads vs processes (measured with benchmarks/envs.py on a 2-core box, ScienceWorld)
 ------------------------------------------------------------------------------------
@@ -25,7 +26,11 @@ parallelism as processes without pickling, without a second Python interpreter p
 spawned worker process per slot, talking over a pipe; it isolates envs whose Python side
 holds the GIL for long (pure-Python simulators) or leaks memory, and a hung step is ended
 by killing the worker. Both backends have the same API and give identical transcripts.
-Numbers (steps/s, 1/2/4 workers) are in the benchmark script's output and the issue report.
+Measured (benchmarks/envs.py --steps 30, 2 cores shared with other jobs, load ~7, so noisy):
+single env 34 steps/s (5 with the valid-action list); pool thread 1/2/4 workers:
+39/23/27 steps/s (3.1/4.1/5.7 with valid actions); process: 39/25/24 (5.0/5.0/6.5). On 2
+cores the JVMs saturate the CPU, so neither backend scales past ~1 worker per core and the
+backends are equal within noise; threads win on memory and simplicity, hence the default.
 
 Failures
 --------

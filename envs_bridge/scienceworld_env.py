@@ -15,8 +15,9 @@ section 5, scienceworld_tasks.md).
   `fetch_valid_actions=True` (or on demand with `valid_actions()`).
 - JVM memory cap: the package constructor passes no JVM options, so `_launch()` starts the
   gateway itself with `-Xmx{jvm_max_heap_mb}m -XX:+UseSerialGC`. Measured resident memory
-  per JVM after a few tasks: ~660 MB uncapped, ~240 MB with -Xmx256m, ~250-330 MB with the
-  default 384 MB heap (the python side adds ~0 per env in the thread pool).
+  per JVM after a few tasks: ~660 MB uncapped, ~240 MB with -Xmx256m, ~210-240 MB with the
+  default 384 MB heap (bounded by ~450 MB; the python side adds little per env in the
+  thread pool, ~80-100 MB per worker process in the process pool).
 - Ambiguous commands ("Ambiguous request: Please enter the number ...") are answered with
   option 0; the choice is logged and returned in info["ambiguous_resolved"].
 """
