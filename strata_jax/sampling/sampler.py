@@ -103,19 +103,20 @@ def _prefill_prefixed(params: Params, p_tokens: jax.Array, p_positions: jax.Arra
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "n_out", "greedy", "use_top_k", "use_top_p"),
+    static_argnames=("config", "n_out", "greedy", "use_top_k", "use_top_p", "key_impl"),
     donate_argnames=("cache",))
-def _decode(params: Params, cache: KVCache, last_hidden: jax.Array, keys: jax.Array,
+def _decode(params: Params, cache: KVCache, last_hidden: jax.Array, key_data: jax.Array,
             next_position: jax.Array, active: jax.Array, max_new: jax.Array,
             stop_ids: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, *,
             config: Qwen2Config, n_out: int, greedy: bool, use_top_k: bool,
-            use_top_p: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, KVCache]:
+            use_top_p: bool, key_impl: str | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, KVCache]:
     """The decode loop.
 
     Args:
       cache: from a prefill, S = T + n_out slots, slots [0, T) hold the prompts (donated).
       last_hidden: [B, D] state after each row's last prompt token.
-      keys: [B] typed PRNG keys; step t uses ``fold_in(key, t)``.
+      key_data: [B, ...] uint32 raw key data of one PRNG key per row (impl ``key_impl``, None =
+        default); step t uses ``fold_in(key, t)``.
       next_position: [B] int32 RoPE position of the first generated token (prompt length).
       active: [B] bool, False for filler rows of the batch bucket (done from the start).
       max_new: int32 scalar in [1, n_out]. stop_ids: [n_stop] int32, -1 = unused slot.
@@ -127,6 +128,7 @@ def _decode(params: Params, cache: KVCache, last_hidden: jax.Array, keys: jax.Ar
       of copied once (the caller drops it).
     """
     b = last_hidden.shape[0]
+    keys = jax.random.wrap_key_data(key_data, impl=key_impl)
     start_slot = cache.max_len - n_out  # first free slot (static)
 
     def choose(hidden, step):
@@ -239,14 +241,22 @@ class Sampler:
     def _batch_bucket(self, n: int) -> int:
         return bucket(n, self.batch_floor, self._batch_multiple)
 
-    def _check_keys(self, keys: Any, n: int) -> jax.Array:
-        keys = jnp.asarray(keys) if not isinstance(keys, jax.Array) else keys
-        if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
-            keys = jax.random.wrap_key_data(keys)
-        if keys.ndim != 1 or keys.shape[0] != n:
-            raise ValueError(f"need one PRNG key per row: {n} rows, keys of shape {keys.shape} "
-                             f"(pass jax.random.split(key, n) or keys derived per row)")
-        return keys
+    def _check_keys(self, keys: Any, n: int) -> tuple[np.ndarray, str | None]:
+        """Per-row keys -> (raw key data [n, ...] uint32 on host, PRNG impl name or None).
+
+        Unwrapping on the host keeps the batch padding of keys out of eager jax ops, which
+        would compile a small program for every new row count.
+        """
+        impl = None
+        if isinstance(keys, jax.Array) and jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+            impl = str(jax.random.key_impl(keys))
+            keys = jax.random.key_data(keys)
+        raw = np.asarray(keys)
+        if raw.dtype != np.uint32 or raw.ndim != 2 or raw.shape[0] != n:
+            raise ValueError(f"need one PRNG key per row: {n} rows, keys of shape {raw.shape} "
+                             f"dtype {raw.dtype} (pass jax.random.split(key, n) or typed keys "
+                             f"derived per row)")
+        return raw, impl
 
     def _check_lengths(self, totals: Sequence[int], max_new: int, what: str) -> None:
         for i, n in enumerate(totals):
@@ -262,10 +272,11 @@ class Sampler:
                                lengths=np.zeros((n,), np.int32), stopped=np.zeros((n,), bool))
 
     def _run_decode(self, params: Params, cache: KVCache, last_hidden: jax.Array,
-                    keys: jax.Array, next_position: np.ndarray, n_rows: int, b: int,
-                    n_out: int, sampling: SamplingParams) -> GenerationBatch:
-        if b > n_rows:  # filler rows reuse row 0's key; their output is dropped
-            keys = jnp.concatenate([keys, jnp.broadcast_to(keys[:1], (b - n_rows,))])
+                    keys: tuple[np.ndarray, str | None], next_position: np.ndarray,
+                    n_rows: int, b: int, n_out: int, sampling: SamplingParams) -> GenerationBatch:
+        key_data, key_impl = keys
+        # Filler rows reuse row 0's key; their output is dropped.
+        key_data = np.concatenate([key_data, np.repeat(key_data[:1], b - n_rows, axis=0)])
         active = np.arange(b) < n_rows
         stop = sorted(set(sampling.stop_token_ids))
         stop_ids = np.full((bucket(len(stop), 8),), -1, np.int32)
@@ -273,14 +284,14 @@ class Sampler:
         vocab = self.config.vocab_size
         use_top_k = (not sampling.is_greedy) and 0 < sampling.top_k < vocab
         use_top_p = (not sampling.is_greedy) and sampling.top_p < 1.0
-        keys, next_position, active = self._put_rows(keys, next_position, active)
+        key_data, next_position, active = self._put_rows(key_data, next_position, active)
         with self._mesh_context():
-            out = _decode(params, cache, last_hidden, keys, next_position, active,
+            out = _decode(params, cache, last_hidden, key_data, next_position, active,
                           jnp.int32(sampling.max_new_tokens), jnp.asarray(stop_ids),
                           jnp.float32(sampling.temperature if not sampling.is_greedy else 1.0),
                           jnp.float32(sampling.top_p), jnp.int32(max(sampling.top_k, 1)),
                           config=self.config, n_out=n_out, greedy=sampling.is_greedy,
-                          use_top_k=use_top_k, use_top_p=use_top_p)
+                          use_top_k=use_top_k, use_top_p=use_top_p, key_impl=key_impl)
         tokens, logprobs, lengths, stopped = jax.device_get(out[:4])
         del out  # frees the cache
         m = sampling.max_new_tokens
