@@ -1,0 +1,124 @@
+"""Static (hashable, jit-static) trainer options read from the experiment config.
+
+`TrainConfig.from_config(c)` reads `c.optim`, `c.loss`, `c.adv`, `c.rollout.temperature`,
+`c.model.remat`, `c.algo` and the optional `c.train` sub-dict of ``configs/base.py``; fields the
+ConfigDict lacks keep the defaults below (method.md 2.8 / 3 / 4 pinned values).
+Source: method.md sections 2.7-2.8 (objective, optimiser), 3 (PPO critic), 4 (STAPO critic).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from strata_jax.algos.config import EstimatorConfig, LossConfig
+
+CRITIC_KINDS = ("auto", "none", "separate", "head")
+REMAT_POLICIES = ("none", "full", "dots")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything the update step needs besides arrays; hashable so jit can treat it as static.
+
+    Optimiser (c.optim): lr, critic_lr, weight_decay, grad_clip, warmup_steps (linear warmup in
+      optimizer steps), lr_schedule ("constant" | "cosine" to 0 at `decay_steps` optimizer steps),
+      ppo_epochs, mini_batch_size (step samples per optimizer step; strategy samples are spread
+      evenly over the mini-batches on top), micro_batch_size (rows per gradient-accumulation unit).
+    Model execution: remat ("none" | "full" | "dots": jax.checkpoint policy over the forward),
+      compute_dtype ("float32" | "bfloat16": params are cast for the forward, the optimizer keeps
+      the stored dtype), logprob_chunk (positions per LM-head chunk), temperature (train
+      temperature of pi_old / pi_theta, method.md 2.8), score_rows (rows per chunk of the
+      no-grad scoring passes; 0 = micro_batch_size).
+    Critic: critic ("auto": separate model for ppo/gae, value head on the policy trunk for stapo,
+      none otherwise), value_trunk_coef (STAPO: gradient of the value loss into the shared trunk
+      is scaled by this; 0 = head only), value_head_init_std (head weights ~ N(0, std^2 / D)),
+      dropout_passes K and dropout p (value uncertainty, method.md 4).
+    Sub-configs: loss (LossConfig), estimator (EstimatorConfig), algo (estimator registry name).
+    """
+
+    algo: str = "strata"
+    lr: float = 1e-6
+    critic_lr: float = 1e-5
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    decay_steps: int = 0
+    ppo_epochs: int = 1
+    mini_batch_size: int = 256
+    micro_batch_size: int = 8
+    remat: str = "none"
+    compute_dtype: str = "float32"
+    logprob_chunk: int = 64
+    temperature: float = 1.0
+    score_rows: int = 0
+    critic: str = "auto"
+    value_trunk_coef: float = 0.0
+    value_head_init_std: float = 0.1
+    dropout_passes: int = 4
+    dropout: float = 0.1
+    loss: LossConfig = LossConfig()
+    estimator: EstimatorConfig = EstimatorConfig()
+
+    def __post_init__(self) -> None:
+        if self.critic not in CRITIC_KINDS:
+            raise ValueError(f"train.critic must be one of {CRITIC_KINDS}, got {self.critic!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"train.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"train.lr_schedule must be one of {LR_SCHEDULES}, "
+                             f"got {self.lr_schedule!r}")
+        if self.lr_schedule == "cosine" and self.decay_steps <= 0:
+            raise ValueError("lr_schedule 'cosine' needs train.decay_steps > 0 (optimizer steps)")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+        if self.mini_batch_size < 1 or self.micro_batch_size < 1 or self.ppo_epochs < 1:
+            raise ValueError("mini_batch_size, micro_batch_size and ppo_epochs must be >= 1")
+        if self.dropout_passes < 1 or not 0.0 <= self.dropout < 1.0:
+            raise ValueError("dropout_passes must be >= 1 and dropout in [0, 1)")
+
+    @property
+    def critic_kind(self) -> str:
+        """"separate" (PPO / GAE), "head" (STAPO) or "none", resolving "auto" from `algo`."""
+        if self.critic != "auto":
+            return self.critic
+        if self.algo in ("ppo", "gae"):
+            return "separate"
+        if self.algo == "stapo":
+            return "head"
+        return "none"
+
+    @classmethod
+    def from_config(cls, c: Any, **overrides) -> "TrainConfig":
+        """Build from the experiment ConfigDict of ``configs/base.py`` (unknown keys ignored).
+
+        Reads c.algo, c.optim.*, c.loss.* (LossConfig), c.adv.* (EstimatorConfig),
+        c.rollout.temperature, c.model.remat (True -> "dots"), c.adv.stapo_dropout(_passes),
+        and any field of this class under c.train (which wins).
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        v: dict[str, Any] = {"algo": c.algo}
+        optim = c.get("optim", {}) or {}
+        for k in ("lr", "critic_lr", "weight_decay", "grad_clip", "warmup_steps", "ppo_epochs",
+                  "mini_batch_size", "micro_batch_size"):
+            if k in optim:
+                v[k] = optim[k]
+        if "rollout" in c and "temperature" in c.rollout:
+            v["temperature"] = float(c.rollout.temperature)
+        if "model" in c and "remat" in c.model:
+            v["remat"] = "dots" if c.model.remat is True else ("none" if c.model.remat is False
+                                                                else str(c.model.remat))
+        adv = c.get("adv", None)
+        if adv is not None:
+            if "stapo_dropout_passes" in adv:
+                v["dropout_passes"] = int(adv.stapo_dropout_passes)
+            if "stapo_dropout" in adv:
+                v["dropout"] = float(adv.stapo_dropout)
+        v["loss"] = LossConfig.from_config(c.get("loss", None))
+        v["estimator"] = EstimatorConfig.from_config(adv)
+        for k, val in (c.get("train", None) or {}).items():
+            if k in names:
+                v[k] = val
+        v.update(overrides)
+        return cls(**v)

@@ -1,0 +1,92 @@
+"""Run the decoder over prompt ++ response and score the response tokens.
+
+A `SampleBatch` row holds a LEFT-padded prompt [Tp] and a RIGHT-padded response [Tr]; their
+concatenation has pads only at both ends, so RoPE positions are ``cumsum(mask) - 1`` and the
+state at concatenated column Tp - 1 + j predicts response token j. Logprobs / entropies are
+computed by ``token_logprobs_and_entropy`` on the response span only, in chunks (never
+B x T x V logits). Used by the old-logprob pass (pi_old is the trainer's own recomputation at the
+train temperature, method.md 3), the reference pass and the loss.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from strata_jax.models import Qwen2Config, forward, token_logprobs_and_entropy
+
+Params = dict[str, Any]
+
+
+def sequence_inputs(prompt_ids: jax.Array, prompt_mask: jax.Array, response_ids: jax.Array,
+                    response_mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """tokens, mask, positions [B, Tp + Tr] (int32, bool, int32) of prompt ++ response.
+
+    Positions count real tokens only (cumsum(mask) - 1, clipped at 0), so left padding and the
+    response's right padding take no RoPE positions (method.md 6: per-row positions).
+    """
+    tokens = jnp.concatenate([prompt_ids, response_ids], axis=1).astype(jnp.int32)
+    mask = jnp.concatenate([prompt_mask, response_mask], axis=1).astype(bool)
+    positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+    return tokens, mask, positions
+
+
+def cast_params(params: Params, dtype: str) -> Params:
+    """Floating leaves cast to `dtype` ("float32" | "bfloat16"); gradients flow through the cast."""
+    dt = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    return jax.tree.map(lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+                        params)
+
+
+def _forward_fn(remat: str):
+    if remat == "none":
+        return forward
+    # "full" recomputes the whole forward in the backward pass; "dots" keeps the weight matmul
+    # outputs (no batch dims) and recomputes the cheap elementwise work (maxtext's usual policy).
+    policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if remat == "dots"
+              else jax.checkpoint_policies.nothing_saveable)
+    return jax.checkpoint(forward, policy=policy, static_argnums=(1,))
+
+
+def response_states(params: Params, model: Qwen2Config, prompt_ids: jax.Array,
+                    prompt_mask: jax.Array, response_ids: jax.Array, response_mask: jax.Array,
+                    *, remat: str = "none", compute_dtype: str = "float32"
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Hidden states that score the response, and the state at the last response token.
+
+    Args:
+      params, model: the decoder. prompt_ids/prompt_mask [B, Tp] (left-padded),
+      response_ids/response_mask [B, Tr] (right-padded); remat: "none" | "full" | "dots";
+      compute_dtype: params are cast to it for the forward.
+    Returns:
+      hidden [B, Tr, D]: hidden[:, j] is the state whose next-token distribution scores
+        response token j (concatenated column Tp - 1 + j).
+      last [B, D] f32: h_t = final hidden state at the last response token (column
+        Tp - 1 + n_b, n_b = response length of row b; the last prompt token when n_b = 0).
+        This is where the value head reads (method.md 4).
+    """
+    p = cast_params(params, compute_dtype)
+    tokens, mask, positions = sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    hidden, _ = _forward_fn(remat)(p, model, tokens, positions, mask)
+    tp, tr = prompt_ids.shape[1], response_ids.shape[1]
+    resp = jax.lax.slice_in_dim(hidden, tp - 1, tp - 1 + tr, axis=1)
+    n = jnp.sum(response_mask.astype(jnp.int32), axis=1)
+    last = jnp.take_along_axis(hidden, (tp - 1 + n)[:, None, None], axis=1)[:, 0]
+    return resp, last.astype(jnp.float32)
+
+
+def response_logprobs(params: Params, model: Qwen2Config, hidden: jax.Array,
+                      response_ids: jax.Array, response_mask: jax.Array, *,
+                      temperature: float = 1.0, chunk_size: int = 64,
+                      compute_dtype: str = "float32") -> tuple[jax.Array, jax.Array]:
+    """Per-token logprob and entropy [B, Tr] f32 of the response tokens (0 off the mask).
+
+    logprob = log_softmax(logits / temperature)[token] (no top-p / top-k renormalisation,
+    method.md 3); chunked over Tr by `token_logprobs_and_entropy`.
+    """
+    p = cast_params(params, compute_dtype)
+    lp, ent = token_logprobs_and_entropy(p, model, hidden, response_ids.astype(jnp.int32),
+                                         temperature=temperature, chunk_size=chunk_size)
+    m = response_mask.astype(bool)
+    return jnp.where(m, lp, 0.0), jnp.where(m, ent, 0.0)

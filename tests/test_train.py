@@ -1,0 +1,173 @@
+"""Trainer update: logprob direction, skipped non-finite steps, exact gradient accumulation,
+sharded step == single-device step, mini-batch plan, scoring pass."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from strata_jax.algos import KIND_ACTION, KIND_STRATEGY
+from strata_jax.models import forward, init_params, token_logprobs_and_entropy
+from strata_jax.training import (Trainer, accumulate_grads, minibatch_plan, pad_rows,
+                                 tree_to_numpy)
+from strata_jax.training.update import gather_rows
+from tests.trainer_fixtures import TINY, grpo_records, make_batch, train_config
+
+
+@pytest.fixture(scope="module")
+def setup():
+    params = init_params(TINY, jax.random.PRNGKey(0))
+    trainer = Trainer(TINY, train_config())
+    state = trainer.init_state(params, jax.random.PRNGKey(1))
+    return params, trainer, state
+
+
+def _reference_logprobs(params, batch):
+    """Per-token response logprobs by a direct, unchunked computation (one row at a time)."""
+    out = np.zeros(batch.response_ids.shape, np.float32)
+    for r in range(batch.num_rows):
+        p = batch.prompt_ids[r][batch.prompt_mask[r]]
+        n = int(batch.response_mask[r].sum())
+        seq = np.concatenate([p, batch.response_ids[r][:n]])[None]
+        pos = np.arange(seq.shape[1])[None]
+        h, _ = forward(params, TINY, jnp.asarray(seq), jnp.asarray(pos),
+                       jnp.ones(seq.shape, bool))
+        lp, _ = token_logprobs_and_entropy(params, TINY, h[:, :-1], jnp.asarray(seq[:, 1:]))
+        out[r, :n] = np.asarray(lp[0, len(p) - 1:])
+    return out
+
+
+def test_score_pass_matches_direct_logprobs(setup):
+    params, trainer, state = setup
+    batch = make_batch(grpo_records(n_tasks=1, per_task=3))
+    scored = trainer.score(state, batch, params, jax.random.PRNGKey(0))
+    want = _reference_logprobs(params, batch)
+    np.testing.assert_allclose(np.asarray(scored.old_logprobs), want, atol=2e-5)
+    # Reference = initial params = current params here.
+    np.testing.assert_allclose(np.asarray(scored.ref_logprobs), want, atol=2e-5)
+    assert np.all(np.asarray(scored.old_logprobs)[~batch.response_mask] == 0)
+
+
+def test_update_moves_logprobs_with_advantage_sign(setup):
+    params, trainer, state = setup
+    # Task 0: returns 1, 0, 1, 0 -> rows 0, 2 positive advantage, rows 1, 3 negative.
+    batch = make_batch(grpo_records(n_tasks=1, per_task=4, scores=[1, 0, 1, 0], seed=3,
+                                    resp_len=(3, 5)))
+    before = np.asarray(trainer.score(state, batch, params, jax.random.PRNGKey(0)).old_logprobs)
+    new, metrics = trainer.update(state, batch, ref_params=params)
+    after = np.asarray(trainer.score(new, batch, params, jax.random.PRNGKey(0)).old_logprobs)
+    assert metrics["skipped_steps"] == 0 and metrics["optimizer_steps"] == 1
+    assert int(new.step) == 1
+    delta = after - before
+    m = batch.response_mask
+    for r in (0, 2):   # every generated token of a positive-advantage row went up
+        assert np.all(delta[r][m[r]] > 1e-4), delta[r][m[r]]
+    for r in (1, 3):   # ... and of a negative-advantage row went down
+        assert np.all(delta[r][m[r]] < -1e-4), delta[r][m[r]]
+
+
+def test_nan_advantage_skips_step(setup):
+    params, trainer, state = setup
+    batch = make_batch(grpo_records(n_tasks=1, per_task=4))
+    scored = trainer.score(state, batch, params, jax.random.PRNGKey(0))
+    adv = jnp.asarray([1.0, -1.0, np.nan, 0.5, 0, 0, 0, 0], jnp.float32)
+    w = scored.valid.astype(jnp.float32)
+    before = tree_to_numpy(state)
+    new, steps = trainer.train_on_batch(state, scored, adv, w, jnp.zeros_like(adv),
+                                        jax.random.PRNGKey(2))
+    assert len(steps) == 1 and float(steps[0]["skipped"]) == 1.0
+    assert not np.isfinite(float(steps[0]["grad_norm"]))
+    after = tree_to_numpy(new)
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(a, b)   # params and optimizer state bit-identical
+    # The same advantages without the NaN are applied.
+    adv_ok = jnp.nan_to_num(adv)
+    new2, steps2 = trainer.train_on_batch(state, scored, adv_ok, w, jnp.zeros_like(adv),
+                                          jax.random.PRNGKey(2))
+    assert float(steps2[0]["skipped"]) == 0.0
+    assert not np.array_equal(np.asarray(new2.params["embed"]), before.params["embed"])
+
+
+def test_nan_score_through_update_is_skipped(setup):
+    params, trainer, state = setup
+    recs = grpo_records(n_tasks=1, per_task=4)
+    recs[1]["score"] = float("nan")     # the estimator's group statistics turn NaN
+    new, metrics = trainer.update(state, make_batch(recs), ref_params=params)
+    assert metrics["skipped_steps"] == 1
+    np.testing.assert_array_equal(np.asarray(new.params["layers"][0]["q_proj"]),
+                                  np.asarray(state.params["layers"][0]["q_proj"]))
+    assert int(new.step) == 1   # the iteration still counts
+
+
+def test_grad_accumulation_4_micro_equals_full_batch(setup):
+    params, trainer, state = setup
+    # 16 rows incl. 2 strategy rows (both levels normalised over the whole mini-batch).
+    recs = grpo_records(n_tasks=2, per_task=7, scores=[1, 0, 0, 1, 1, 0, 1] * 2, seed=5,
+                        strategies=2)
+    batch = make_batch(recs)
+    assert batch.num_rows == 16
+    scored = trainer.score(state, batch, params, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    adv = jnp.asarray(rng.normal(size=16).astype(np.float32))
+    w = scored.valid.astype(jnp.float32)
+    # Perturb the policy so ratios, clipping and the KL term are all active.
+    p = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(7), x.shape),
+                     params)
+    cfg4 = trainer.cfg                       # micro 4 -> 4 micro-batches
+    cfg16 = dataclasses.replace(cfg4, micro_batch_size=16)
+    l4, g4, _, m4 = accumulate_grads(p, {}, scored, adv, w, adv, model=TINY, cfg=cfg4)
+    l16, g16, _, m16 = accumulate_grads(p, {}, scored, adv, w, adv, model=TINY, cfg=cfg16)
+    assert float(m4["clip_frac"]) > 0 and float(m4["kl"]) > 0
+    assert abs(float(m16["loss/strategy"])) > 0
+    np.testing.assert_allclose(float(l4), float(l16), rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g4), jax.tree.leaves(g16)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    for k in ("clip_frac", "kl", "loss/action", "loss/strategy", "entropy"):
+        np.testing.assert_allclose(float(m4[k]), float(m16[k]), rtol=1e-5, atol=1e-6)
+
+
+def test_minibatch_plan_spreads_strategies():
+    valid = np.ones(20, bool)
+    valid[18:] = False
+    kind = np.full(20, KIND_ACTION)
+    kind[[1, 5, 9, 13]] = KIND_STRATEGY    # 4 strategy rows, 14 valid step rows
+    plan = minibatch_plan(valid, kind, mini_batch_size=5, row_multiple=4,
+                          rng=np.random.default_rng(0))
+    assert len(plan) == 3                  # ceil(14 / 5)
+    seen = np.concatenate([idx[real] for idx, real in plan])
+    assert sorted(seen.tolist()) == list(range(18))   # every valid row exactly once
+    n_strat = [int(np.sum(kind[idx[real]] == KIND_STRATEGY)) for idx, real in plan]
+    n_act = [int(np.sum(kind[idx[real]] == KIND_ACTION)) for idx, real in plan]
+    assert sorted(n_strat) == [1, 1, 2] and sorted(n_act) == [4, 5, 5]
+    assert {idx.size for idx, _ in plan} == {8}   # 5 + ceil(4/3) = 7 -> multiple of 4
+
+
+def test_pad_rows_marks_padding_invalid():
+    batch = make_batch(grpo_records(n_tasks=1, per_task=3))
+    padded = pad_rows(batch, 12)
+    assert padded.num_rows == 12
+    assert not padded.valid[8:].any() and (padded.task_id[8:] == -1).all()
+
+
+def test_sharded_update_equals_single_device(setup):
+    from strata_jax.sharding import make_mesh
+    params, trainer, state = setup
+    batch = make_batch(grpo_records(seed=11))
+    single, m1 = trainer.update(state, batch, ref_params=params)
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    sharded_trainer = Trainer(TINY, trainer.cfg, mesh=mesh)
+    s_state = sharded_trainer.init_state(params, jax.random.PRNGKey(1))
+    q = s_state.params["layers"][0]["q_proj"]
+    assert len(q.sharding.device_set) == 8 and q.sharding.spec == PartitionSpec("tensor", "fsdp")
+    mu = s_state.opt_state[1][0].mu["layers"][0]["q_proj"]
+    assert mu.sharding.spec == q.sharding.spec     # Adam moments sharded like their params
+    sharded, m8 = sharded_trainer.update(s_state, batch, ref_params=params)
+    assert sharded.params["layers"][0]["q_proj"].sharding.spec == q.sharding.spec
+    for a, b in zip(jax.tree.leaves(tree_to_numpy(sharded.params)),
+                    jax.tree.leaves(tree_to_numpy(single.params))):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+    np.testing.assert_allclose(m8["train/loss"], m1["train/loss"], rtol=1e-4, atol=1e-6)
