@@ -135,8 +135,9 @@ class Qwen2Config:
             "use_sliding_window": False,
             "sliding_window": None,
             "attention_dropout": 0.0,
-            "bos_token_id": 151643,
-            "eos_token_id": 151645,
+            # Qwen2.5's <|endoftext|> / <|im_end|>, only when the vocabulary has them.
+            "bos_token_id": 151643 if self.vocab_size > 151643 else None,
+            "eos_token_id": 151645 if self.vocab_size > 151645 else None,
         }
 
     @property
