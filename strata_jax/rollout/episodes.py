@@ -1,0 +1,346 @@
+"""The step loop: episodes of many tasks played on the env pool, decoding overlapped with env
+stepping (method.md sections 1, 3 and 7; design.md "Envs step in parallel workers while the
+device decodes").
+
+Cohorts. The live episodes are split into ``cohorts`` groups (default 2) that take turns:
+a cohort's turn is (1) collect its outstanding env tickets, (2) one batched policy call over
+its live episodes (one sampler call per step per cohort), (3) submit the parsed actions to
+the pool without waiting (`EnvPool.submit`), (4) start new episodes on free slots
+(`submit_reset`). While cohort A's envs step, cohort B decodes, and vice versa. Each cohort
+holds at most ceil(max_live_envs / cohorts) episodes; more episodes start as earlier ones end.
+
+Per step: the prompt is rebuilt from the task, the strategy (StraTA), the history window and
+the current observation (`PromptBuilder.step_prompt`); the output is parsed with
+`envs_bridge.parse_action`; a format-invalid output (or one cut at the token limit) is not
+sent to the simulator: the pool gets ``None`` (the env counts the step, returns the same
+observation, reward 0) and the next prompt shows a short notice.
+
+Keys: step t of episode (task_uid, strategy_id, trajectory_id) samples with
+``row_keys(key, (PURPOSE_ACTION, task_uid, strategy_id, trajectory_id, t))``, independent of
+the cohort, batch row or host.
+
+Timing: every policy call and every env ticket is recorded as an `Interval` (env tickets from
+submit to the moment their last request finished, via future callbacks); `LoopStats` gives
+the wall time and the fraction of it the loop spent blocked in `EnvPool.collect`.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import math
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from envs_bridge.base import PromptPieces, Task
+from envs_bridge.parsing import parse_action
+from envs_bridge.pool import EnvPool, StepOutcome, Ticket
+from strata_jax.rollout.keys import PURPOSE_ACTION, row_keys
+from strata_jax.rollout.policy import Policy
+from strata_jax.rollout.prompts import (HistoryEntry, PromptBuilder, PromptIds,
+                                        invalid_history_action)
+from strata_jax.sampling import FINISH_STOP, Generation, SamplingParams
+
+
+def anchor_hash(observation: str) -> int:
+    """GiGPO anchor id of a raw observation: the first 31 bits of its blake2b digest (>= 0,
+    so it never collides with the PAD_ID -1 of padding rows). Same on every host."""
+    digest = hashlib.blake2b(observation.encode("utf-8"), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def decode_generation(tokenizer: Any, gen: Generation) -> str:
+    """Text of a generation without its stop token (the ids themselves are kept as they are)."""
+    ids = gen.token_ids[:-1] if gen.finish_reason == FINISH_STOP else gen.token_ids
+    return tokenizer.decode([int(i) for i in ids])
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeSpec:
+    """One episode to play.
+
+    Attributes:
+      task: the env task (M / G copies of one task are identical).
+      task_uid: global task id in this iteration (the SampleBatch task_id).
+      strategy_id: which kept strategy of the task (0 without StraTA).
+      trajectory_id: episode index inside the task (strategy_id * M + j for StraTA).
+      strategy: z shown in every step prompt, or None.
+    """
+
+    task: Task
+    task_uid: int
+    strategy_id: int
+    trajectory_id: int
+    strategy: str | None = None
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One step of one episode.
+
+    Attributes:
+      prompt: the prompt ids the policy saw (prefix + suffix).
+      generation: the policy's output (sampler token ids incl. stop token, logprobs).
+      output_text: decoded output (stop token removed).
+      action: the action sent to the env, or None when `invalid` (nothing sent).
+      invalid: the output failed the action format or hit the token limit.
+      observation: the raw observation the step acted on (anchor state).
+      reward: env reward of the step; info: the env's step info.
+    """
+
+    prompt: PromptIds
+    generation: Generation
+    output_text: str
+    action: str | None
+    invalid: bool
+    observation: str
+    reward: float = 0.0
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """A played episode, with texts for logs and dumps.
+
+    Attributes:
+      spec: what was played. steps: one `StepRecord` per env step (invalid ones included).
+      observations: reset observation, then one per step.
+      pieces: the prompt pieces at reset (task description, role name).
+      done / crashed / error / success: how it ended (crashed episodes are masked out of the
+        loss). verdict / bad_steps: the self-judgment output and its 1-based bad steps.
+    """
+
+    spec: EpisodeSpec
+    steps: list[StepRecord] = dataclasses.field(default_factory=list)
+    observations: list[str] = dataclasses.field(default_factory=list)
+    pieces: PromptPieces | None = None
+    done: bool = False
+    crashed: bool = False
+    error: str = ""
+    success: bool = False
+    verdict: str | None = None
+    bad_steps: tuple[int, ...] = ()
+    # loop state
+    episode_id: int = -1
+    current_pieces: PromptPieces | None = None
+    history: list[HistoryEntry] = dataclasses.field(default_factory=list)
+
+    @property
+    def episode_return(self) -> float:
+        """Sum of the step rewards ([0,1]-scale units, method.md 2.4)."""
+        return float(sum(s.reward for s in self.steps))
+
+
+@dataclasses.dataclass
+class Interval:
+    """A recorded period: kind "sampler" (a policy call), "env" (a step ticket in flight) or
+    "reset" (a reset ticket in flight); cohort index; perf_counter start / end seconds."""
+
+    kind: str
+    cohort: int
+    start: float
+    end: float
+    rows: int = 0
+
+
+@dataclasses.dataclass
+class LoopStats:
+    """Timing of one `run_episodes` call (seconds, time.perf_counter based)."""
+
+    wall_s: float = 0.0
+    env_wait_s: float = 0.0
+    sampler_s: float = 0.0
+    sampler_calls: int = 0
+    intervals: list[Interval] = dataclasses.field(default_factory=list)
+
+    @property
+    def env_wait_frac(self) -> float:
+        """Fraction of the loop's wall time spent blocked waiting on envs."""
+        return self.env_wait_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def prompt_pieces_for(pool: EnvPool, outcome: StepOutcome, fallback_env: str) -> PromptPieces:
+    """The env's prompt pieces now: from the live env (thread backend), else from the info
+    dict (task_description, admissible_actions; no templates)."""
+    if pool.backend == "thread":
+        try:
+            return pool.env_for(outcome.episode_id).prompt_pieces()
+        except RuntimeError:
+            pass
+    adm = outcome.info.get("admissible_actions")
+    return PromptPieces(fallback_env, str(outcome.info.get("task_description", "")),
+                        (), tuple(adm) if adm is not None else None)
+
+
+@dataclasses.dataclass
+class _Cohort:
+    live: list[int] = dataclasses.field(default_factory=list)
+    step_ticket: Ticket | None = None
+    step_rows: list[int] = dataclasses.field(default_factory=list)
+    reset_ticket: Ticket | None = None
+    reset_rows: list[int] = dataclasses.field(default_factory=list)
+
+
+class _Loop:
+    def __init__(self, policy: Policy, pool: EnvPool, builder: PromptBuilder,
+                 specs: Sequence[EpisodeSpec], key: Any, sampling: SamplingParams,
+                 cohorts: int, invalid_tail_chars: int) -> None:
+        self.policy, self.pool, self.builder = policy, pool, builder
+        self.key, self.sampling = key, sampling
+        self.trajs = [Trajectory(s) for s in specs]
+        self.n_cohorts = max(1, int(cohorts))
+        self.cap = max(1, math.ceil(pool.max_live_envs / self.n_cohorts))
+        self.tail = invalid_tail_chars
+        self.stats = LoopStats()
+        self._lock = threading.Lock()
+
+    # -- timing helpers
+    def _track(self, ticket: Ticket, kind: str, cohort: int) -> None:
+        iv = Interval(kind, cohort, ticket.submitted_at, ticket.submitted_at, len(ticket.episode_ids))
+        self.stats.intervals.append(iv)
+
+        def done(_f: Any) -> None:
+            now = time.perf_counter()
+            with self._lock:
+                iv.end = max(iv.end, now)
+
+        for f in ticket.futures:
+            f.add_done_callback(done)
+
+    def _collect(self, ticket: Ticket) -> list[StepOutcome]:
+        t0 = time.perf_counter()
+        outs = self.pool.collect(ticket)
+        self.stats.env_wait_s += time.perf_counter() - t0
+        return outs
+
+    # -- turn pieces
+    def _on_reset(self, c: _Cohort) -> None:
+        outs = self._collect(c.reset_ticket)
+        for i, out in zip(c.reset_rows, outs):
+            tr = self.trajs[i]
+            tr.episode_id = out.episode_id
+            tr.observations.append(out.observation)
+            if out.crashed or out.done:
+                tr.done, tr.crashed, tr.error = True, out.crashed, out.error
+                continue
+            tr.pieces = tr.current_pieces = prompt_pieces_for(self.pool, out, tr.spec.task.env)
+            c.live.append(i)
+        c.reset_ticket, c.reset_rows = None, []
+
+    def _on_step(self, c: _Cohort) -> None:
+        outs = self._collect(c.step_ticket)
+        for i, out in zip(c.step_rows, outs):
+            tr = self.trajs[i]
+            step = tr.steps[-1]
+            step.reward, step.info = float(out.reward), dict(out.info)
+            tr.observations.append(out.observation)
+            tr.history.append(HistoryEntry(
+                step.observation, step.action if step.action is not None
+                else invalid_history_action(step.output_text, self.tail)))
+            if out.crashed:
+                tr.crashed, tr.error = True, out.error
+            if out.done:
+                tr.done = True
+                tr.success = bool(out.info.get("success", False)) and not out.crashed
+                c.live.remove(i)
+            else:
+                tr.current_pieces = prompt_pieces_for(self.pool, out, tr.current_pieces.environment)
+        c.step_ticket, c.step_rows = None, []
+
+    def _decode_and_submit(self, c: _Cohort, ci: int) -> None:
+        rows = list(c.live)
+        prompts, ids = [], []
+        for i in rows:
+            tr = self.trajs[i]
+            last_invalid = bool(tr.steps) and tr.steps[-1].invalid
+            prompts.append(self.builder.step_prompt(tr.current_pieces, tr.observations[-1],
+                                                    tr.history, tr.spec.strategy, last_invalid))
+            s = tr.spec
+            ids.append((PURPOSE_ACTION, s.task_uid, s.strategy_id, s.trajectory_id, len(tr.steps)))
+        prefixes, index = dedupe_prefixes(prompts)
+        keys = row_keys(self.key, ids)
+        t0 = time.perf_counter()
+        gens = self.policy.generate(prefixes, index, [p.suffix_ids for p in prompts],
+                                    self.sampling, keys)
+        t1 = time.perf_counter()
+        self.stats.intervals.append(Interval("sampler", ci, t0, t1, len(rows)))
+        self.stats.sampler_s += t1 - t0
+        self.stats.sampler_calls += 1
+        actions: list[str | None] = []
+        for b, i in enumerate(rows):
+            tr = self.trajs[i]
+            gen = gens[b]
+            text = decode_generation(self.builder.tokenizer, gen)
+            parsed = parse_action(text)
+            invalid = (not parsed.valid) or gen.finish_reason != FINISH_STOP
+            action = None if invalid else parsed.action
+            tr.steps.append(StepRecord(prompts[b], gen, text, action, invalid, tr.observations[-1]))
+            actions.append(action)
+        c.step_ticket = self.pool.submit([self.trajs[i].episode_id for i in rows], actions)
+        c.step_rows = rows
+        self._track(c.step_ticket, "env", ci)
+
+    def _admit(self, c: _Cohort, ci: int, pending: collections.deque) -> None:
+        room = min(self.pool.num_free, self.cap - len(c.live) - len(c.reset_rows))
+        if not pending or room <= 0 or c.reset_ticket is not None:
+            return
+        rows = [pending.popleft() for _ in range(min(room, len(pending)))]
+        c.reset_ticket = self.pool.submit_reset([self.trajs[i].spec.task for i in rows])
+        c.reset_rows = rows
+        self._track(c.reset_ticket, "reset", ci)
+
+    def run(self) -> tuple[list[Trajectory], LoopStats]:
+        t_start = time.perf_counter()
+        pending = collections.deque(range(len(self.trajs)))
+        cohorts = [_Cohort() for _ in range(self.n_cohorts)]
+        while True:
+            busy = False
+            for ci, c in enumerate(cohorts):
+                if c.step_ticket is not None:
+                    self._on_step(c)
+                if c.reset_ticket is not None:
+                    self._on_reset(c)
+                if c.live:
+                    self._decode_and_submit(c, ci)
+                self._admit(c, ci, pending)
+                busy |= bool(c.live or c.step_ticket or c.reset_ticket)
+            if not busy and not pending:
+                break
+            if not busy and self.pool.num_free == 0:
+                raise RuntimeError("env pool has no free slot and no episode of this rollout is "
+                                   "live: release or finish the pool's other episodes first")
+        self.stats.wall_s = time.perf_counter() - t_start
+        return self.trajs, self.stats
+
+
+def dedupe_prefixes(prompts: Sequence[PromptIds]) -> tuple[list[tuple[int, ...]], list[int]]:
+    """Unique prefixes (first-seen order) and each prompt's index into them."""
+    table: dict[tuple[int, ...], int] = {}
+    index = []
+    for p in prompts:
+        index.append(table.setdefault(p.prefix_ids, len(table)))
+    return list(table), index
+
+
+def run_episodes(policy: Policy, pool: EnvPool, builder: PromptBuilder,
+                 specs: Sequence[EpisodeSpec], *, key: Any, sampling: SamplingParams,
+                 cohorts: int = 2, invalid_tail_chars: int = 30) -> tuple[list[Trajectory], LoopStats]:
+    """Play every episode to the end (done, step limit or crash).
+
+    Args:
+      policy: a `Policy`. pool: an `EnvPool` for the specs' env (its slots should be free).
+      builder: the `PromptBuilder` (history window, budget; history_length=None = cumulative).
+      specs: the episodes, in a fixed order (task-major); they start in this order.
+      key: the iteration's base PRNG key (see `keys.row_keys`).
+      sampling: action sampling params (max_new_tokens = max action tokens, stop ids set).
+      cohorts: cohorts alternating between the policy and the pool (1 = no overlap).
+      invalid_tail_chars: chars of an invalid output shown in the history.
+    Returns:
+      (trajectories in spec order, `LoopStats`).
+    Raises:
+      RuntimeError when the pool has no free slot for any episode.
+    """
+    return _Loop(policy, pool, builder, specs, key, sampling, cohorts, invalid_tail_chars).run()

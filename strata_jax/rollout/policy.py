@@ -1,0 +1,94 @@
+"""The policy side of the rollout: a small protocol and its implementation on the Sampler.
+
+The rollout needs two things from the policy: batched generation over shared-prefix rows and
+strategy embeddings for farthest-point selection (method.md 2.3). `Policy` is that protocol;
+`SamplerPolicy` implements it on `strata_jax.sampling.Sampler` + params;
+`strata_jax.rollout.scripted.ScriptedPolicy` is the scripted test double.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax.models import Qwen2Config, forward
+from strata_jax.sampling import GenerationBatch, Sampler, SamplingParams, bucket
+from strata_jax.sampling.packing import as_id_lists, pack_left
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What the rollout calls. Row b's prompt is ``prefixes[prefix_index[b]] + suffixes[b]``."""
+
+    def generate(self, prefixes: Sequence[Sequence[int]], prefix_index: Sequence[int],
+                 suffixes: Sequence[Sequence[int]], sampling: SamplingParams,
+                 keys: np.ndarray) -> GenerationBatch:
+        """One batched generation: keys are uint32 [B, 2] raw PRNG key data, one per row.
+        Returns the sampler's `GenerationBatch` (ids incl. the stop token, logprobs)."""
+
+    def embed(self, token_lists: Sequence[Sequence[int]]) -> np.ndarray:
+        """[n, D] float32 embeddings of token lists (strategies) for FPS."""
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _mean_hidden(params: Any, tokens: jax.Array, positions: jax.Array, mask: jax.Array, *,
+                 config: Qwen2Config) -> jax.Array:
+    """Mean of the final hidden states over the real tokens: [B, T] -> [B, D] float32."""
+    hidden, _ = forward(params, config, tokens, positions, mask)
+    m = mask.astype(jnp.float32)[..., None]
+    return jnp.sum(hidden.astype(jnp.float32) * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
+
+
+class SamplerPolicy:
+    """`Policy` on the KV-cache sampler and the current policy params.
+
+    Args:
+      sampler: a `Sampler` for the policy's config (and mesh).
+      params: the policy params (placed for the sampler's mesh); replace with `set_params`
+        after each update.
+      embed_batch: rows per embedding forward (bounds memory; lengths are bucketed).
+    The embedding is the default of method.md 2.3: the policy's final hidden states (after the
+    final RMSNorm) mean-pooled over the given tokens (the strategy's generated tokens without
+    the stop token, run without the prompt).
+    """
+
+    def __init__(self, sampler: Sampler, params: Any, embed_batch: int = 64) -> None:
+        self.sampler = sampler
+        self.params = params
+        self.embed_batch = int(embed_batch)
+
+    def set_params(self, params: Any) -> None:
+        """Use new policy params for the next rollout."""
+        self.params = params
+
+    def generate(self, prefixes: Sequence[Sequence[int]], prefix_index: Sequence[int],
+                 suffixes: Sequence[Sequence[int]], sampling: SamplingParams,
+                 keys: np.ndarray) -> GenerationBatch:
+        """`Sampler.generate_with_prefixes` with this policy's params (see `Policy`)."""
+        return self.sampler.generate_with_prefixes(self.params, prefixes, prefix_index, suffixes,
+                                                   sampling, keys)
+
+    def embed(self, token_lists: Sequence[Sequence[int]]) -> np.ndarray:
+        """Mean-pooled final hidden states, [n, D] float32. An empty list embeds to zeros.
+
+        Raises ValueError on ids outside the vocabulary."""
+        cfg = self.sampler.config
+        rows = as_id_lists(token_lists, "strategy", cfg.vocab_size, allow_empty=True)
+        out = np.zeros((len(rows), cfg.hidden_size), np.float32)
+        for start in range(0, len(rows), self.embed_batch):
+            chunk = [(i, r) for i, r in enumerate(rows[start:start + self.embed_batch], start)
+                     if len(r)]
+            if not chunk:
+                continue
+            t = bucket(max(len(r) for _, r in chunk), self.sampler.length_floor)
+            b = bucket(len(chunk), 1)
+            packed = pack_left([r for _, r in chunk], t, b)
+            emb = _mean_hidden(self.params, jnp.asarray(packed.tokens),
+                               jnp.asarray(packed.positions), jnp.asarray(packed.mask), config=cfg)
+            emb = np.asarray(jax.device_get(emb))
+            for j, (i, _) in enumerate(chunk):
+                out[i] = emb[j]
+        return out

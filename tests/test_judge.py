@@ -1,0 +1,23 @@
+"""Self-judgment verdict parsing -> judge flags."""
+from __future__ import annotations
+
+import numpy as np
+
+from strata_jax.rollout import judge_flags, parse_bad_steps
+
+
+def test_parse_bad_steps():
+    assert parse_bad_steps("<think>..</think><bad_steps>1, 4</bad_steps>", 5) == (1, 4)
+    assert parse_bad_steps("<BAD_STEPS> 4,1 4\n2 </bad_steps>", 5) == (1, 2, 4)
+    assert parse_bad_steps("<bad_steps>0, 3, 6, 12</bad_steps>", 5) == (3,)   # outside [1, T] dropped
+    assert parse_bad_steps("<bad_steps>None</bad_steps>", 5) == ()
+    assert parse_bad_steps("<bad_steps>2</bad_steps> <bad_steps>3</bad_steps>", 5) == (2,)
+    for bad in ("steps 1 and 2", "<bad_steps>1, two</bad_steps>", "<bad_steps>1, 2",
+                "<bad_steps>-1</bad_steps>", "<bad_steps>1.5</bad_steps>",
+                "<bad_steps>第1步</bad_steps>", "<bad_steps></bad_steps>"):
+        assert parse_bad_steps(bad, 5) == (), bad
+
+
+def test_judge_flags():
+    np.testing.assert_array_equal(judge_flags((1, 4), 5), [True, False, False, True, False])
+    np.testing.assert_array_equal(judge_flags((), 3), [False] * 3)
