@@ -125,11 +125,13 @@ def forced_output_params(config, tokenizer, text: str, seed: int = 0):
     k = len(vocab)
     d, dh = config.hidden_size, config.head_dim
     assert 2 * k < d and config.num_layers == 1 and config.num_heads == 1 and config.num_kv_heads == 1
-    p = jax.tree.map(np.asarray, init_params(config, jax.random.key(seed)))
-    p = jax.tree.map(np.array, p)
+    import dataclasses
+    # random layer weights from a small-vocab twin (the embedding and head are replaced below)
+    small = dataclasses.replace(config, vocab_size=8, tie_word_embeddings=False)
+    p = jax.tree.map(np.array, init_params(small, jax.random.key(seed)))
     rng = np.random.default_rng(seed)
     emb = np.zeros((config.vocab_size, d), np.float32)
-    emb[:, 2 * k:] = rng.normal(size=(config.vocab_size, d - 2 * k))
+    emb[:, 2 * k:] = rng.standard_normal((config.vocab_size, d - 2 * k), np.float32)
     emb[vocab] = 0.0
     for t in vocab:
         emb[t, slot[t]] = 1.0

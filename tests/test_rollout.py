@@ -1,0 +1,253 @@
+"""Rollout orchestration with a scripted policy on built-in envs (exact batch contents), key
+independence from placement, the flat / cumulative / DAPO modes, and env-decode overlap from
+recorded intervals."""
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from envs_bridge import EnvPool, Task
+from strata_jax.algos.batch import KIND_ACTION, KIND_STRATEGY, PAD_ID
+from strata_jax.models import load_tokenizer
+from strata_jax.rollout import (PromptBuilder, RolloutConfig, ScriptedPolicy, anchor_hash,
+                                collect_rollout, dapo_rollout)
+from strata_jax.rollout.keys import base_key_data
+from strata_jax.rollout.prompts import INVALID_NOTICE
+from strata_jax.rollout.scripted import SCRIPTED_LOGPROB
+from tests import rollout_fixtures as fx
+
+KEY = jax.random.key(11)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def _texts(tok, batch, i):
+    m = batch.response_mask[i]
+    return tok.decode(batch.prompt_ids[i][batch.prompt_mask[i]]), tok.decode(batch.response_ids[i][m])
+
+
+def test_strata_scripted_exact_batch(tok):
+    fx.SENT_ACTIONS.clear()
+    n, m = 2, 2
+    cfg = RolloutConfig(mode="strata", num_strategies=n, episodes_per_strategy=m, oversample=2,
+                        cohorts=2)
+    tasks = [Task("memory_key_logged", "memory_key", v) for v in (3, 8)]
+    policy = ScriptedPolicy(tok, fx.MemoryKeyScript())
+    with EnvPool("memory_key_logged", {"max_steps": 10}, max_live_envs=3) as pool:
+        res = collect_rollout(policy, pool, PromptBuilder(tok, 2048), tasks, key=KEY, config=cfg,
+                              task_uid_start=5)
+    b = res.batch
+    codes = {5: fx.memory_key_code(3), 6: fx.memory_key_code(8)}
+    seed = [int(x) for x in base_key_data(KEY)]
+
+    # ---- strategy stage: 4 candidates [A, fail, B, A]; FPS over {0, 2, 3}; first from the rng
+    assert len(res.strategies) == 2
+    for g in res.strategies:
+        assert [c.format_fail for c in g.checks] == [False, True, False, False]
+        first = [0, 2, 3][int(np.random.default_rng(seed + [g.task_uid]).integers(3))]
+        assert g.kept == {0: [0, 2], 2: [2, 0], 3: [3, 2]}[first]
+    strat_rows = np.flatnonzero(b.kind == KIND_STRATEGY)
+    assert len(strat_rows) == 4  # only the N kept strategies of each task are trained
+    for r in strat_rows:
+        g = res.strategies[int(b.task_id[r]) - 5]
+        c = g.kept[int(b.strategy_id[r])]
+        prompt, resp = _texts(tok, b, r)
+        assert resp == g.candidates[c] + "<|im_end|>"
+        assert "<strategy></strategy>" in prompt and "vault code" in prompt
+        assert b.strategy_len[r] == len(tok.encode(g.checks[c].text)) and not b.format_fail[r]
+        assert b.trajectory_id[r] == n * m + b.strategy_id[r] and b.valid[r]
+    assert res.stats["rollout/candidate_format_fail_frac"] == 0.25
+
+    # ---- episodes: N x M per task, ids, rewards, invalid / judge flags
+    assert len(res.trajectories) == 2 * n * m
+    by_key = {}
+    for tr in res.trajectories:
+        s = tr.spec
+        by_key[(s.task_uid, s.strategy_id, s.trajectory_id)] = tr
+    assert sorted(by_key) == [(u, i, i * m + j) for u in (5, 6) for i in range(n) for j in range(m)]
+    act = np.flatnonzero((b.kind == KIND_ACTION) & b.valid)
+    assert len(act) == sum(len(t.steps) for t in res.trajectories) == len(res.records) - 4
+    sent = 0
+    for tr in res.trajectories:
+        code = codes[tr.spec.task_uid]
+        variant_b = "variant B" in tr.spec.strategy
+        rows = [r for r in act if (b.task_id[r], b.trajectory_id[r]) ==
+                (tr.spec.task_uid, tr.spec.trajectory_id)]
+        steps = len(rows)
+        assert [int(b.step_index[r]) for r in rows] == list(range(steps))
+        assert tr.success and tr.episode_return == 1.0
+        expected_actions = [None] * variant_b + ["go north"] * (steps - 1 - variant_b) + [f"enter {code}"]
+        assert [s.action for s in tr.steps] == expected_actions
+        sent += steps - variant_b
+        for t, r in enumerate(rows):
+            st = tr.steps[t]
+            assert b.score[r] == 1.0 and b.step_reward[r] == (1.0 if t == steps - 1 else 0.0)
+            assert b.invalid[r] == (variant_b and t == 0)
+            assert b.judge_flag[r] == (t == 0)  # verdict "<bad_steps>1, 99</bad_steps>"
+            assert b.strategy_id[r] == tr.spec.strategy_id
+            assert b.anchor_id[r] == anchor_hash(st.observation)
+            prompt, resp = _texts(tok, b, r)
+            # ids are exactly the policy's: prompt = prefix + suffix, response = generation
+            np.testing.assert_array_equal(b.prompt_ids[r][b.prompt_mask[r]], st.prompt.ids)
+            np.testing.assert_array_equal(b.response_ids[r][b.response_mask[r]], st.generation.token_ids)
+            np.testing.assert_array_equal(b.sampler_logprobs[r][b.response_mask[r]], SCRIPTED_LOGPROB)
+            assert not b.sampler_logprobs[r][~b.response_mask[r]].any()
+            assert resp == st.output_text + "<|im_end|>"
+            # observation tokens are in the prompt, never in the response mask
+            assert st.observation in prompt and st.observation not in resp
+            assert ("Your strategy for this task:\n" + tr.spec.strategy) in prompt
+        if variant_b:  # the invalid step is not sent; the next prompt shows the same obs + notice
+            p1, _ = _texts(tok, b, rows[1])
+            assert INVALID_NOTICE in p1 and tr.steps[1].observation == tr.steps[0].observation
+            assert b.anchor_id[rows[0]] == b.anchor_id[rows[1]]
+            assert 'your output ended with: "I am not sure what to do"' in p1
+        assert tr.verdict == "<think>step 1 was wasted</think><bad_steps>1, 99</bad_steps>"
+    # only format-valid actions reached the simulators
+    assert len(fx.SENT_ACTIONS) == sent
+    assert all(a == "go north" or a.startswith("enter ") for _, a in fx.SENT_ACTIONS)
+    # padding rows
+    pad = ~b.valid
+    assert (b.task_id[pad] == PAD_ID).all() and not b.response_mask[pad].any()
+    assert b.num_rows % 8 == 0 and b.num_rows >= len(res.records)
+    # judge calls are greedy, one per trajectory
+    greedy_calls = [c for c in policy.calls if c[3]]
+    assert len(greedy_calls) == 1 and greedy_calls[0][2] == 2 * n * m
+    assert res.dump()[0]["steps"][0]["judge_flag"] is True
+
+
+def _random_walker(prompt: str, key: np.ndarray) -> str:
+    """A key-driven policy: picks an admissible grid move from the row key (or an invalid reply)."""
+    acts = re.findall(r"Admissible actions: \[(.*)\]", prompt)[-1].split(", ")
+    r = int(key[0]) ^ int(key[1])
+    if r % 7 == 0:
+        return "no idea"
+    return f"<think>r={r % 100}</think><action>{acts[r % len(acts)]}</action>"
+
+
+@pytest.mark.parametrize("mode", ["flat", "strata"])
+def test_rows_do_not_depend_on_placement(tok, mode):
+    """Same key + ids -> identical batch, whatever the cohorts and the pool size."""
+    tasks = [Task("grid_nav", "grid_nav", v) for v in (1, 2)]
+    batches = []
+    for cohorts, slots in ((1, 8), (2, 3), (3, 5)):
+        cfg = RolloutConfig(mode=mode, group_size=3, num_strategies=1, episodes_per_strategy=3,
+                            oversample=2, self_judgment=False, cohorts=cohorts)
+        with EnvPool("grid_nav", {"max_steps": 5}, max_live_envs=slots) as pool:
+            res = collect_rollout(ScriptedPolicy(tok, _random_walker), pool,
+                                  PromptBuilder(tok, 2048), tasks, key=KEY, config=cfg)
+        batches.append(res.batch)
+    for other in batches[1:]:
+        for f in ("prompt_ids", "response_ids", "task_id", "trajectory_id", "step_index",
+                  "invalid", "score", "anchor_id", "kind"):
+            np.testing.assert_array_equal(getattr(batches[0], f), getattr(other, f), err_msg=f)
+    assert batches[0].invalid.any() and not batches[0].invalid.all()
+
+
+def test_flat_and_cumulative_modes(tok):
+    tasks = [Task("grid_nav", "grid_nav", v) for v in (4, 5)]
+    cfg = RolloutConfig(mode="flat", group_size=3, cohorts=2)
+    with EnvPool("grid_nav", {"max_steps": 4}, max_live_envs=4) as pool:
+        res = collect_rollout(ScriptedPolicy(tok, _random_walker), pool,
+                              PromptBuilder(tok, 4096, history_length=None), tasks, key=KEY,
+                              config=cfg)
+    b = res.batch
+    assert not (b.kind == KIND_STRATEGY).any() and not res.strategies
+    assert (b.strategy_id[b.valid] == 0).all() and not b.judge_flag.any()
+    assert sorted({(int(t), int(j)) for t, j in zip(b.task_id[b.valid], b.trajectory_id[b.valid])}) \
+        == [(t, j) for t in (0, 1) for j in range(3)]
+    for tr in res.trajectories:
+        assert tr.verdict is None and tr.spec.strategy is None
+        last = tr.steps[-1].prompt.text
+        # cumulative: every earlier step is in the last prompt; the response holds none of it
+        for t, st in enumerate(tr.steps[:-1], start=1):
+            assert f"[Step {t}] Observation: {st.observation}" in last
+        assert "Your strategy" not in last
+        for st in tr.steps:
+            assert st.observation not in st.output_text
+
+
+def test_dapo_refill(tok):
+    """grid_nav tasks whose episodes all return the same are dropped and refilled."""
+    # the expert move, except that a key-chosen third of the steps are wasted: some groups
+    # end with unequal returns, others (all won / all lost) are dropped
+    def respond(prompt: str, key: np.ndarray) -> str:
+        pos = re.findall(r"You are at \((\d), (\d)\)\. The goal is at \((\d), (\d)\)", prompt)[-1]
+        x, y, gx, gy = map(int, pos)
+        a = "go east" if gx > x else "go west" if gx < x else "go north" if gy > y else "go south"
+        if int(key[0]) % 3 == 0:  # sometimes waste the episode -> unequal returns
+            return "<think>wait</think><action>look</action>"
+        return f"<think>go</think><action>{a}</action>"
+
+    counter = iter(range(100))
+
+    def sample_tasks(k: int):
+        return [Task("grid_nav", "grid_nav", next(counter)) for _ in range(k)]
+
+    cfg = RolloutConfig(mode="flat", group_size=4, tasks_per_batch=3, dapo_max_tries=3)
+    with EnvPool("grid_nav", {"max_steps": 3}, max_live_envs=4) as pool:
+        res = dapo_rollout(ScriptedPolicy(tok, respond), pool, PromptBuilder(tok, 2048), sample_tasks,
+                           key=KEY, config=cfg)
+    groups = {}
+    for tr in res.trajectories:
+        groups.setdefault(tr.spec.task_uid, []).append(tr.episode_return)
+    tries = int(res.stats["dapo/tries"])
+    assert 1 <= tries <= 3 and res.stats["dapo/kept_groups"] == len(groups) <= 3
+    informative = [max(r) > min(r) for r in groups.values()]
+    if tries < 3:  # stopped early: 3 informative groups were found
+        assert len(groups) == 3 and all(informative)
+    assert res.stats["dapo/rolled_out_groups"] > len(groups) or all(informative)
+    uids = sorted(groups)
+    assert len(set(uids)) == len(uids)  # uids keep counting across tries
+    assert set(np.unique(res.batch.task_id[res.batch.valid])) == set(uids)
+
+
+def test_dapo_last_try_keeps_all(tok):
+    """A policy that never wins: no group is informative, so the last try keeps every group."""
+    counter = iter(range(100))
+    cfg = RolloutConfig(mode="flat", group_size=2, tasks_per_batch=2, dapo_max_tries=2)
+    with EnvPool("grid_nav", {"max_steps": 2}, max_live_envs=4) as pool:
+        res = dapo_rollout(ScriptedPolicy(tok, lambda p, k: "<think>x</think><action>look</action>"),
+                           pool, PromptBuilder(tok, 2048),
+                           lambda k: [Task("grid_nav", "grid_nav", next(counter)) for _ in range(k)],
+                           key=KEY, config=cfg)
+    assert res.stats["dapo/tries"] == 2 and res.stats["dapo/rolled_out_groups"] == 4
+    # the last try rolled out tasks uid 2, 3 and kept both
+    assert sorted({tr.spec.task_uid for tr in res.trajectories}) == [2, 3]
+
+
+def _overlapping_calls(res):
+    """(policy calls, the calls during which some env ticket of ANOTHER cohort was in flight,
+    the calls during which any env ticket was in flight)."""
+    sampler = [iv for iv in res.intervals if iv.kind == "sampler"]
+    env = [iv for iv in res.intervals if iv.kind == "env"]
+    during = lambda s, e: e.start < s.end and s.start < e.end  # noqa: E731
+    return (sampler, [s for s in sampler if any(e.cohort != s.cohort and during(s, e) for e in env)],
+            [s for s in sampler if any(during(s, e) for e in env)])
+
+
+def test_env_steps_overlap_decoding(tok):
+    """Two cohorts: one cohort's env steps are in flight during the other's policy calls;
+    with one cohort they never are."""
+    out = {}
+    for cohorts in (1, 2):
+        policy = ScriptedPolicy(tok, _random_walker, delay_s=0.03)
+        cfg = RolloutConfig(mode="flat", group_size=4, cohorts=cohorts)
+        with EnvPool("slow_grid", {"max_steps": 4, "delay_s": 0.06}, max_live_envs=4) as pool:
+            out[cohorts] = collect_rollout(policy, pool, PromptBuilder(tok, 2048),
+                                           [Task("slow_grid", "grid_nav", 7)], key=KEY, config=cfg)
+    sampler, overlapped, _ = _overlapping_calls(out[2])
+    assert {iv.cohort for iv in sampler} == {0, 1} and all(iv.rows <= 2 for iv in sampler)
+    assert len(overlapped) >= len(sampler) // 2
+    # one policy call per step per cohort
+    assert out[2].stats["time/sampler_calls"] == len(sampler) == \
+        sum(max(len(t.steps) for t in out[2].trajectories if t.spec.trajectory_id // 2 == c) for c in (0, 1))
+    sampler1, _, any1 = _overlapping_calls(out[1])
+    assert any1 == [] and sampler1[0].rows == 4
+    for r in out.values():
+        assert 0.0 < r.stats["time/env_wait_frac"] < 1.0

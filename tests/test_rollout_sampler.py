@@ -1,0 +1,106 @@
+"""The rollout through the REAL sampler: `SamplerPolicy` (shared-prefix generation, mean-pooled
+embeddings) and a StraTA iteration on real ScienceWorld with a tiny model whose outputs are
+forced to a valid action text by its weights (tests/rollout_fixtures.forced_output_params)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from envs_bridge import EnvPool, Task, parse_action
+from strata_jax.algos.batch import KIND_ACTION, KIND_STRATEGY
+from strata_jax.models import Qwen2Config, forward, init_params, load_tokenizer
+from strata_jax.rollout import (PromptBuilder, RolloutConfig, SamplerPolicy, collect_rollout,
+                                row_keys)
+from strata_jax.sampling import Sampler, SamplingParams
+from tests import rollout_fixtures as fx
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def forced():
+    cfg = Qwen2Config(**fx.FORCED_CONFIG)
+    params = fx.forced_output_params(cfg, load_tokenizer(), fx.FORCED_TEXT)
+    return cfg, params
+
+
+def test_sampler_policy_embed_is_mean_of_final_hidden():
+    cfg = Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    params = init_params(cfg, jax.random.key(0))
+    pol = SamplerPolicy(Sampler(cfg, max_cache_len=128), params, embed_batch=2)
+    rows = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 1, 2], [], [1, 2, 3]]
+    emb = pol.embed(rows)  # chunks of 2 rows, left padded to 16 tokens
+    assert emb.shape == (4, 32) and not emb[2].any()
+    ref = jax.jit(lambda p, ids: forward(p, cfg, ids, jnp.arange(ids.shape[1])[None],
+                                         jnp.ones(ids.shape, bool))[0])
+    for i in (0, 1, 3):
+        h = ref(params, jnp.asarray([rows[i]], jnp.int32))
+        np.testing.assert_allclose(emb[i], np.asarray(h[0]).mean(0), rtol=2e-5, atol=2e-5)
+    assert not np.allclose(emb[0], emb[3])
+
+
+def test_forced_model_through_sampler(tok, forced):
+    """The forced fixture emits the text greedily and when sampling, after any chat prompt."""
+    cfg, params = forced
+    pol = SamplerPolicy(Sampler(cfg, max_cache_len=1024), params)
+    b = PromptBuilder(tok, 512)
+    from envs_bridge import PromptPieces
+    p = b.step_prompt(PromptPieces("ScienceWorld", "Boil water."), "You are in the hallway.", [])
+    q = b.strategy_prompt(PromptPieces("ScienceWorld", "Boil water."), "Hall.")
+    for temp in (0.0, 1.0):
+        g = pol.generate([p.prefix_ids, q.prefix_ids], [0, 1], [p.suffix_ids, q.suffix_ids],
+                         SamplingParams(temperature=temp, max_new_tokens=32,
+                                        stop_token_ids=(151643, 151645)),
+                         row_keys(0, [(1,), (2,)]))
+        for r in g:
+            assert r.finish_reason == "stop"
+            assert tok.decode(r.token_ids) == fx.FORCED_TEXT + "<|im_end|>"
+
+
+@pytest.mark.slow
+def test_strata_iteration_on_scienceworld(tok, forced):
+    cfg, params = forced
+    policy = SamplerPolicy(Sampler(cfg, max_cache_len=4096), params)
+    rc = RolloutConfig(mode="strata", num_strategies=1, episodes_per_strategy=2, oversample=2,
+                       max_action_tokens=32, max_strategy_tokens=32, max_judge_tokens=32,
+                       cohorts=2)
+    task = Task("scienceworld", "boil", 0, "train")
+    with EnvPool("scienceworld", {"max_steps": 2}, max_live_envs=2, reset_timeout_s=300) as pool:
+        res = collect_rollout(policy, pool, PromptBuilder(tok, 2048), [task],
+                              key=jax.random.key(1), config=rc)
+    b = res.batch
+    # strategy stage: both candidates are the forced action text -> format failures, one kept as fill
+    (g,) = res.strategies
+    assert [c.format_fail for c in g.checks] == [True, True] and len(g.kept) == 1
+    srow = int(np.flatnonzero(b.kind == KIND_STRATEGY)[0])
+    assert b.format_fail[srow] and "Valid action templates:" in tok.decode(
+        b.prompt_ids[srow][b.prompt_mask[srow]])
+    # episodes: 2 x 2 steps of "look around" sent to the real simulator
+    assert len(res.trajectories) == 2
+    rows = np.flatnonzero((b.kind == KIND_ACTION) & b.valid)
+    assert len(rows) == 4
+    for tr in res.trajectories:
+        assert not tr.crashed and len(tr.steps) == 2
+        for st in tr.steps:
+            assert st.action == "look around" and not st.invalid
+            assert st.info["invalid"] is False  # the simulator accepted it
+        assert "This room is called the" in tr.observations[-1]
+        assert tr.verdict == fx.FORCED_TEXT and tr.bad_steps == ()  # unparsable verdict
+    for r in rows:
+        resp = b.response_ids[r][b.response_mask[r]]
+        tr = next(t for t in res.trajectories if t.spec.trajectory_id == b.trajectory_id[r])
+        st = tr.steps[int(b.step_index[r])]
+        np.testing.assert_array_equal(resp, st.generation.token_ids)
+        np.testing.assert_allclose(b.sampler_logprobs[r][b.response_mask[r]], st.generation.logprobs)
+        assert resp[-1] == 151645  # <|im_end|> kept
+        # the batch's token ids decode to the text whose action was sent to the env
+        assert parse_action(tok.decode(resp[:-1])).action == st.action
+        prompt = tok.decode(b.prompt_ids[r][b.prompt_mask[r]])
+        assert st.observation in prompt and st.observation not in tok.decode(resp)
+        assert not b.judge_flag[r] and not b.invalid[r]
