@@ -251,3 +251,21 @@ def test_env_steps_overlap_decoding(tok):
     assert any1 == [] and sampler1[0].rows == 4
     for r in out.values():
         assert 0.0 < r.stats["time/env_wait_frac"] < 1.0
+
+
+def test_config_from_base(tok):
+    from configs.base import get_base_config
+    c = get_base_config()
+    rc = RolloutConfig.from_config(c)
+    assert (rc.mode, rc.num_strategies, rc.episodes_per_strategy, rc.oversample, rc.cohorts) == \
+        ("strata", 4, 8, 8, 2)
+    assert rc.max_strategy_tokens == 512 and rc.max_judge_tokens == 256 and not rc.dapo_refill
+    c.algo = "dapo"
+    assert RolloutConfig.from_config(c).mode == "flat" and RolloutConfig.from_config(c).dapo_refill
+    from strata_jax.rollout import make_prompt_builder
+    assert make_prompt_builder(tok, c).history_length == 2
+    c.rollout.cumulative_prompts = True
+    b = make_prompt_builder(tok, c)
+    assert b.history_length is None and b.max_prompt_tokens == 4096
+    with pytest.raises(ValueError, match="mode"):
+        RolloutConfig(mode="tree")
