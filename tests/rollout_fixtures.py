@@ -45,7 +45,18 @@ class SlowGridEnv(GridNavEnv):
         return super()._step(action)
 
 
-for _cls in (LoggedMemoryKeyEnv, SlowGridEnv):
+class CrashyGridEnv(GridNavEnv):
+    """grid_nav whose simulator dies on `go west` (the pool turns that into a crashed episode)."""
+
+    name = "crashy_grid"
+
+    def _step(self, action):
+        if action == "go west":
+            raise RuntimeError("simulated simulator crash")
+        return super()._step(action)
+
+
+for _cls in (LoggedMemoryKeyEnv, SlowGridEnv, CrashyGridEnv):
     if _cls.name not in _FACTORIES:
         register_env(_cls.name, _cls)
 

@@ -269,3 +269,24 @@ def test_config_from_base(tok):
     assert b.history_length is None and b.max_prompt_tokens == 4096
     with pytest.raises(ValueError, match="mode"):
         RolloutConfig(mode="tree")
+
+
+def test_crashed_episodes_are_masked(tok):
+    def respond(prompt: str, key: np.ndarray) -> str:
+        a = ["go north", "go west", "go east"][int(key[0]) % 3]
+        return f"<think>k</think><action>{a}</action>"
+
+    cfg = RolloutConfig(mode="flat", group_size=6, cohorts=2)
+    with EnvPool("crashy_grid", {"max_steps": 3}, max_live_envs=6) as pool:
+        res = collect_rollout(ScriptedPolicy(tok, respond), pool, PromptBuilder(tok, 2048),
+                              [Task("crashy_grid", "grid_nav", 0)], key=KEY, config=cfg)
+    b = res.batch
+    crashed = [tr for tr in res.trajectories if tr.crashed]
+    alive = [tr for tr in res.trajectories if not tr.crashed]
+    assert crashed and alive and res.stats["rollout/crashed_episodes"] == len(crashed)
+    for tr in res.trajectories:
+        rows = np.flatnonzero(b.trajectory_id == tr.spec.trajectory_id)
+        assert len(rows) == len(tr.steps)  # kept in the batch for logging...
+        assert (b.valid[rows] == (not tr.crashed)).all()  # ...but masked out of the loss
+        if tr.crashed:
+            assert tr.steps[-1].action == "go west" and "simulated simulator crash" in tr.error
