@@ -107,6 +107,16 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.optim.mini_batch_size = 256  # step samples per optimizer step
     c.optim.micro_batch_size = 8   # gradient accumulation unit
 
+    # --- Trainer execution (strata_jax.training.TrainConfig; c.optim / c.loss hold the math) --
+    c.train = ml_collections.ConfigDict()
+    c.train.compute_dtype = "float32"  # "bfloat16": forward/backward in bf16, fp32 master params
+    c.train.critic = "auto"        # auto: separate critic for ppo, value head on the trunk for stapo
+    c.train.value_trunk_coef = 0.0  # STAPO: value-loss gradient into the shared trunk (0 = head only)
+    c.train.lr_schedule = "constant"  # constant | cosine (to 0 at decay_steps optimizer steps)
+    c.train.decay_steps = 0
+    c.train.logprob_chunk = 64     # response positions per LM-head chunk (peak B x chunk x V)
+    c.train.score_rows = 0         # rows per chunk of the no-grad scoring passes (0 = micro batch)
+
     # --- Checkpoints, eval, logging -------------------------------------------------------
     c.ckpt = ml_collections.ConfigDict(dict(every=10, keep=3))
     c.eval = ml_collections.ConfigDict(dict(every=10, split="test", temperature=0.4, max_tasks=200))

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from strata_jax.algos import KIND_ACTION, KIND_STRATEGY
-from strata_jax.models import forward, init_params, token_logprobs_and_entropy
+from strata_jax.models import forward, init_params, logits_from_hidden
 from strata_jax.training import (Trainer, accumulate_grads, minibatch_plan, pad_rows,
                                  tree_to_numpy)
 from strata_jax.training.update import gather_rows
@@ -27,17 +27,32 @@ def setup():
 
 
 def _reference_logprobs(params, batch):
-    """Per-token response logprobs by a direct, unchunked computation (one row at a time)."""
-    out = np.zeros(batch.response_ids.shape, np.float32)
-    for r in range(batch.num_rows):
+    """Per-token response logprobs by a direct, unchunked computation: each row's unpadded
+    prompt ++ response (right-padded to one length, positions 0..n-1), full logits, log_softmax."""
+    n_rows, tr = batch.response_ids.shape
+    seqs = []
+    for r in range(n_rows):
         p = batch.prompt_ids[r][batch.prompt_mask[r]]
-        n = int(batch.response_mask[r].sum())
-        seq = np.concatenate([p, batch.response_ids[r][:n]])[None]
-        pos = np.arange(seq.shape[1])[None]
-        h, _ = forward(params, TINY, jnp.asarray(seq), jnp.asarray(pos),
-                       jnp.ones(seq.shape, bool))
-        lp, _ = token_logprobs_and_entropy(params, TINY, h[:, :-1], jnp.asarray(seq[:, 1:]))
-        out[r, :n] = np.asarray(lp[0, len(p) - 1:])
+        seqs.append(np.concatenate([p, batch.response_ids[r][batch.response_mask[r]]]))
+    length = max(len(x) for x in seqs)
+    toks = np.zeros((n_rows, length), np.int32)
+    mask = np.zeros((n_rows, length), bool)
+    for r, x in enumerate(seqs):
+        toks[r, :len(x)], mask[r, :len(x)] = x, True
+    pos = np.broadcast_to(np.arange(length), toks.shape)
+
+    @jax.jit
+    def logp(params):
+        h, _ = forward(params, TINY, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(mask))
+        logits = logits_from_hidden(params, TINY, h)
+        return jax.nn.log_softmax(logits, axis=-1)
+
+    lsm = np.asarray(logp(params))
+    out = np.zeros((n_rows, tr), np.float32)
+    for r in range(n_rows):
+        n_p = int(batch.prompt_mask[r].sum())
+        for j in range(int(batch.response_mask[r].sum())):
+            out[r, j] = lsm[r, n_p - 1 + j, batch.response_ids[r, j]]
     return out
 
 

@@ -396,11 +396,12 @@ class Trainer:
     def state_shardings(self, state_like: TrainState) -> TrainState:
         """NamedSharding per leaf of a state: params (and the PPO critic trunk) by the logical
         rules, optimizer moments like their params, everything else replicated."""
-        mesh = self.mesh if self.mesh is not None else Mesh(np.asarray(jax.devices()[:1]),
-                                                            ("data",))
-        rep = NamedSharding(mesh, PartitionSpec())
         if self.mesh is None:
-            return jax.tree.map(lambda _: rep, state_like)
+            # What jit gives unsharded arrays: restored states then hit the same compile cache.
+            single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            return jax.tree.map(lambda _: single, state_like)
+        mesh = self.mesh
+        rep = NamedSharding(mesh, PartitionSpec())
         ps = param_shardings(state_like.params, self.model, mesh)
         cs = {}
         if state_like.critic_params:
