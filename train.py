@@ -1,19 +1,153 @@
-"""strata-jax training entry point.
+"""strata-jax training: rollout -> update -> metrics -> checkpoint, resumable.
 
-Usage (once the end-to-end pieces land):
-      python train.py --config=configs/sciworld.py:tiny
-      python train.py --config=configs/sciworld.py --config.algo=grpo
+    python train.py --config=configs/sciworld.py:tiny            # CPU smoke run, real ScienceWorld
+    python train.py --config=configs/sciworld.py --config.model.path=/ckpt/Qwen2.5-1.5B-Instruct
+    python train.py --config=configs/sciworld.py:grpo,matched    # a baseline at the StraTA budget
 
-For now it prints this help and checks that the model stack imports.
+Every run lives in ``config.workdir``: ``ckpt/`` (orbax), ``metrics.jsonl`` + ``tb/``
+(tensorboardX), ``trajectories.jsonl``. Re-running the same command resumes from the newest
+restorable checkpoint; SIGTERM (preemption) saves and exits cleanly after the iteration in flight.
 """
+from __future__ import annotations
+
+import logging
+import os
 import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file, e.g. configs/sciworld.py:tiny", lock_config=False)
+flags.mark_flags_as_required(["config"])
+
+log = logging.getLogger("strata_jax.train")
+
+
+def run(c) -> dict:
+    """Train with config `c` until c.iterations (or preemption). Returns a summary dict:
+    {"status": "done" | "preempted", "step": int, "workdir": str, "last_metrics": dict}."""
+    import jax
+
+    from strata_jax import experiment as ex
+    from strata_jax.metrics import MetricsWriter, Progress
+    from strata_jax.rollout import RolloutConfig, SamplerPolicy, make_prompt_builder, rollout
+    from strata_jax.sampling import Sampler, compiled_program_count
+    from strata_jax.training import Checkpointer, PreemptionFlag, Trainer, TrainConfig, run_loop
+
+    ex.validate(c)
+    ex.resolve(c)
+    workdir = ex.workdir(c)
+    mesh = ex.build_mesh(c)
+    tokenizer = ex.build_tokenizer(c)
+    model_cfg, init_params = ex.build_model(c, tokenizer, mesh)
+    sampler = Sampler(model_cfg, mesh=mesh, max_cache_len=ex.max_cache_len(c, model_cfg))
+    trainer = Trainer(model_cfg, TrainConfig.from_config(c), mesh)
+    rollout_cfg = RolloutConfig.from_config(c)
+    builder = make_prompt_builder(tokenizer, c)
+    task_sampler = ex.TaskSampler(ex.task_list(c), seed=c.seed)
+
+    ckpt = Checkpointer(os.path.join(workdir, "ckpt"), keep=c.ckpt.keep, every=c.ckpt.every)
+    restored = ckpt.restore(trainer.abstract_state(init_params))
+    if restored is None:
+        state = trainer.init_state(init_params, ex.seed_key(c, 0))
+        log.info("fresh run in %s", workdir)
+    else:
+        state, meta = restored
+        if meta.get("sampler_state"):
+            task_sampler.set_state(meta["sampler_state"])
+        log.info("resumed from step %d in %s", meta["step"], workdir)
+    # The reference model is the initial policy, frozen (method.md 2.7).
+    ref_params = init_params if c.loss.kl_coef else None
+    policy = SamplerPolicy(sampler, state.params)
+
+    writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
+    start = int(jax.device_get(state.step))
+    progress = Progress(c.iterations, start=start)
+    pool = ex.build_pool(c)
+    timing: dict[str, float] = {}
+    last: dict = {}
+
+    def next_batch(state):
+        it = int(jax.device_get(state.step))
+        policy.set_params(state.params)
+        t0 = time.time()
+        result = rollout(policy, pool, builder, task_sampler.sample,
+                         key=ex.seed_key(c, 1, it), config=rollout_cfg)
+        timing["time/rollout_s"] = time.time() - t0
+        timing["_t_update"] = time.time()
+        next_batch.result = result
+        return result.batch
+
+    def on_metrics(step, metrics):
+        result = next_batch.result
+        t_update = time.time() - timing.pop("_t_update")
+        m = {**result.stats, **metrics, **timing, "time/update_s": t_update,
+             "compile/programs": float(compiled_program_count())}
+        steps = max(result.stats.get("rollout/steps", 0.0), 1.0)
+        m["perf/env_steps_per_s"] = steps / max(timing["time/rollout_s"], 1e-9)
+        m.update(family_metrics(result.trajectories))
+        writer.scalars(step, m)
+        writer.trajectories(step, result.dump()[: c.log.dump_trajectories])
+        last.clear()
+        last.update(m)
+        progress.update(step, f"return {m.get('rollout/mean_return', float('nan')):+.3f} "
+                              f"success {m.get('rollout/success_rate', float('nan')):.2f}")
+
+    flag = PreemptionFlag().install()
+    try:
+        state, status = run_loop(trainer, state, next_batch, iterations=c.iterations,
+                                 checkpointer=ckpt, ref_params=ref_params,
+                                 sampler_state=task_sampler.get_state, config=c,
+                                 on_metrics=on_metrics, flag=flag)
+    finally:
+        flag.uninstall()
+        pool.close()
+        writer.close()
+        ckpt.close()
+    step = int(jax.device_get(state.step))
+    log.info("%s at step %d; outputs in %s", status, step, workdir)
+    return {"status": status, "step": step, "workdir": workdir, "last_metrics": last}
+
+
+def family_metrics(trajectories) -> dict[str, float]:
+    """Success rate and mean score per task family (the env's task id), for the metrics log."""
+    by: dict[str, list] = {}
+    for tr in trajectories:
+        if tr.crashed:
+            continue
+        fam = str(tr.spec.task.task_id).split("/")[0]
+        by.setdefault(fam, []).append(tr)
+    out = {}
+    for fam, trs in by.items():
+        out[f"family/{fam}/success"] = sum(float(t.success) for t in trs) / len(trs)
+        out[f"family/{fam}/return"] = sum(t.episode_return for t in trs) / len(trs)
+    return out
+
+
+def quiet_logs() -> None:
+    """Our INFO lines on stderr; orbax / absl / jax chatter only from WARNING up."""
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    for name in ("strata_jax", "envs_bridge"):
+        lg = logging.getLogger(name)
+        lg.setLevel(logging.INFO)
+        lg.addHandler(handler)
+        lg.propagate = False
 
 
 def main(argv):
-    print(__doc__)
-    import strata_jax  # noqa: F401  (import check)
-    return 0
+    del argv
+    quiet_logs()
+    summary = run(_CONFIG.value)
+    print(f"{summary['status']}: step {summary['step']}, outputs in {summary['workdir']}")
+    return 0 if summary["status"] in ("done", "preempted") else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    app.run(main)

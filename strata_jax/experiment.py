@@ -1,0 +1,186 @@
+"""Build every piece of a run from one experiment config (configs/*.py).
+
+`train.py`, `eval.py`, `sft.py` and the notebook share this assembly so that a config means the
+same thing everywhere:
+
+    config -> validate -> mesh -> tokenizer -> model config + initial params
+           -> task lists / TaskSampler -> EnvPool -> Sampler + SamplerPolicy -> PromptBuilder
+           -> Trainer + Checkpointer
+
+Nothing here owns a loop; `train.py` runs the iterations. Source: design.md "The shape of the
+system"; issue 8.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from configs.base import ALGOS
+from envs_bridge import TaskSampler
+from envs_bridge.pool import EnvPool
+from envs_bridge.registry import get_env_factory, list_envs
+from strata_jax import sharding
+from strata_jax.models import PRESETS, Qwen2Config, init_params, load_params, load_tokenizer
+from strata_jax.models.loading import resolve_checkpoint
+
+log = logging.getLogger(__name__)
+
+# Qwen2.5 checkpoints pad the vocabulary to this size (ids above the tokenizer's are unused).
+QWEN25_VOCAB = 151936
+# Env constructor arguments that a config may carry under c.env besides max_steps.
+_ENV_KWARGS = ("server_url", "data_dir", "jvm_max_heap_mb", "fetch_valid_actions")
+
+
+class ConfigError(ValueError):
+    """An experiment config that cannot run; the message says which field to change."""
+
+
+def validate(c: Any) -> None:
+    """Check a config before anything expensive starts.
+
+    Raises ConfigError for: an unknown algo; an unknown env; N, M, sigma or group sizes < 1;
+    neither model.path nor model.preset set; a sampler batch whose KV cache cannot hold one
+    prompt plus its response (env.max_prompt_tokens + max new tokens > the model's context).
+    """
+    if c.algo not in ALGOS:
+        raise ConfigError(f"unknown algo {c.algo!r}; use one of {ALGOS} (--config.algo=...)")
+    if c.env.name not in list_envs():
+        raise ConfigError(f"unknown env {c.env.name!r}; registered envs: {list_envs()}")
+    r = c.rollout
+    for name in ("num_strategies", "episodes_per_strategy", "oversample", "group_size",
+                 "tasks_per_batch"):
+        if int(r[name]) < 1:
+            raise ConfigError(f"rollout.{name} must be >= 1, got {r[name]}")
+    if not c.model.path and not c.model.preset:
+        raise ConfigError("set --config.model.path (a local Qwen2.5 checkpoint dir or hub id) "
+                          "or --config.model.preset (random weights of a named shape)")
+    if c.model.preset and c.model.preset not in PRESETS:
+        raise ConfigError(f"unknown model.preset {c.model.preset!r}; use one of {sorted(PRESETS)}")
+    if c.env.num_workers < 1:
+        raise ConfigError("env.num_workers (live envs) must be >= 1; extra episodes run in waves")
+
+
+def resolve(c: Any) -> Any:
+    """Derived settings that follow from the algorithm (done once, logged).
+
+    STAPO runs with cumulative prompts (method.md 4); DAPO uses clip-higher 0.28 unless the
+    config already raised clip_eps_high.
+    """
+    if c.algo == "stapo" and not c.rollout.cumulative_prompts:
+        log.info("algo=stapo: turning on rollout.cumulative_prompts (method.md section 4)")
+        c.rollout.cumulative_prompts = True
+    if c.algo == "dapo" and c.loss.clip_eps_high == c.loss.clip_eps_low:
+        c.loss.clip_eps_high = 0.28
+    return c
+
+
+def build_mesh(c: Any) -> jax.sharding.Mesh:
+    """The device mesh of ``c.mesh`` (axes data / fsdp / tensor, -1 = the rest)."""
+    return sharding.make_mesh(dict(c.mesh))
+
+
+def build_tokenizer(c: Any):
+    """``model.tokenizer``: "offline" = the shipped Qwen BPE; "" = from model.path; else a dir."""
+    if c.model.tokenizer == "offline" or (not c.model.tokenizer and not c.model.path):
+        return load_tokenizer(None)
+    path = c.model.tokenizer or resolve_checkpoint(c.model.path)
+    return load_tokenizer(path)
+
+
+def build_model(c: Any, tokenizer: Any, mesh: jax.sharding.Mesh | None
+                ) -> tuple[Qwen2Config, Any]:
+    """Model config and the INITIAL policy params (also the frozen reference model).
+
+    model.preset: random weights of a named shape (seeded by c.seed), the vocabulary widened to
+    hold every tokenizer id. model.path: an HF checkpoint dir or hub id (`load_params`; a clear
+    error offline). Params are placed with the mesh's logical-axis shardings.
+    """
+    dtype = jnp.dtype(c.model.dtype)
+    if c.model.preset:
+        cfg = PRESETS[c.model.preset]
+        if len(tokenizer) > cfg.vocab_size:
+            cfg = dataclasses.replace(cfg, vocab_size=QWEN25_VOCAB)
+        params = init_params(cfg, jax.random.PRNGKey(c.seed), dtype)
+        if mesh is not None:
+            params = sharding.shard_params(params, cfg, mesh)
+        return cfg, params
+    ckpt = resolve_checkpoint(c.model.path)
+    cfg = Qwen2Config.from_pretrained(ckpt)
+    return cfg, load_params(ckpt, cfg, dtype=dtype, mesh=mesh)
+
+
+def env_kwargs(c: Any) -> dict[str, Any]:
+    """Constructor arguments for the env of ``c.env.name``."""
+    kw: dict[str, Any] = {"max_steps": int(c.env.max_steps)}
+    for k in _ENV_KWARGS:
+        if k in c.env and c.env[k] not in (None, ""):
+            kw[k] = c.env[k]
+    return kw
+
+
+def task_list(c: Any, split: str | None = None) -> list:
+    """The tasks of ``c.env`` for a split, filtered to ``c.env.tasks`` when given.
+
+    An eval list file (``c.env.eval_list``) replaces the split's list for "test". Raises
+    ConfigError when the filter matches nothing (names are listed).
+    """
+    split = split or c.env.split
+    factory = get_env_factory(c.env.name)
+    if split == "test" and c.env.eval_list:
+        from envs_bridge.scienceworld_env import load_eval_list
+        return load_eval_list(c.env.eval_list, split)
+    tasks = factory.task_list(split)
+    if c.env.tasks:
+        wanted = set(c.env.tasks)
+        picked = [t for t in tasks if t.task_id in wanted]
+        if not picked:
+            names = sorted({t.task_id for t in tasks})
+            raise ConfigError(f"env.tasks {sorted(wanted)} match no {c.env.name} task of split "
+                              f"{split!r}; known: {names[:40]}")
+        tasks = picked
+    return tasks
+
+
+def build_pool(c: Any) -> EnvPool:
+    """An `EnvPool` with ``env.num_workers`` live envs (episodes beyond that run in waves)."""
+    return EnvPool(c.env.name, env_kwargs(c), max_live_envs=int(c.env.num_workers),
+                   step_timeout_s=float(c.env.step_timeout_s))
+
+
+def max_cache_len(c: Any, model_cfg: Qwen2Config) -> int:
+    """KV-cache length the sampler needs: the prompt budget plus the longest generation.
+
+    Raises ConfigError when that exceeds the model's context window.
+    """
+    new = max(c.rollout.max_action_tokens, c.rollout.max_strategy_tokens,
+              c.rollout.max_judge_tokens)
+    need = int(c.env.max_prompt_tokens) + int(new)
+    if need > model_cfg.max_position_embeddings:
+        raise ConfigError(
+            f"env.max_prompt_tokens ({c.env.max_prompt_tokens}) + max new tokens ({new}) = {need} "
+            f"exceeds the model's context of {model_cfg.max_position_embeddings} tokens: lower "
+            "env.max_prompt_tokens or rollout.max_*_tokens")
+    return need
+
+
+def workdir(c: Any) -> str:
+    os.makedirs(c.workdir, exist_ok=True)
+    return c.workdir
+
+
+def seed_key(c: Any, *ids: int) -> jax.Array:
+    """A raw uint32 PRNG key from c.seed folded with `ids` (e.g. the iteration)."""
+    key = jax.random.PRNGKey(int(c.seed))
+    for i in ids:
+        key = jax.random.fold_in(key, int(i))
+    return key
+
+
+__all__ = ["ConfigError", "validate", "resolve", "build_mesh", "build_tokenizer", "build_model",
+           "env_kwargs", "task_list", "build_pool", "max_cache_len", "workdir", "seed_key",
+           "TaskSampler"]
