@@ -109,7 +109,8 @@ def _decode(params: Params, cache: KVCache, last_hidden: jax.Array, key_data: ja
             next_position: jax.Array, active: jax.Array, max_new: jax.Array,
             stop_ids: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, *,
             config: Qwen2Config, n_out: int, greedy: bool, use_top_k: bool,
-            use_top_p: bool, key_impl: str | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, KVCache]:
+            use_top_p: bool,
+            key_impl: str | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, KVCache]:
     """The decode loop.
 
     Args:
@@ -133,6 +134,9 @@ def _decode(params: Params, cache: KVCache, last_hidden: jax.Array, key_data: ja
 
     def choose(hidden, step):
         logits = logits_from_hidden(params, config, hidden)  # [B, V] fp32, one position only
+        # Gather the vocabulary (split over tensor) once, so selection's reductions and
+        # gathers run on whole rows instead of being rematerialised piecemeal by SPMD.
+        logits = shd.constrain(logits, ("batch", None))
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
         return select_next_tokens(logits, step_keys, temperature, top_p, top_k, greedy=greedy,
                                   use_top_k=use_top_k, use_top_p=use_top_p)
@@ -339,7 +343,7 @@ class Sampler:
     def generate_with_prefixes(self, params: Params, prefixes: Sequence[Sequence[int]],
                                prefix_index: Sequence[int], suffixes: Sequence[Sequence[int]],
                                sampling: SamplingParams, keys: Any) -> GenerationBatch:
-        """Generate for rows ``prefixes[prefix_index[b]] + suffixes[b]``, prefilling each prefix once.
+        """Generate for rows ``prefixes[prefix_index[b]] + suffixes[b]``, each prefix run once.
 
         The P prefixes' KV caches are computed in one prefill and gathered into the rows'
         caches; each suffix is then prefilled with RoPE positions continuing its prefix.
@@ -363,7 +367,8 @@ class Sampler:
             raise ValueError(f"{idx.shape[0]} prefix indices for {len(suf)} suffixes: give one "
                              f"prefix index per row")
         if idx.min() < 0 or idx.max() >= len(pre):
-            raise ValueError(f"prefix_index must be in [0, {len(pre)}), got {idx.min()}..{idx.max()}")
+            raise ValueError(f"prefix_index must be in [0, {len(pre)}), got "
+                             f"{idx.min()}..{idx.max()}")
         keys = self._check_keys(keys, len(suf))
         prefix_lens = np.asarray([len(p) for p in pre], np.int32)
         row_lens = prefix_lens[idx] + np.asarray([len(s) for s in suf], np.int32)
