@@ -363,8 +363,8 @@ class Trainer:
                               critic_opt_state=ctx.init(critic) if critic else {},
                               step=jnp.zeros((), jnp.int32), rng=rng)
 
-        if self.mesh is None:
-            return jax.jit(build)(params, critic, k_state)
+        # Always committed to explicit shardings (SingleDeviceSharding without a mesh), so a
+        # fresh and a restored state hit the same compiled update.
         abstract = jax.eval_shape(build, params, critic, k_state)
         shardings = self.state_shardings(abstract)
         return jax.jit(build, out_shardings=shardings)(params, critic, k_state)
@@ -424,7 +424,8 @@ class Trainer:
         """device_put every field with rows over the ("data", "fsdp") mesh axes (replicated when
         the row count does not divide)."""
         if self.mesh is None:
-            return jax.tree.map(jnp.asarray, batch)
+            dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            return jax.tree.map(lambda x: jax.device_put(x, dev), batch)
 
         def put(x):
             x = np.asarray(x) if not isinstance(x, jax.Array) else x
