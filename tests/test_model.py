@@ -71,3 +71,22 @@ def test_kv_cache_prefill_then_decode_equals_full_forward():
     assert np.isfinite(incremental).all()
     np.testing.assert_array_equal(np.asarray(cache.valid)[:, :tokens.shape[1]], mask)
     assert not np.asarray(cache.valid)[:, tokens.shape[1]:].any()
+
+
+def test_query_chunked_attention_equals_unchunked_values_and_gradients():
+    config = Qwen2Config(vocab_size=200, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=1, head_dim=8, rope_theta=1e4)
+    params = init_params(config, jax.random.key(7))
+    tokens, mask, positions = padded_batch(config.vocab_size, [10, 3], seed=8)
+    args = (jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask))
+
+    def loss(params, chunk):
+        hidden, _ = forward(params, config, *args, query_chunk=chunk)
+        return jnp.sum(jnp.where(args[2][..., None], hidden, 0.0) ** 3), hidden
+
+    (l1, h1), g1 = jax.value_and_grad(loss, has_aux=True)(params, 3)  # blocks 3,3,3,1
+    (l2, h2), g2 = jax.value_and_grad(loss, has_aux=True)(params, 512)
+    np.testing.assert_allclose(h1, h2, atol=1e-5, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+    assert float(jnp.abs(g1["layers"][0]["q_proj"]).max()) > 0

@@ -2,17 +2,20 @@
 
 `load_params` / `load_checkpoint` read a local checkpoint dir (one ``model.safetensors`` or shards
 listed by ``model.safetensors.index.json``) or a hub id (downloaded with huggingface_hub when
-online). Tensors are memory-mapped and each device reads only its own shard
-(``jax.make_array_from_callback`` with the target ``NamedSharding``), so no full copy per device is
-built. `export_params` writes params back as HF safetensors + config.json that transformers and
-vLLM load.
+online). Tensors are read one at a time into host memory and placed with their target
+``NamedSharding`` (``jax.make_array_from_callback``: each device receives only its slice), so no
+full copy per device is built and host memory peaks at one tensor beyond the placed params.
+`export_params` writes params back as HF safetensors + config.json that transformers and vLLM
+load.
 
 safetensors format (header length u64 LE, JSON header, raw little-endian data) is read and written
-here directly with numpy memmaps: it keeps bf16 (via ml_dtypes, a jax dependency) zero-copy.
+here directly with numpy (bf16 via ml_dtypes, a jax dependency); plain reads rather than mmap so
+that loaded pages do not stay resident.
 Source: https://github.com/huggingface/safetensors (format spec); transformers Qwen2 weight names.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -69,25 +72,46 @@ def _path_to_hf_name(path: tuple) -> str:
     return {v[0]: k for k, v in _HF_TOP.items()}[path[0]]
 
 
-def read_safetensors(file: str) -> dict[str, np.ndarray]:
-    """Memory-mapped, read-only numpy views of every tensor in one safetensors file.
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor lives in a safetensors file (absolute byte offset, dtype, shape)."""
 
-    Raises ValueError for a truncated/garbled header or an unsupported dtype."""
+    file: str
+    offset: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    def read(self) -> np.ndarray:
+        """The tensor as a fresh host array (plain reads, no mmap: freed pages leave RSS)."""
+        count = int(np.prod(self.shape, dtype=np.int64))
+        return np.fromfile(self.file, dtype=self.dtype, count=count,
+                           offset=self.offset).reshape(self.shape)
+
+
+def read_safetensors_header(file: str) -> dict[str, TensorRef]:
+    """`TensorRef` of every tensor in one safetensors file (reads only the header).
+
+    Raises ValueError for a garbled header or an unsupported dtype."""
     with open(file, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise ValueError(f"{file} is not a safetensors file (bad header: {e})") from e
     header.pop("__metadata__", None)
-    if not header:
-        return {}
-    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + n)
     out = {}
     for name, info in header.items():
         if info["dtype"] not in _ST_DTYPES:
             raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        dt = _ST_DTYPES[info["dtype"]]
-        out[name] = data[begin:end].view(dt).reshape(info["shape"])
+        begin, _ = info["data_offsets"]
+        out[name] = TensorRef(file, 8 + n + begin, _ST_DTYPES[info["dtype"]],
+                              tuple(info["shape"]))
     return out
+
+
+def read_safetensors(file: str) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file as a host numpy array."""
+    return {name: ref.read() for name, ref in read_safetensors_header(file).items()}
 
 
 def write_safetensors(file: str, tensors: dict[str, np.ndarray],
@@ -139,27 +163,27 @@ def resolve_checkpoint(path_or_id: str) -> str:
             "the model path to its local directory.") from e
 
 
-def _checkpoint_tensors(ckpt_dir: str) -> dict[str, np.ndarray]:
+def _checkpoint_tensors(ckpt_dir: str) -> dict[str, TensorRef]:
     index = os.path.join(ckpt_dir, "model.safetensors.index.json")
     single = os.path.join(ckpt_dir, "model.safetensors")
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, TensorRef] = {}
     if os.path.isfile(index):
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
         for file in sorted(set(weight_map.values())):
-            tensors.update(read_safetensors(os.path.join(ckpt_dir, file)))
+            tensors.update(read_safetensors_header(os.path.join(ckpt_dir, file)))
         missing = set(weight_map) - set(tensors)
         if missing:
             raise ValueError(f"{index} lists tensors not found in its shards: {sorted(missing)}")
     elif os.path.isfile(single):
-        tensors = read_safetensors(single)
+        tensors = read_safetensors_header(single)
     else:
         files = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {ckpt_dir!r} (PyTorch .bin checkpoints "
                                     "are not supported: re-save with safe_serialization)")
         for file in files:
-            tensors.update(read_safetensors(os.path.join(ckpt_dir, file)))
+            tensors.update(read_safetensors_header(os.path.join(ckpt_dir, file)))
     return tensors
 
 
@@ -200,7 +224,7 @@ def load_params(path_or_id: str, config: Qwen2Config | None = None,
             shapes, is_leaf=lambda x: isinstance(x, tuple))[0]:
         expected[tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp)] = shape
 
-    found: dict[tuple, np.ndarray] = {}
+    found: dict[tuple, TensorRef] = {}
     for name, arr in tensors.items():
         if _IGNORED_RE.search(name):
             continue
@@ -226,14 +250,18 @@ def load_params(path_or_id: str, config: Qwen2Config | None = None,
             is_leaf=lambda x: isinstance(x, tuple)), config, mesh)
 
     params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
-    for path, view in found.items():
-        target = np.dtype(dtype) if dtype is not None else view.dtype
+    # One tensor at a time on the host: peak host memory is the placed params plus the largest
+    # tensor, and with a mesh each device gets only its slice of it.
+    for path, ref in found.items():
+        target = np.dtype(dtype) if dtype is not None else ref.dtype
+        host = ref.read().astype(target, copy=False)
         if shardings is None:
-            arr = jax.device_put(np.asarray(view).astype(target, copy=False))
+            arr = jax.device_put(host)
         else:
-            arr = jax.make_array_from_callback(
-                view.shape, _get(shardings, path),
-                lambda idx, view=view, target=target: np.asarray(view[idx]).astype(target))
+            arr = jax.make_array_from_callback(host.shape, _get(shardings, path),
+                                               lambda idx, host=host: host[idx])
+        jax.block_until_ready(arr)
+        del host
         _set(params, path, arr)
     return params
 

@@ -180,27 +180,43 @@ def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
     return y if b is None else y + b
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
-               num_kv_heads: int) -> jax.Array:
-    """Grouped-query attention. q [B,T,H,Dh]; k, v [B,S,K,Dh]; allowed [B,T,S] bool.
-
-    Returns [B, T, H*Dh] in q.dtype. Scores and softmax in fp32; a row with no allowed key gets
-    a uniform (finite) distribution instead of NaN.
-    """
-    b, t, h, dh = q.shape
-    g = h // num_kv_heads
-    q = q.reshape(b, t, num_kv_heads, g, dh)
+def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array,
+                     allowed: jax.Array) -> jax.Array:
+    """Grouped-query attention of q [B,T,K,G,Dh] over k, v [B,S,K,Dh] with allowed [B,T,S]."""
+    dh = q.shape[-1]
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(q.dtype),
                         preferred_element_type=jnp.float32) * (dh ** -0.5)
     scores = jnp.where(allowed[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(q.dtype))
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(q.dtype))
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
+               num_kv_heads: int, query_chunk: int) -> jax.Array:
+    """Grouped-query attention. q [B,T,H,Dh]; k, v [B,S,K,Dh]; allowed [B,T,S] bool.
+
+    Returns [B, T, H*Dh] in q.dtype. Scores and softmax in fp32; a row with no allowed key gets
+    a uniform (finite) distribution instead of NaN. When T > query_chunk, queries are processed
+    in blocks of query_chunk, each rematerialised in the backward pass (``jax.checkpoint``), so
+    the fp32 scores held at once are B x H x query_chunk x S rather than B x H x T x S.
+    """
+    b, t, h, dh = q.shape
+    g = h // num_kv_heads
+    q = q.reshape(b, t, num_kv_heads, g, dh)
+    if t <= query_chunk:
+        out = _attention_block(q, k, v, allowed)
+    else:
+        block = jax.checkpoint(_attention_block)
+        out = jnp.concatenate(
+            [block(q[:, i:i + query_chunk], k, v, allowed[:, i:i + query_chunk])
+             for i in range(0, t, query_chunk)], axis=1)
     return out.reshape(b, t, h * dh)
 
 
 def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: jax.Array,
             mask: jax.Array, cache: KVCache | None = None,
-            cache_index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
+            cache_index: jax.Array | int = 0,
+            query_chunk: int = 512) -> tuple[jax.Array, KVCache | None]:
     """Run the decoder and return final hidden states (after the final RMSNorm).
 
     Args:
@@ -215,6 +231,8 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
         applies over the T tokens themselves.
       cache_index: int32 scalar, may be traced. cache_index + T must be <= S (not checkable
         when traced: ``lax.dynamic_update_slice`` would clamp the start).
+      query_chunk: static; attention runs over blocks of this many queries when T is longer
+        (bounds the fp32 score memory of long prefills / training sequences; same result).
     Returns:
       hidden [B, T, D] in the param dtype; the updated cache (None without one).
     Raises:
@@ -262,7 +280,7 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
             cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), idx)
             cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), idx)
             k, v = cache_k[i], cache_v[i]
-        attn = _attention(q, k, v, allowed, nk)
+        attn = _attention(q, k, v, allowed, nk, query_chunk)
         x = x + _linear(attn, layer["o_proj"])
         x = constrain(x, ("batch", "length", "embed"))
         h = rms_norm(x, layer["post_norm"], config.rms_norm_eps)
