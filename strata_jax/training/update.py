@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
