@@ -33,6 +33,7 @@ def run(c) -> dict:
     import jax
 
     from strata_jax import experiment as ex
+    from strata_jax.evaluation import evaluate, spread_over_families
     from strata_jax.metrics import MetricsWriter, Progress
     from strata_jax.rollout import RolloutConfig, SamplerPolicy, make_prompt_builder, rollout
     from strata_jax.sampling import Sampler, compiled_program_count
@@ -71,9 +72,21 @@ def run(c) -> dict:
     timing: dict[str, float] = {}
     last: dict = {}
 
+    eval_tasks = (spread_over_families(ex.task_list(c, c.eval.split), c.eval.max_tasks)
+                  if c.eval.every > 0 else [])
+
+    def maybe_eval(it):
+        """Every eval.every iterations: the eval protocol on eval.split with the current params."""
+        if c.eval.every > 0 and it > 0 and it % c.eval.every == 0:
+            m, _ = evaluate(c, policy, pool, builder, eval_tasks, key=ex.seed_key(c, 2, it))
+            writer.scalars(it, m)
+            log.info("eval at step %d: success %.3f score %.2f", it, m["eval/success"],
+                     m["eval/score"])
+
     def next_batch(state):
         it = int(jax.device_get(state.step))
         policy.set_params(state.params)
+        maybe_eval(it)
         t0 = time.time()
         result = rollout(policy, pool, builder, task_sampler.sample,
                          key=ex.seed_key(c, 1, it), config=rollout_cfg)
@@ -103,6 +116,9 @@ def run(c) -> dict:
                                  checkpointer=ckpt, ref_params=ref_params,
                                  sampler_state=task_sampler.get_state, config=c,
                                  on_metrics=on_metrics, flag=flag)
+        if status == "done":
+            policy.set_params(state.params)
+            maybe_eval(int(jax.device_get(state.step)))
     finally:
         flag.uninstall()
         pool.close()
@@ -128,21 +144,9 @@ def family_metrics(trajectories) -> dict[str, float]:
     return out
 
 
-def quiet_logs() -> None:
-    """Our INFO lines on stderr; orbax / absl / jax chatter only from WARNING up."""
-    from absl import logging as absl_logging
-    absl_logging.set_verbosity(absl_logging.WARNING)
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
-    for name in ("strata_jax", "envs_bridge"):
-        lg = logging.getLogger(name)
-        lg.setLevel(logging.INFO)
-        lg.addHandler(handler)
-        lg.propagate = False
-
-
 def main(argv):
     del argv
+    from strata_jax.metrics import quiet_logs
     quiet_logs()
     summary = run(_CONFIG.value)
     print(f"{summary['status']}: step {summary['step']}, outputs in {summary['workdir']}")

@@ -8,6 +8,7 @@ trajectories (strategy, steps, verdict) go to ``<workdir>/trajectories.jsonl``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -107,3 +108,17 @@ class Progress:
                 f"elapsed {elapsed:6.1f}s eta {eta:6.1f}s {info}")
         print(line, file=self.stream, flush=True)
         return line
+
+
+def quiet_logs() -> None:
+    """Our INFO lines on stderr; orbax / absl / jax chatter only from WARNING up."""
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    for name in ("strata_jax", "envs_bridge"):
+        lg = logging.getLogger(name)
+        lg.setLevel(logging.INFO)
+        if not lg.handlers:
+            lg.addHandler(handler)
+        lg.propagate = False

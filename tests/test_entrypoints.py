@@ -1,0 +1,96 @@
+"""Fast checks of the entry-point plumbing: config validation errors, task lists, eval summary."""
+import dataclasses
+import os
+
+import pytest
+
+from configs import sciworld
+from envs_bridge import Task
+from strata_jax import experiment as ex
+from strata_jax.evaluation import eval_rollout_config, spread_over_families, summarize
+from strata_jax.models import PRESETS
+
+
+def test_unknown_algo_is_a_clear_error():
+    c = sciworld.get_config("tiny")
+    c.algo = "reinforce"
+    with pytest.raises(ex.ConfigError, match="unknown algo 'reinforce'"):
+        ex.validate(c)
+
+
+def test_missing_model_is_a_clear_error():
+    c = sciworld.get_config()
+    c.model.path, c.model.preset = "", ""
+    with pytest.raises(ex.ConfigError, match="set --config.model.path"):
+        ex.validate(c)
+
+
+def test_hub_id_offline_says_to_set_the_model_path(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    c = sciworld.get_config()  # the paper setting names a hub id
+    with pytest.raises(RuntimeError, match="set the model path to its local directory"):
+        ex.build_model(c, tokenizer=None, mesh=None)
+
+
+def test_kv_cache_capacity_error_names_the_fields():
+    c = sciworld.get_config("tiny")
+    cfg = dataclasses.replace(PRESETS["tiny"], max_position_embeddings=512)
+    with pytest.raises(ex.ConfigError, match="env.max_prompt_tokens"):
+        ex.max_cache_len(c, cfg)
+    c.env.max_prompt_tokens = 256
+    assert ex.max_cache_len(c, cfg) == 256 + 32
+
+
+def test_task_filter_and_unknown_task():
+    c = sciworld.get_config("tiny")
+    tasks = ex.task_list(c, "train")
+    assert {t.task_id for t in tasks} == set(sciworld.TINY_TASKS)
+    # the package's train split sizes (scienceworld_tasks.md): 150 + 62
+    assert len(tasks) == 150 + 62
+    c.env.tasks = ("no-such-task",)
+    with pytest.raises(ex.ConfigError, match="match no scienceworld task"):
+        ex.task_list(c, "train")
+
+
+def test_stapo_resolves_to_cumulative_prompts_and_dapo_to_clip_higher():
+    c = ex.resolve(sciworld.get_config("tiny,stapo"))
+    assert c.rollout.cumulative_prompts is True
+    c = ex.resolve(sciworld.get_config("tiny,dapo"))
+    assert c.loss.clip_eps_high == 0.28 and c.loss.clip_eps_low == 0.2
+
+
+def test_eval_protocol_is_one_strategy_no_fps_no_judge():
+    rc = eval_rollout_config(sciworld.get_config())
+    assert (rc.num_strategies, rc.episodes_per_strategy, rc.oversample) == (1, 1, 1)
+    assert not rc.diverse_sampling and not rc.self_judgment and rc.temperature == 0.4
+
+
+def test_spread_over_families_round_robin():
+    ts = [Task("x", f, v) for f in ("a", "b") for v in range(3)]
+    got = [(t.task_id, t.variation) for t in spread_over_families(ts, 4)]
+    assert got == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+
+
+@dataclasses.dataclass
+class _Tr:
+    spec: object
+    success: bool
+    episode_return: float
+    crashed: bool = False
+
+
+@dataclasses.dataclass
+class _Spec:
+    task: Task
+
+
+def test_summarize_per_family_scores_in_env_units():
+    trs = [_Tr(_Spec(Task("scienceworld", "boil", 0)), True, 1.0),
+           _Tr(_Spec(Task("scienceworld", "boil", 1)), False, 0.25),
+           _Tr(_Spec(Task("scienceworld", "melt", 0)), True, 1.0, crashed=True)]
+    m = summarize(trs, "scienceworld")
+    assert m["eval/family/boil/success"] == 0.5
+    assert m["eval/family/boil/score"] == pytest.approx(62.5)
+    # a crashed episode is a failure with score 0, never a success
+    assert m["eval/family/melt/success"] == 0.0 and m["eval/family/melt/score"] == 0.0
+    assert m["eval/success"] == pytest.approx(1 / 3) and m["eval/crashed"] == 1.0
