@@ -60,7 +60,8 @@ def test_resume_equals_uninterrupted(setup, tmp_path):
     del s
     # A fresh trainer / checkpointer, as a new process would build them.
     trainer2 = Trainer(TINY, train_config())
-    restored, meta = Checkpointer(str(tmp_path / "ckpt")).restore(trainer2.abstract_state())
+    with Checkpointer(str(tmp_path / "ckpt")) as fresh:
+        restored, meta = fresh.restore(trainer2.abstract_state())
     assert meta["step"] == 2 and int(restored.step) == 2
     assert meta["sampler_state"] == {"task_index": 17, "order": [3, 1, 2]}
     assert meta["config"] == {"algo": "grpo"}
@@ -88,13 +89,16 @@ def test_truncated_latest_falls_back_to_previous(setup, tmp_path):
                 open(os.path.join(root, f), "w").close()
                 n += 1
     assert n > 0
-    with pytest.warns(RuntimeWarning, match="step 2 .* could not be restored"):
-        restored, meta = Checkpointer(str(tmp_path / "ckpt")).restore(trainer.abstract_state())
+    ckpt.close()
+    with pytest.warns(RuntimeWarning, match="step 2 .* could not be restored"), \
+            Checkpointer(str(tmp_path / "ckpt")) as fresh:
+        restored, meta = fresh.restore(trainer.abstract_state())
     assert meta["step"] == 1 and meta["sampler_state"] == {"pos": 1}
     for a, b in zip(_leaves(restored.params), _leaves(s1.params)):
         np.testing.assert_array_equal(a, b)
     # An empty directory restores nothing.
-    assert Checkpointer(str(tmp_path / "empty")).restore(trainer.abstract_state()) is None
+    with Checkpointer(str(tmp_path / "empty")) as empty:
+        assert empty.restore(trainer.abstract_state()) is None
 
 
 def test_sigterm_mid_iteration_checkpoints_and_exits(setup, tmp_path):
@@ -115,9 +119,9 @@ def test_sigterm_mid_iteration_checkpoints_and_exits(setup, tmp_path):
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
     assert "STATUS preempted STEP 3" in out, (out, err[-2000:])
-    ckpt = Checkpointer(str(tmp_path / "ckpt"))
-    assert ckpt.latest_step() == 3
-    restored, meta = ckpt.restore(trainer.abstract_state())
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        assert ckpt.latest_step() == 3
+        restored, meta = ckpt.restore(trainer.abstract_state())
     assert int(restored.step) == 3 and meta["sampler_state"] == {"task": 3}
     # The checkpoint holds the state after iteration 2 completed: replay it here.
     s = trainer.init_state(params, jax.random.PRNGKey(1))
@@ -135,7 +139,8 @@ def test_restore_8_device_checkpoint_into_1_device_process(setup, tmp_path):
                           params=jax.tree.map(lambda x: 1.5 * x + 0.01, state.params))
     emb = state.params["embed"]
     assert len(emb.sharding.device_set) == 8 and not emb.sharding.is_fully_replicated
-    Checkpointer(str(tmp_path / "ckpt")).save(state, sampler_state={"pos": 5})
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.save(state, sampler_state={"pos": 5})
     res = subprocess.run([sys.executable, "-m", "tests.trainer_fixtures", "restore",
                           str(tmp_path)], cwd=REPO, env=_subprocess_env(1),
                          capture_output=True, text=True, timeout=150)

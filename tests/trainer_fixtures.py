@@ -107,7 +107,8 @@ def _restore_driver(workdir: str) -> None:
 
     assert jax.device_count() == 1, jax.devices()
     trainer = Trainer(TINY, train_config(), mesh=make_mesh({"fsdp": -1}))
-    state, meta = Checkpointer(os.path.join(workdir, "ckpt")).restore(trainer.abstract_state())
+    with Checkpointer(os.path.join(workdir, "ckpt")) as ckpt:
+        state, meta = ckpt.restore(trainer.abstract_state())
     leaves = jax.tree.leaves(state)
     assert all(len(x.sharding.device_set) == 1 for x in leaves)
     flat = {str(i): x for i, x in enumerate(jax.tree.leaves(tree_to_numpy(state)))}

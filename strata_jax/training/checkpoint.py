@@ -164,9 +164,15 @@ class Checkpointer:
         raise RuntimeError(f"no restorable checkpoint in {self.directory} (tried steps {errors})")
 
     def close(self) -> None:
-        """Wait for pending writes and release the manager."""
+        """Wait for pending writes and release the manager (its threads and event loop)."""
         self._mngr.wait_until_finished()
         self._mngr.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class PreemptionFlag:

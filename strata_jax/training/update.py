@@ -24,6 +24,7 @@ Everything jitted is a pure function of (state, arrays) with the model / train c
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -44,6 +45,7 @@ from strata_jax.training.scoring import response_logprobs, response_states
 from strata_jax.training.state import TrainState, make_optimizer
 
 Params = dict[str, Any]
+log = logging.getLogger(__name__)
 
 # Metrics that are already normalised over the whole mini-batch: summed over micro-batches.
 _SUM_METRICS = ("loss/action", "loss/strategy", "vf_loss")
@@ -511,4 +513,8 @@ class Trainer:
         metrics["skipped_steps"] = float(sum(float(s["skipped"]) for s in host_steps))
         metrics["optimizer_steps"] = float(len(host_steps))
         metrics["mismatch/sampler_abs"] = float(mism)
+        if metrics["skipped_steps"]:
+            log.warning("iteration %d: skipped %d of %d optimizer steps with a non-finite loss or "
+                        "gradient (params and optimizer state left unchanged)",
+                        int(state.step), int(metrics["skipped_steps"]), len(host_steps))
         return state, metrics
