@@ -245,6 +245,10 @@ def report(batch: int, prompt_len: int, new: int, jx: dict | None, hf: dict | No
             print(f"ratio jax / transformers: decode {d / decode_tps(hf):.2f}x, total "
                   f"{hf['t_total'] / jx['t_total']:.2f}x")
         step = (jx["t_total"] - jx["t_prefill"]) / (new - 1)
+        if step <= 0:
+            print("decode too short to time against the prefill run: raise --new-tokens or "
+                  "--repeats")
+            return
         bw_step = jx["bytes"] / (rates["bandwidth_gbs"] * 1e9)
         fl_step = jx["flops"] / (rates["matmul_gflops"] * 1e9)
         roof = max(bw_step, fl_step)
