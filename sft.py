@@ -1,0 +1,76 @@
+"""Behaviour-cloning (SFT) warm start: clone expert trajectories rendered with the rollout's prompts.
+
+    python sft.py --config=configs/builtin.py:tiny        # memory_key experts, tiny model, ~1-3 min
+    python sft.py --config=configs/sciworld.py:tiny       # ScienceWorld gold paths of the tiny tasks
+    python sft.py --config=configs/sciworld.py --config.model.path=/ckpt/Qwen2.5-1.5B-Instruct \
+        --config.sft.lr=1e-5 --out=/ckpt/qwen-bc
+
+The initial params are the run's own (`experiment.build_model`: a random ``model.preset`` with
+the vocabulary widened to the tokenizer, or ``model.path``). The result is an HF checkpoint
+(config.json + model.safetensors, no tokenizer files) in ``--out`` or, by default, the cache dir
+that ``model.warm_start=sft`` reads (``<workdir>/warm_start/<fingerprint>``), so a later
+``train.py`` with the same config reuses it. To start any run from an export explicitly:
+
+    python train.py --config=... --config.model.warm_start=<export dir>
+    # or, without the warm-start hook: --config.model.path=<export dir> --config.model.preset=
+    #   --config.model.tokenizer=offline   (the export has no tokenizer files)
+
+Data, loss and the cache rules: strata_jax/training/sft.py.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file, e.g. configs/builtin.py:tiny", lock_config=False)
+_OUT = flags.DEFINE_string("out", "", "Export directory (default: the warm-start cache dir).")
+_FORCE = flags.DEFINE_bool("force", False, "Retrain even when the cache dir holds an export.")
+flags.mark_flags_as_required(["config"])
+
+
+def run(c, out: str = "", force: bool = False) -> dict:
+    """Build the run's tokenizer and initial params, clone the experts, export.
+
+    Returns {"out": export dir, "cached": bool, "meta": the sft_meta.json dict}."""
+    import json
+
+    from strata_jax import experiment as ex
+    from strata_jax.training import sft
+
+    ex.validate(c)
+    ex.resolve(c)
+    tokenizer = ex.build_tokenizer(c)
+    ws = c.model.warm_start
+    c.model.warm_start = ""   # build_model must give the un-warmed initial params
+    model_cfg, params = ex.build_model(c, tokenizer, None)
+    c.model.warm_start = ws
+    out = out or sft.warm_start_dir(c, model_cfg, ex.workdir(c))
+    meta_file = os.path.join(out, sft.META_FILE)
+    if os.path.isfile(meta_file) and not force:
+        with open(meta_file) as f:
+            return {"out": out, "cached": True, "meta": json.load(f)}
+    _, meta = sft.run_sft(c, model_cfg, params, tokenizer, out, log_fn=print)
+    return {"out": out, "cached": False, "meta": meta}
+
+
+def main(argv):
+    del argv
+    from strata_jax.metrics import quiet_logs
+    quiet_logs()
+    res = run(_CONFIG.value, _OUT.value, _FORCE.value)
+    m = res["meta"]
+    print(f"{'cached' if res['cached'] else 'trained'}: {res['out']}  (episodes {m['episodes']}, "
+          f"examples {m['examples']}, loss {m['first_loss']:.3f} -> {m['final_loss']:.3f}, "
+          f"{m['wall_s']:.0f} s)")
+    print(f"use it: python train.py --config=<same config> --config.model.warm_start={res['out']}")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)
