@@ -31,16 +31,18 @@ def run(c) -> dict:
     """Train with config `c` until c.iterations (or preemption). Returns a summary dict:
     {"status": "done" | "preempted", "step": int, "workdir": str, "last_metrics": dict}."""
     import jax
+    import numpy as np
 
     from strata_jax import experiment as ex
     from strata_jax.evaluation import evaluate, spread_over_families
-    from strata_jax.metrics import MetricsWriter, Progress
+    from strata_jax.metrics import CompileCounter, MetricsWriter, Progress
     from strata_jax.rollout import RolloutConfig, SamplerPolicy, make_prompt_builder, rollout
     from strata_jax.sampling import Sampler, compiled_program_count
     from strata_jax.training import Checkpointer, PreemptionFlag, Trainer, TrainConfig, run_loop
 
     ex.validate(c)
     ex.resolve(c)
+    compiles = CompileCounter.install()
     workdir = ex.workdir(c)
     mesh = ex.build_mesh(c)
     tokenizer = ex.build_tokenizer(c)
@@ -99,9 +101,13 @@ def run(c) -> dict:
         result = next_batch.result
         t_update = time.time() - timing.pop("_t_update")
         m = {**result.stats, **metrics, **timing, "time/update_s": t_update,
-             "compile/programs": float(compiled_program_count())}
+             "compile/sampler_programs": float(compiled_program_count()),
+             "compile/count": float(compiles.count), "compile/seconds": compiles.seconds}
         steps = max(result.stats.get("rollout/steps", 0.0), 1.0)
         m["perf/env_steps_per_s"] = steps / max(timing["time/rollout_s"], 1e-9)
+        generated = float(np.sum(np.asarray(result.batch.response_mask)))
+        m["perf/sampler_tokens_per_s"] = generated / max(result.stats.get("time/sampler_s", 0), 1e-9)
+        m["perf/train_tokens_per_s"] = m.get("train/tokens", 0.0) / max(t_update, 1e-9)
         m.update(family_metrics(result.trajectories))
         writer.scalars(step, m)
         writer.trajectories(step, result.dump()[: c.log.dump_trajectories])

@@ -122,3 +122,28 @@ def quiet_logs() -> None:
         if not lg.handlers:
             lg.addHandler(handler)
         lg.propagate = False
+
+
+class CompileCounter:
+    """Counts XLA backend compilations in this process (every jit, eager op and sampler program)
+    through ``jax.monitoring``; logged as ``compile/count`` so recompilation after warm-up shows
+    up as a rising line. Register once per process (`install`)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+    count = 0
+    seconds = 0.0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> type["CompileCounter"]:
+        if not cls._installed:
+            import jax
+
+            def listener(name, duration, **_):
+                if name == cls.EVENT:
+                    cls.count += 1
+                    cls.seconds += float(duration)
+
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            cls._installed = True
+        return cls
