@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 from strata_jax.algos.config import EstimatorConfig, LossConfig
+from strata_jax.models.lora import LoraConfig
 
 CRITIC_KINDS = ("auto", "none", "separate", "head")
 REMAT_POLICIES = ("none", "full", "dots")
@@ -34,7 +35,9 @@ class TrainConfig:
       none otherwise), value_trunk_coef (STAPO: gradient of the value loss into the shared trunk
       is scaled by this; 0 = head only), value_head_init_std (head weights ~ N(0, std^2 / D)),
       dropout_passes K and dropout p (value uncertainty, method.md 4).
-    Sub-configs: loss (LossConfig), estimator (EstimatorConfig), algo (estimator registry name).
+    Sub-configs: loss (LossConfig), estimator (EstimatorConfig), algo (estimator registry name),
+      lora (LoraConfig; rank > 0: the trainable params are LoRA adapters over the frozen base,
+      which is also the KL reference, and lr = lora.lr when that is > 0).
     """
 
     algo: str = "strata"
@@ -60,6 +63,7 @@ class TrainConfig:
     dropout: float = 0.1
     loss: LossConfig = LossConfig()
     estimator: EstimatorConfig = EstimatorConfig()
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self) -> None:
         if self.critic not in CRITIC_KINDS:
@@ -93,9 +97,10 @@ class TrainConfig:
     def from_config(cls, c: Any, **overrides) -> "TrainConfig":
         """Build from the experiment ConfigDict of ``configs/base.py`` (unknown keys ignored).
 
-        Reads c.algo, c.optim.*, c.loss.* (LossConfig), c.adv.* (EstimatorConfig),
-        c.rollout.temperature, c.model.remat (True -> "dots"), c.adv.stapo_dropout(_passes),
-        and any field of this class under c.train (which wins).
+        Reads c.algo, c.optim.*, c.loss.* (LossConfig), c.adv.* (EstimatorConfig), c.lora.*
+        (LoraConfig; lora.lr > 0 replaces optim.lr when rank > 0), c.rollout.temperature,
+        c.model.remat (True -> "dots"), c.adv.stapo_dropout(_passes), and any field of this
+        class under c.train (which wins).
         """
         names = {f.name for f in dataclasses.fields(cls)}
         v: dict[str, Any] = {"algo": c.algo}
@@ -117,6 +122,9 @@ class TrainConfig:
                 v["dropout"] = float(adv.stapo_dropout)
         v["loss"] = LossConfig.from_config(c.get("loss", None))
         v["estimator"] = EstimatorConfig.from_config(adv)
+        v["lora"] = LoraConfig.from_config(c)
+        if v["lora"].enabled and v["lora"].lr > 0:
+            v["lr"] = float(v["lora"].lr)
         for k, val in (c.get("train", None) or {}).items():
             if k in names:
                 v[k] = val

@@ -20,6 +20,12 @@ Flow of `Trainer.update(state, batch, ref_params)` (method.md 2.7-2.8, 3, 4):
 
 Everything jitted is a pure function of (state, arrays) with the model / train configs static;
 `Trainer` only holds the static pieces and the mesh.
+
+LoRA (cfg.lora.rank > 0, strata_jax/models/lora.py): `state.params` holds only the adapters
+(and opt_state their AdamW moments, so checkpoints hold only those); the frozen base params are
+passed where the reference params go (`update(state, batch, ref_params=base)`), serve as the
+KL reference for free, and every forward uses ``apply_lora(base, adapters)`` inside jit. A PPO
+critic trunk is its own adapters over the same base.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from strata_jax.algos import (KIND_ACTION, KIND_STRATEGY, PAD_ID, SampleBatch,
                               compute_advantages, loss_mask, loss_normalizers, ppo_loss,
                               value_loss)
 from strata_jax.models import Qwen2Config
+from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
 from strata_jax.sharding import logical_to_spec, param_shardings
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import dropout_values, init_critic, value_from_hidden
@@ -109,11 +116,27 @@ def minibatch_plan(valid: np.ndarray, kind: np.ndarray, mini_batch_size: int, ro
 # ----------------------------------------------------------------------------- jitted pieces
 
 
+def effective_params(trainable: Params, base: Params | None, cfg: TrainConfig) -> Params:
+    """The model params a forward uses: `trainable` itself, or with LoRA on (cfg.lora.rank > 0)
+    ``apply_lora(base, trainable, cfg.lora)``. Raises ValueError when LoRA is on and base is None."""
+    if not cfg.lora.enabled:
+        return trainable
+    if base is None:
+        raise ValueError("LoRA is on (lora.rank > 0): pass the frozen base params as ref_params "
+                         "(they are the model the adapters ride on and the KL reference)")
+    return apply_lora(base, trainable, cfg.lora)
+
+
 def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
                  model: Qwen2Config, cfg: TrainConfig, use_ref: bool, chunk_rows: int):
     r = batch.num_rows
     n = r // chunk_rows
     kind = cfg.critic_kind
+    if cfg.lora.enabled:  # adapters -> effective params; the base is the reference
+        params = effective_params(params, ref_params, cfg)
+        if kind == "separate":
+            critic_params = {**critic_params,
+                             "trunk": effective_params(critic_params["trunk"], ref_params, cfg)}
 
     def split(x):
         return x.reshape((n, chunk_rows) + x.shape[1:])
@@ -151,8 +174,8 @@ def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
 score_batch = jax.jit(_score_batch, static_argnames=("model", "cfg", "use_ref", "chunk_rows"))
 score_batch.__doc__ = """Fill old_logprobs, ref_logprobs, values, value_std of a SampleBatch.
 
-Args: params (policy), critic_params (`init_critic` tree), ref_params (frozen initial policy;
-ignored unless use_ref), batch (R rows, R a multiple of chunk_rows), key (dropout PRNGKey);
+Args: params (policy; LoRA: the adapters), critic_params (`init_critic` tree), ref_params
+(frozen initial policy; ignored unless use_ref or LoRA, where it is the base), batch (R rows, R a multiple of chunk_rows), key (dropout PRNGKey);
 static: model, cfg, use_ref, chunk_rows (rows per lax.map step: peak activation memory).
 Returns the batch with old/ref logprobs [R, Tr] f32 (0 off response_mask; ref 0 without
 use_ref), values [R] f32 = V(h_t) without dropout, value_std [R] f32 = std over
@@ -178,15 +201,17 @@ gather_rows = jax.jit(_gather)
 
 
 def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normalizers, n_values,
-               *, model: Qwen2Config, cfg: TrainConfig):
+               *, model: Qwen2Config, cfg: TrainConfig, base: Params | None = None):
     """Loss of one micro-batch, normalised by whole-mini-batch counts (sums to the mini-batch loss).
 
     Policy: `ppo_loss` (PPO-clip, dual clip, per-level token means, KL to the reference when
     kl_coef != 0, entropy bonus) with sample weights w. Critic (when present): `value_loss`
     over valid step samples with targets and weights w, divided by n_values (the mini-batch's
     count); for the STAPO head the trunk state h_t enters with gradient scale value_trunk_coef.
+    LoRA: params (and a separate critic's trunk) are adapters over `base` (`effective_params`).
     Returns (scalar f32, metrics dict of scalars).
     """
+    params = effective_params(params, base, cfg)
     h, last = response_states(params, model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
                               mb.response_mask, remat=cfg.remat, compute_dtype=cfg.compute_dtype)
     lp, ent = response_logprobs(params, model, h, mb.response_ids, mb.response_mask,
@@ -203,8 +228,9 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
             sg = jax.lax.stop_gradient(last)
             hv = sg if not cfg.value_trunk_coef else sg + cfg.value_trunk_coef * (last - sg)
         else:
-            _, hv = response_states(critic_params["trunk"], model, mb.prompt_ids,
-                                    mb.prompt_mask, mb.response_ids, mb.response_mask,
+            trunk = effective_params(critic_params["trunk"], base, cfg)
+            _, hv = response_states(trunk, model, mb.prompt_ids, mb.prompt_mask,
+                                    mb.response_ids, mb.response_mask,
                                     remat=cfg.remat, compute_dtype=cfg.compute_dtype)
         v = value_from_hidden(critic_params["head"], hv)
         vmask = mb.valid & (mb.kind == KIND_ACTION)
@@ -227,7 +253,7 @@ def _metric_keys(cfg: TrainConfig) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, *,
+def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, base=None, *,
                       model: Qwen2Config, cfg: TrainConfig):
     rows = mb.num_rows
     m = cfg.micro_batch_size
@@ -254,7 +280,7 @@ def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, *
 
         def compute(_):
             (loss, met), (g1, g2) = grad_fn(params, critic_params, b, a, ww, tt, norms,
-                                             n_values, model=model, cfg=cfg)
+                                             n_values, model=model, cfg=cfg, base=base)
             return loss, {k: met[k] for k in keys}, g1, g2
 
         def skip(_):
@@ -289,16 +315,17 @@ accumulate_grads = jax.jit(_accumulate_grads, static_argnames=("model", "cfg"))
 accumulate_grads.__doc__ = """Mini-batch loss and gradients summed over micro-batches.
 
 Args: params, critic_params; mb: SampleBatch (rows a multiple of cfg.micro_batch_size); adv,
-w, targets [rows] f32; static model, cfg. Every micro-batch loss is normalised by the
+w, targets [rows] f32; base: the frozen base params when LoRA is on (params = adapters;
+gradients are the adapters'), else None; static model, cfg. Every micro-batch loss is normalised by the
 WHOLE mini-batch's per-level counts (`loss_normalizers`), so the result does not depend on
 micro_batch_size. Returns (loss f32, grads of params, grads of critic_params, metrics).
 """
 
 
-def _train_minibatch(state: TrainState, mb: SampleBatch, adv, w, targets, *,
+def _train_minibatch(state: TrainState, mb: SampleBatch, adv, w, targets, base=None, *,
                      model: Qwen2Config, cfg: TrainConfig):
     loss, gp, gc, metrics = _accumulate_grads(state.params, state.critic_params, mb, adv, w,
-                                              targets, model=model, cfg=cfg)
+                                              targets, base, model=model, cfg=cfg)
     gnorm = optax.global_norm(gp)
     cnorm = optax.global_norm(gc) if state.critic_params else jnp.zeros((), jnp.float32)
     finite = jnp.isfinite(gnorm) & jnp.isfinite(cnorm) & jnp.isfinite(loss)
@@ -324,11 +351,15 @@ train_minibatch.__doc__ = """One optimizer step on one mini-batch (see the modul
 
 Args: state; mb: SampleBatch of the mini-batch rows (old/ref logprobs and values filled;
 rows a multiple of cfg.micro_batch_size); adv, w, targets: [rows] f32 advantages, sample
-weights, value targets; static: model, cfg.
+weights, value targets; base: frozen base params when LoRA is on (state.params = adapters, the
+only leaves that change), else None; static: model, cfg.
 Returns (new state, metrics: loss, grad_norm, critic_grad_norm, skipped (1.0 when the
 non-finite step was skipped), tokens, and the token-mean loss metrics of `ppo_loss` /
 `value_loss`). The step counter `state.step` is NOT advanced here (it counts iterations).
 """
+
+
+_merge = jax.jit(apply_lora, static_argnums=(2, 3))
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -350,11 +381,19 @@ class Trainer:
 
     # -- state -------------------------------------------------------------------------
 
+    @property
+    def lora(self) -> bool:
+        """True when the trainable params are LoRA adapters (cfg.lora.rank > 0)."""
+        return self.cfg.lora.enabled
+
     def init_state(self, params: Params, key: jax.Array) -> TrainState:
         """A fresh `TrainState` from policy params (step 0): critic per cfg.critic_kind (PPO: a
         copy of params + head), zero optimizer moments, rng = a uint32 [2] key derived from key.
-        Everything is placed with `state_shardings` when a mesh is set."""
+        Everything is placed with `state_shardings` when a mesh is set.
+        LoRA: `params` is the frozen base; the state's params are fresh adapters (B = 0)."""
         key = jnp.asarray(key, jnp.uint32)
+        if self.lora:
+            params = init_lora(self.model, self.cfg.lora, jax.random.fold_in(key, 0x10A))
         k_head, k_state = jax.random.split(key)
         critic = init_critic(self.cfg.critic_kind, params, k_head, self.model.hidden_size,
                              self.cfg.value_head_init_std)
@@ -374,13 +413,17 @@ class Trainer:
     def abstract_state(self, params_like: Params | None = None) -> TrainState:
         """``jax.ShapeDtypeStruct`` tree of the state with this trainer's target shardings
         (the restore target for orbax; works for any device count / mesh). params_like: the
-        params tree or its ShapeDtypeStructs (default: float32 random-init shapes)."""
+        params tree or its ShapeDtypeStructs (default: float32 random-init shapes); with LoRA
+        the base (ignored: the state's params are the adapters)."""
         from strata_jax.models import init_params
         if params_like is None:
             params_like = jax.eval_shape(lambda k: init_params(self.model, k),
                                          jax.random.PRNGKey(0))
         params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_like)
         cfg = self.cfg
+        if self.lora:  # params_like is the base; the state holds adapters
+            params_like = jax.eval_shape(lambda k: init_lora(self.model, cfg.lora, k),
+                                         jax.random.PRNGKey(0))
 
         def build(params):
             critic = init_critic(cfg.critic_kind, params, jax.random.PRNGKey(0),
@@ -404,12 +447,13 @@ class Trainer:
             return jax.tree.map(lambda _: single, state_like)
         mesh = self.mesh
         rep = NamedSharding(mesh, PartitionSpec())
-        ps = param_shardings(state_like.params, self.model, mesh)
+        trainable = lora_shardings if self.lora else param_shardings
+        ps = trainable(state_like.params, self.model, mesh)
         cs = {}
         if state_like.critic_params:
             cs = {"head": jax.tree.map(lambda _: rep, state_like.critic_params["head"])}
             if "trunk" in state_like.critic_params:
-                cs["trunk"] = param_shardings(state_like.critic_params["trunk"], self.model, mesh)
+                cs["trunk"] = trainable(state_like.critic_params["trunk"], self.model, mesh)
         tx, ctx = make_optimizer(self.cfg), make_optimizer(self.cfg, critic=True)
         os_ = optax.tree_map_params(tx, lambda _, s: s, state_like.opt_state, ps,
                                     transform_non_params=lambda _: rep)
@@ -436,6 +480,18 @@ class Trainer:
 
         return jax.tree.map(put, batch)
 
+    def policy_params(self, state: TrainState, base: Params | None = None) -> Params:
+        """Params of the current policy for the sampler / export: state.params, or with LoRA
+        the base with the adapters merged (jitted ``apply_lora``, merged weights in the base's
+        dtype, sharded like the base). Raises ValueError when LoRA is on and base is None."""
+        if not self.lora:
+            return state.params
+        if base is None:
+            raise ValueError("LoRA is on: policy_params needs the frozen base params")
+        dtype = base["embed"].dtype
+        with self._ctx():
+            return _merge(base, state.params, self.cfg.lora, dtype)
+
     def _ctx(self):
         if self.mesh is None:
             import contextlib
@@ -450,21 +506,26 @@ class Trainer:
         cfg = self.cfg
         chunk = cfg.score_rows or cfg.micro_batch_size
         use_ref = bool(cfg.loss.kl_coef)
+        if self.lora and ref_params is None:
+            raise ValueError("LoRA is on (lora.rank > 0): pass the frozen base params as "
+                             "ref_params (the model the adapters ride on and the KL reference)")
         if use_ref and ref_params is None:
             raise ValueError("loss.kl_coef != 0 needs ref_params (the frozen initial policy "
                              "params); pass them to update() or set loss.kl_coef = 0")
         batch = self.put_batch(pad_rows(batch, chunk))
         with self._ctx():
             return score_batch(state.params, state.critic_params,
-                               ref_params if use_ref else None, batch, key, model=self.model,
+                               ref_params if use_ref or self.lora else None, batch, key,
+                               model=self.model,
                                cfg=cfg, use_ref=use_ref, chunk_rows=chunk)
 
     def train_on_batch(self, state: TrainState, batch: SampleBatch, adv: jax.Array,
-                       weights: jax.Array, targets: jax.Array, key: jax.Array
-                       ) -> tuple[TrainState, list[dict]]:
+                       weights: jax.Array, targets: jax.Array, key: jax.Array,
+                       base: Params | None = None) -> tuple[TrainState, list[dict]]:
         """Epochs x mini-batches of `train_minibatch` on a scored batch with given advantages.
 
-        Args: batch scored (`score`); adv, weights, targets [R] f32; key: shuffling PRNGKey.
+        Args: batch scored (`score`); adv, weights, targets [R] f32; key: shuffling PRNGKey;
+        base: the frozen base params when LoRA is on (else ignored).
         Returns (state, per-step metric dicts of device scalars). Does not advance state.step.
         """
         cfg = self.cfg
@@ -478,7 +539,8 @@ class Trainer:
                                                 cfg.micro_batch_size, rng):
                     mb, a, w, t = gather_rows(batch, adv, weights, targets, jnp.asarray(idx),
                                               jnp.asarray(real))
-                    state, m = train_minibatch(state, mb, a, w, t, model=self.model, cfg=cfg)
+                    state, m = train_minibatch(state, mb, a, w, t, base if self.lora else None,
+                                               model=self.model, cfg=cfg)
                     out.append(m)
         return state, out
 
@@ -487,7 +549,8 @@ class Trainer:
         """One iteration's update: score, advantages, epochs of mini-batch steps; step += 1.
 
         Args: state; batch: the iteration's SampleBatch (numpy or jax; any row count);
-        ref_params: frozen initial policy params (needed when loss.kl_coef != 0).
+        ref_params: frozen initial policy params (needed when loss.kl_coef != 0, and always with
+        LoRA, where they are the base the adapters ride on).
         Returns (new state, metrics: host floats — means over optimizer steps of the loss
         metrics, `skipped_steps` (non-finite steps not applied), `optimizer_steps`, advantage
         metrics of the estimator, `mismatch/sampler_abs` = mean |sampler - trainer| logprob
@@ -499,7 +562,7 @@ class Trainer:
             adv, w, adv_m = advantages(scored, state.step, algo=self.cfg.algo,
                                        est=self.cfg.estimator)
         targets = adv_m.get("row/value_targets", jnp.zeros_like(adv))
-        state, steps = self.train_on_batch(state, scored, adv, w, targets, k_plan)
+        state, steps = self.train_on_batch(state, scored, adv, w, targets, k_plan, ref_params)
         state = state.replace(step=state.step + 1, rng=rng)
         mask = loss_mask(scored)
         mism = jnp.sum(jnp.where(mask, jnp.abs(scored.sampler_logprobs - scored.old_logprobs),
