@@ -131,8 +131,12 @@ _REQUIRED = ("prompt_ids", "response_ids", "task_id", "trajectory_id", "kind")
 
 
 def bucket_size(n: int, buckets: Sequence[int] | None, multiple: int = 1) -> int:
-    """Smallest bucket >= n (or n rounded up to `multiple` when `buckets` is None).
+    """Smallest bucket >= n; without explicit buckets, the next power of two >= n (at least
+    `multiple`, rounded up to a multiple of it).
 
+    Powers of two bound the number of shapes a run ever compiles (log2 of the largest size),
+    where rounding to a multiple of 8 recompiled the update for nearly every iteration as prompt
+    lengths drift (design.md "Each extra compilation costs seconds: buckets, not exact shapes").
     Raises ValueError when n exceeds the largest bucket (say which config to raise).
     """
     if buckets:
@@ -141,7 +145,8 @@ def bucket_size(n: int, buckets: Sequence[int] | None, multiple: int = 1) -> int
                 return int(b)
         raise ValueError(
             f"{n} exceeds the largest bucket {max(buckets)}; add a larger bucket to the config")
-    return int(max(multiple, math.ceil(max(n, 1) / multiple) * multiple))
+    p2 = 1 << (max(n, 1) - 1).bit_length()
+    return int(max(multiple, math.ceil(p2 / multiple) * multiple))
 
 
 def make_sample_batch(
