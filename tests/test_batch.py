@@ -34,11 +34,11 @@ def test_bucketed_sizes_are_static():
         bucket_size(17, [4, 16])
 
 
-def test_default_buckets_are_powers_of_two():
+def test_default_buckets_are_two_per_octave():
     # pitfall: rounding to a multiple of 8 recompiled the update whenever prompt lengths drifted
-    assert [bucket_size(n, None, 8) for n in (1, 8, 9, 40, 640, 688, 848)] == \
-        [8, 8, 16, 64, 1024, 1024, 1024]
-    assert bucket_size(3, None) == 4 and bucket_size(12, None, 24) == 24
+    assert [bucket_size(n, None, 8) for n in (1, 8, 9, 13, 36, 40, 49, 640, 688, 848)] == \
+        [8, 8, 16, 16, 48, 48, 64, 768, 768, 1024]
+    assert bucket_size(3, None) == 3 and bucket_size(5, None) == 6 and bucket_size(12, None, 24) == 24
 
 
 def test_is_a_pytree_that_jits():

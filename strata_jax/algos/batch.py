@@ -131,10 +131,11 @@ _REQUIRED = ("prompt_ids", "response_ids", "task_id", "trajectory_id", "kind")
 
 
 def bucket_size(n: int, buckets: Sequence[int] | None, multiple: int = 1) -> int:
-    """Smallest bucket >= n; without explicit buckets, the next power of two >= n (at least
-    `multiple`, rounded up to a multiple of it).
+    """Smallest bucket >= n; without explicit buckets, the smallest of 2^k and 3 * 2^(k-2)
+    (..., 48, 64, 96, 128, ...) that is >= n, at least `multiple` and rounded up to a multiple of
+    it.
 
-    Powers of two bound the number of shapes a run ever compiles (log2 of the largest size),
+    These sizes (at most 1.5x padding waste, two shapes per octave) bound the number of shapes a run ever compiles (log2 of the largest size),
     where rounding to a multiple of 8 recompiled the update for nearly every iteration as prompt
     lengths drift (design.md "Each extra compilation costs seconds: buckets, not exact shapes").
     Raises ValueError when n exceeds the largest bucket (say which config to raise).
@@ -146,7 +147,8 @@ def bucket_size(n: int, buckets: Sequence[int] | None, multiple: int = 1) -> int
         raise ValueError(
             f"{n} exceeds the largest bucket {max(buckets)}; add a larger bucket to the config")
     p2 = 1 << (max(n, 1) - 1).bit_length()
-    return int(max(multiple, math.ceil(p2 / multiple) * multiple))
+    size = p2 * 3 // 4 if p2 >= 4 and n <= p2 * 3 // 4 else p2
+    return int(max(multiple, math.ceil(size / multiple) * multiple))
 
 
 def make_sample_batch(
