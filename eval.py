@@ -58,7 +58,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
         params, at = state.params, int(meta["step"])
     tasks = spread_over_families(ex.task_list(c, split), c.eval.max_tasks)
     sampler = Sampler(model_cfg, mesh=mesh, max_cache_len=ex.max_cache_len(c, model_cfg))
-    policy = SamplerPolicy(sampler, params)
+    policy = SamplerPolicy(sampler, ex.sampler_params(c, params))
     builder = make_prompt_builder(tokenizer, c)
     pool = ex.build_pool(c)
     try:

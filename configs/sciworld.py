@@ -26,6 +26,8 @@ def tiny(c):
     c.model.path = ""
     c.model.preset = "tiny"
     c.model.dtype = "float32"
+    c.train.compute_dtype = "float32"
+    c.rollout.sampler_dtype = "float32"
     c.model.tokenizer = "offline"
     c.model.remat = False
     c.mesh = base.ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))

@@ -114,6 +114,28 @@ def build_model(c: Any, tokenizer: Any, mesh: jax.sharding.Mesh | None
     return cfg, load_params(ckpt, cfg, dtype=dtype, mesh=mesh)
 
 
+def sampler_params(c: Any, params: Any) -> Any:
+    """The policy params as the sampler reads them: cast to ``rollout.sampler_dtype`` (bf16
+    halves the bytes a decode step streams; the trainer keeps fp32 masters and recomputes pi_old
+    itself, so the cast only shows up in the logged sampler-trainer mismatch)."""
+    dtype = jnp.dtype(c.rollout.get("sampler_dtype", "") or c.model.dtype)
+    return _cast(params, dtype)
+
+
+@jax.jit
+def _cast_bf16(params):
+    return jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+
+
+def _cast(params: Any, dtype: Any) -> Any:
+    leaves = jax.tree.leaves(params)
+    if all(x.dtype == dtype for x in leaves):
+        return params
+    if dtype == jnp.bfloat16:
+        return _cast_bf16(params)
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
 def env_kwargs(c: Any) -> dict[str, Any]:
     """Constructor arguments for the env of ``c.env.name``."""
     kw: dict[str, Any] = {"max_steps": int(c.env.max_steps)}

@@ -94,3 +94,16 @@ def test_summarize_per_family_scores_in_env_units():
     # a crashed episode is a failure with score 0, never a success
     assert m["eval/family/melt/success"] == 0.0 and m["eval/family/melt/score"] == 0.0
     assert m["eval/success"] == pytest.approx(1 / 3) and m["eval/crashed"] == 1.0
+
+
+def test_sampler_params_cast_follows_config():
+    import jax
+    import jax.numpy as jnp
+    params = {"a": jnp.ones((2, 3), jnp.float32), "b": [jnp.zeros(4, jnp.float32)]}
+    paper = sciworld.get_config()
+    # fp32 masters for AdamW at lr 1e-6; bf16 for the sampler and the train forward
+    assert paper.model.dtype == "float32" and paper.train.compute_dtype == "bfloat16"
+    cast = ex.sampler_params(paper, params)
+    assert {x.dtype for x in jax.tree.leaves(cast)} == {jnp.dtype(jnp.bfloat16)}
+    tiny = sciworld.get_config("tiny")
+    assert ex.sampler_params(tiny, params) is params  # already fp32: no copy
