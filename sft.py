@@ -35,28 +35,9 @@ flags.mark_flags_as_required(["config"])
 
 
 def run(c, out: str = "", force: bool = False) -> dict:
-    """Build the run's tokenizer and initial params, clone the experts, export.
-
-    Returns {"out": export dir, "cached": bool, "meta": the sft_meta.json dict}."""
-    import json
-
-    from strata_jax import experiment as ex
+    """`strata_jax.training.sft.export_warm_start` (returns {"out", "cached", "meta"})."""
     from strata_jax.training import sft
-
-    ex.validate(c)
-    ex.resolve(c)
-    tokenizer = ex.build_tokenizer(c)
-    ws = c.model.warm_start
-    c.model.warm_start = ""   # build_model must give the un-warmed initial params
-    model_cfg, params = ex.build_model(c, tokenizer, None)
-    c.model.warm_start = ws
-    out = out or sft.warm_start_dir(c, model_cfg, ex.workdir(c))
-    meta_file = os.path.join(out, sft.META_FILE)
-    if os.path.isfile(meta_file) and not force:
-        with open(meta_file) as f:
-            return {"out": out, "cached": True, "meta": json.load(f)}
-    _, meta = sft.run_sft(c, model_cfg, params, tokenizer, out, log_fn=print)
-    return {"out": out, "cached": False, "meta": meta}
+    return sft.export_warm_start(c, out, force, log_fn=print)
 
 
 def main(argv):

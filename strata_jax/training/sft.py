@@ -104,7 +104,7 @@ class SFTConfig:
     max_gold_steps: int = 30
     steps: int = 300
     batch_size: int = 16
-    lr: float = 1e-3
+    lr: float = 1e-5
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     warmup_steps: int = 20
@@ -561,6 +561,33 @@ def run_sft(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any, out_dir
     return params, meta
 
 
+def export_warm_start(c: Any, out: str = "", force: bool = False,
+                      log_fn: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The whole `sft.py` job: the run's tokenizer and UN-warmed initial params
+    (`experiment.build_model` with ``model.warm_start`` cleared), `run_sft`, export to `out`
+    (default `warm_start_dir`). An export whose meta file exists is reused unless `force`.
+
+    Returns {"out": export dir, "cached": bool, "meta": the sft_meta.json dict}."""
+    from strata_jax import experiment as ex
+
+    ex.validate(c)
+    ex.resolve(c)
+    tokenizer = ex.build_tokenizer(c)
+    ws = c.model.get("warm_start", "")
+    c.model.warm_start = ""
+    try:
+        model_cfg, params = ex.build_model(c, tokenizer, None)
+    finally:
+        c.model.warm_start = ws
+    out = out or warm_start_dir(c, model_cfg, ex.workdir(c))
+    meta_file = os.path.join(out, META_FILE)
+    if os.path.isfile(meta_file) and not force:
+        with open(meta_file) as f:
+            return {"out": out, "cached": True, "meta": json.load(f)}
+    _, meta = run_sft(c, model_cfg, params, tokenizer, out, log_fn=log_fn)
+    return {"out": out, "cached": False, "meta": meta}
+
+
 def warm_start_dir(c: Any, model_cfg: Qwen2Config, workdir: str) -> str:
     """Cache dir of the run's warm start: ``<sft.cache_dir or workdir/warm_start>/<fingerprint>``."""
     cfg = SFTConfig.from_config(c)
@@ -602,6 +629,6 @@ __all__ = [
     "SFTConfig", "ExpertStep", "ExpertEpisode", "SFTExample", "SFTTrainer", "play_builtin_expert",
     "play_gold", "collect_expert_episodes", "plan_text", "action_response", "judge_response",
     "render_episode", "build_examples", "make_sft_batch", "sft_loss", "batch_order", "train_sft",
-    "expert_tasks", "sft_examples", "fingerprint", "run_sft", "warm_start_dir",
+    "expert_tasks", "sft_examples", "fingerprint", "run_sft", "export_warm_start", "warm_start_dir",
     "maybe_warm_start", "SCIWORLD_NOISE_ACTIONS", "STRATEGY_MODES",
 ]
