@@ -100,18 +100,23 @@ def build_model(c: Any, tokenizer: Any, mesh: jax.sharding.Mesh | None
     hold every tokenizer id. model.path: an HF checkpoint dir or hub id (`load_params`; a clear
     error offline). Params are placed with the mesh's logical-axis shardings.
     """
+    from strata_jax.training.sft import maybe_warm_start  # lazy: sft imports this module
+
     dtype = jnp.dtype(c.model.dtype)
     if c.model.preset:
         cfg = PRESETS[c.model.preset]
         if len(tokenizer) > cfg.vocab_size:
             cfg = dataclasses.replace(cfg, vocab_size=QWEN25_VOCAB)
         params = init_params(cfg, jax.random.PRNGKey(c.seed), dtype)
+        # model.warm_start: "" none; "sft" = behaviour cloning (cached); or an HF export dir
+        params = maybe_warm_start(c, cfg, params, tokenizer, workdir(c))
         if mesh is not None:
             params = sharding.shard_params(params, cfg, mesh)
         return cfg, params
     ckpt = resolve_checkpoint(c.model.path)
     cfg = Qwen2Config.from_pretrained(ckpt)
-    return cfg, load_params(ckpt, cfg, dtype=dtype, mesh=mesh)
+    params = load_params(ckpt, cfg, dtype=dtype, mesh=mesh)
+    return cfg, maybe_warm_start(c, cfg, params, tokenizer, workdir(c), mesh=mesh)
 
 
 def sampler_params(c: Any, params: Any) -> Any:
