@@ -17,9 +17,16 @@ from strata_jax.models.lora import (LoraConfig, apply_lora, export_merged, init_
                                     num_adapter_params, target_names)
 from strata_jax.training import Checkpointer, Trainer, accumulate_grads, tree_to_numpy
 from tests.model_fixtures import PARITY_CONFIGS, hf_logits, make_hf_model, padded_batch
-from tests.trainer_fixtures import TINY, grpo_records, make_batch, train_config
+from tests.trainer_fixtures import TINY, grpo_records, make_batch
+from tests.trainer_fixtures import train_config as _train_config
 
 LORA = LoraConfig(rank=4, alpha=8.0)   # scale 2: a wrong scale cannot pass the parity tests
+
+
+def train_config(**kw):
+    """The trainer tests' config with fp32 compute pinned (base.py's default is bf16 compute,
+    whose rounding would swamp these exact comparisons)."""
+    return _train_config(**{"compute_dtype": "float32", **kw})
 
 
 @jax.jit
