@@ -40,14 +40,21 @@ def run(c) -> dict:
     from strata_jax.sampling import Sampler, compiled_program_count
     from strata_jax.training import Checkpointer, PreemptionFlag, Trainer, TrainConfig, run_loop
 
+    # Multi-host (issue 9): jax.distributed from c.distributed / the environment, before any
+    # other JAX use; a no-op for one process. See strata_jax/distributed.py.
+    from strata_jax import distributed
+    from strata_jax.rollout import collect_rollout
+    distributed.initialize(c)
     ex.validate(c)
+    distributed.check_config(c)
     ex.resolve(c)
     compiles = CompileCounter.install()
     workdir = ex.workdir(c)
     mesh = ex.build_mesh(c)
     tokenizer = ex.build_tokenizer(c)
     model_cfg, init_params = ex.build_model(c, tokenizer, mesh)
-    sampler = Sampler(model_cfg, mesh=mesh, max_cache_len=ex.max_cache_len(c, model_cfg))
+    sampler_mesh = distributed.local_mesh(mesh)   # rollouts are per host: the sampler stays local
+    sampler = Sampler(model_cfg, mesh=sampler_mesh, max_cache_len=ex.max_cache_len(c, model_cfg))
     trainer = Trainer(model_cfg, TrainConfig.from_config(c), mesh)
     rollout_cfg = RolloutConfig.from_config(c)
     builder = make_prompt_builder(tokenizer, c)
@@ -63,9 +70,17 @@ def run(c) -> dict:
         if meta.get("sampler_state"):
             task_sampler.set_state(meta["sampler_state"])
         log.info("resumed from step %d in %s", meta["step"], workdir)
-    # The reference model is the initial policy, frozen (method.md 2.7).
-    ref_params = init_params if c.loss.kl_coef else None
-    policy = SamplerPolicy(sampler, ex.sampler_params(c, state.params))
+    # The reference model is the initial policy, frozen (method.md 2.7). With LoRA the frozen
+    # base is both the reference and the model the adapters ride on (always passed).
+    ref_params = init_params if c.loss.kl_coef or trainer.lora else None
+
+    def policy_params(state):
+        """The sampler's copy of the policy: LoRA adapters merged into the base, cast to the
+        sampler dtype, and (multi-host) gathered onto this host's devices."""
+        merged = trainer.policy_params(state, init_params)
+        return distributed.to_local(ex.sampler_params(c, merged), model_cfg, sampler_mesh)
+
+    policy = SamplerPolicy(sampler, policy_params(state))
 
     writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
     start = int(jax.device_get(state.step))
@@ -79,7 +94,7 @@ def run(c) -> dict:
 
     def maybe_eval(it):
         """Every eval.every iterations: the eval protocol on eval.split with the current params."""
-        if c.eval.every > 0 and it > 0 and it % c.eval.every == 0:
+        if c.eval.every > 0 and it > 0 and it % c.eval.every == 0 and distributed.is_primary():
             m, _ = evaluate(c, policy, pool, builder, eval_tasks, key=ex.seed_key(c, 2, it))
             writer.scalars(it, m)
             log.info("eval at step %d: success %.3f score %.2f", it, m["eval/success"],
@@ -87,15 +102,24 @@ def run(c) -> dict:
 
     def next_batch(state):
         it = int(jax.device_get(state.step))
-        policy.set_params(ex.sampler_params(c, state.params))
+        policy.set_params(policy_params(state))
         maybe_eval(it)
         t0 = time.time()
-        result = rollout(policy, pool, builder, task_sampler.sample,
-                         key=ex.seed_key(c, 1, it), config=rollout_cfg)
+        if jax.process_count() > 1:
+            # Multi-host: every host draws the same global task list and rolls out its share
+            # (task uids stay global, so row keys and group ids match a single-process run).
+            mine, uid0 = distributed.host_share(task_sampler.sample(c.rollout.tasks_per_batch))
+            result = collect_rollout(policy, pool, builder, mine, key=ex.seed_key(c, 1, it),
+                                     config=rollout_cfg, task_uid_start=uid0)
+        else:
+            result = rollout(policy, pool, builder, task_sampler.sample,
+                             key=ex.seed_key(c, 1, it), config=rollout_cfg)
         timing["time/rollout_s"] = time.time() - t0
         timing["_t_update"] = time.time()
         next_batch.result = result
-        return result.batch
+        # Multi-host: the hosts' batches become one global batch for the sharded update.
+        return distributed.global_batch(result.batch, mesh,
+                                        trainer.cfg.score_rows or trainer.cfg.micro_batch_size)
 
     def on_metrics(step, metrics):
         result = next_batch.result
@@ -123,7 +147,7 @@ def run(c) -> dict:
                                  sampler_state=task_sampler.get_state, config=c,
                                  on_metrics=on_metrics, flag=flag)
         if status == "done":
-            policy.set_params(ex.sampler_params(c, state.params))
+            policy.set_params(policy_params(state))
             maybe_eval(int(jax.device_get(state.step)))
     finally:
         flag.uninstall()

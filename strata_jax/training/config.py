@@ -26,6 +26,7 @@ class TrainConfig:
       optimizer steps), lr_schedule ("constant" | "cosine" to 0 at `decay_steps` optimizer steps),
       ppo_epochs, mini_batch_size (step samples per optimizer step; strategy samples are spread
       evenly over the mini-batches on top), micro_batch_size (rows per gradient-accumulation unit).
+      adam_eps (c.train.adam_eps): AdamW epsilon (torch's default 1e-8).
     Model execution: remat ("none" | "full" | "dots": jax.checkpoint policy over the forward),
       compute_dtype ("float32" | "bfloat16": params are cast for the forward, the optimizer keeps
       the stored dtype), logprob_chunk (positions per LM-head chunk), temperature (train
@@ -44,6 +45,7 @@ class TrainConfig:
     lr: float = 1e-6
     critic_lr: float = 1e-5
     weight_decay: float = 0.01
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0
     warmup_steps: int = 0
     lr_schedule: str = "constant"

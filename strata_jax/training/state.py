@@ -60,7 +60,7 @@ def make_optimizer(cfg: TrainConfig, critic: bool = False) -> optax.GradientTran
     parts = []
     if cfg.grad_clip and cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-    parts.append(optax.adamw(lr_schedule(lr, cfg), b1=0.9, b2=0.999, eps=1e-8,
+    parts.append(optax.adamw(lr_schedule(lr, cfg), b1=0.9, b2=0.999, eps=cfg.adam_eps,
                              weight_decay=cfg.weight_decay))
     return optax.chain(*parts)
 

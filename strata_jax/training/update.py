@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from strata_jax.algos import (KIND_ACTION, KIND_STRATEGY, PAD_ID, SampleBatch,
                               compute_advantages, loss_mask, loss_normalizers, ppo_loss,
                               value_loss)
+from strata_jax.distributed import host_values
 from strata_jax.models import Qwen2Config
 from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
 from strata_jax.sharding import logical_to_spec, param_shardings
@@ -529,7 +530,8 @@ class Trainer:
         Returns (state, per-step metric dicts of device scalars). Does not advance state.step.
         """
         cfg = self.cfg
-        valid, kind = (np.asarray(x) for x in jax.device_get((batch.valid, batch.kind)))
+        # host_values: a multi-host global batch is gathered (every process plans the same steps).
+        valid, kind = host_values(batch.valid), host_values(batch.kind)
         seed = int(jax.device_get(jax.random.randint(key, (), 0, 2 ** 31 - 1)))
         rng = np.random.default_rng(seed)
         out = []
