@@ -55,7 +55,8 @@ def run_eval(c, split: str | None = None, step: int | None = None,
             raise SystemExit(f"no checkpoint in {c.workdir}/ckpt; train first or pass "
                              "--no_checkpoint to evaluate config.model as is")
         state, meta = restored
-        params, at = state.params, int(meta["step"])
+        # LoRA: the adapters merged into the base; otherwise the trained params themselves
+        params, at = trainer.policy_params(state, params), int(meta["step"])
     tasks = spread_over_families(ex.task_list(c, split), c.eval.max_tasks)
     sampler = Sampler(model_cfg, mesh=mesh, max_cache_len=ex.max_cache_len(c, model_cfg))
     policy = SamplerPolicy(sampler, ex.sampler_params(c, params))
