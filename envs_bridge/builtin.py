@@ -19,10 +19,17 @@ Reward 1.0 on success (score 1), else 0; done on success or at the step limit.
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 from envs_bridge.base import PromptPieces, Task, TextEnv
 from envs_bridge.registry import register_env
+
+# ASCII digits only: str.isdigit() also accepts '²', '①', Arabic-Indic digits, ..., which int()
+# either rejects (ValueError, a crashed episode) or silently converts; neither is a guess the
+# game understands. The length cap keeps int() below Python's 4300-digit conversion limit.
+_INT_RE = re.compile(r"-?[0-9]{1,18}")
+_ASCII_DIGITS = frozenset("0123456789")
 
 SPLIT_SEEDS = {"train": range(0, 1000), "dev": range(1000, 1100), "test": range(1100, 1200)}
 
@@ -113,7 +120,7 @@ class MemoryKeyEnv(_BuiltinEnv):
         if action == "look":
             return self._where(), 0.0, False, self._info(0.0)
         if action.startswith("enter ") and self.pos == self.corridor:
-            digits = "".join(ch for ch in action[6:] if ch.isdigit())
+            digits = "".join(ch for ch in action[6:] if ch in _ASCII_DIGITS)
             if digits == self.code:
                 return "The vault swings open. You win.", 1.0, True, self._info(1.0)
             return "The keypad buzzes: wrong code.", 0.0, False, self._info(0.0)
@@ -147,7 +154,7 @@ class GuessNumberEnv(_BuiltinEnv):
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         parts = action.split()
-        if len(parts) != 2 or parts[0] != "guess" or not parts[1].lstrip("-").isdigit():
+        if len(parts) != 2 or parts[0] != "guess" or not _INT_RE.fullmatch(parts[1]):
             return "Nothing happens. Say `guess <integer>`.", 0.0, False, self._info(0.0, invalid=True)
         g = int(parts[1])
         if g == self.secret:

@@ -133,7 +133,7 @@ def load_eval_list(path: str, split: str = "test") -> list[Task]:
             if not line:
                 continue
             parts = re.split(r"[,\s]+", line)
-            if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
+            if len(parts) != 2 or not re.fullmatch(r"-?[0-9]{1,9}", parts[1]):  # ASCII: isdigit() takes '²'
                 raise ValueError(f"{path}:{n}: expected 'task variation', got {line!r}")
             pairs.append((parts[0], int(parts[1])))
     return [Task("scienceworld", _resolve_task_name(t), v, split) for t, v in pairs]

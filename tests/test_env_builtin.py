@@ -105,3 +105,32 @@ def test_sampler_same_seed_same_sequence_and_exact_resume():
         TaskSampler(tasks[:10], seed=7).set_state(state)
     with pytest.raises(ValueError):
         TaskSampler([], seed=0)
+
+
+@pytest.mark.parametrize("guess", ["²", "①", "٣", "-²", "1" * 5000, "--3", "4.0"])
+def test_guess_number_non_ascii_or_huge_guess_is_invalid_not_crash(guess):
+    """'²'.isdigit() is True but int('²') raises; a 5000-digit guess trips Python's int limit."""
+    env = make_env("guess_number")
+    obs0, _ = env.reset(Task("guess_number", "guess_number", 0))
+    obs, r, done, info = env.step(f"guess {guess}")
+    assert (r, done, info["invalid"]) == (0.0, False, True)
+    assert obs.startswith("Nothing happens")
+    assert (env.lo, env.hi) == (1, 64)  # the interval is untouched
+    obs, r, done, info = env.step("guess 1")  # a plain ASCII guess still works
+    assert not info["invalid"]
+
+
+def test_memory_key_ignores_non_ascii_digits_in_code():
+    env = make_env("memory_key")
+    env.reset(Task("memory_key", "memory_key", 0))
+    code = env.code
+    while env.pos < env.corridor:
+        env.step("go north")
+    # Superscript / circled digits are not digits of the code: wrong code, not a crash.
+    obs, r, done, info = env.step("enter " + code + "²①")
+    assert (r, done) == (1.0, True)  # the ASCII code digits alone still match
+    env.reset(Task("memory_key", "memory_key", 0))
+    while env.pos < env.corridor:
+        env.step("go north")
+    obs, r, done, _ = env.step("enter ²③")
+    assert (r, done) == (0.0, False) and "wrong" in obs
