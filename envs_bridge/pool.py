@@ -303,6 +303,7 @@ class EnvPool:
         else:
             self._slots = [_ProcessSlot(env_name, self.env_kwargs, step_timeout_s) for _ in range(max_live_envs)]
             workers = max_live_envs
+        self._workers = workers
         self._executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="envpool")
         self._free = list(range(max_live_envs))
         self._episodes: dict[int, _Episode] = {}
@@ -436,7 +437,7 @@ class EnvPool:
                     out = StepOutcome(eid, obs, reward, done, info)
             except cf.TimeoutError:
                 self._stats["timeouts"] += 1
-                out = self._crash(ep, f"timeout: no answer within {ticket.timeout_s:.1f}s")
+                out = self._crash(ep, f"timeout: no answer within {ticket.timeout_s:.1f}s", hung=True)
             except _USER_ERRORS as e:
                 if ticket.kind == "reset":
                     user_error = user_error or e
@@ -451,14 +452,35 @@ class EnvPool:
         self._stats["wait_time_s"] += now - t0
         self._t_last = now
         if user_error is not None:
+            # The caller gets an exception instead of the outcomes, so it never learns the
+            # other episodes' ids and could not release them: free their slots here (their
+            # envs stay alive for reuse) instead of leaking them.
+            for eid in ticket.episode_ids:
+                ep = self._episodes[eid]
+                if not ep.done:
+                    self._finish(ep)
             raise user_error
         return outcomes
 
-    def _crash(self, ep: _Episode, error: str, restart: bool = True) -> StepOutcome:
+    def _crash(self, ep: _Episode, error: str, restart: bool = True, hung: bool = False) -> StepOutcome:
+        """Crashed outcome for `ep`; with `restart` the slot's env is replaced.
+
+        `hung` (a timeout): the call may still be running and holds the thread slot's lock
+        and an executor thread. Thread backend: abandon that slot object and executor (the
+        hung call finishes, or dies with its simulator, on its own) and give the slot a new
+        `_ThreadSlot` and the pool a new executor, so the next episode on the slot does not
+        queue behind the hung call. Process backend: `discard` kills the worker process.
+        """
         self._stats["crashes"] += 1
         if restart:
             slot = self._slots[ep.slot]
             slot.discard()
+            if hung and isinstance(slot, _ThreadSlot):
+                slot = _ThreadSlot(slot._factory)
+                self._slots[ep.slot] = slot
+                old, self._executor = self._executor, cf.ThreadPoolExecutor(
+                    max_workers=self._workers, thread_name_prefix="envpool")
+                old.shutdown(wait=False)  # queued / running calls of other tickets still finish
             self._stats["restarts"] += 1
             self._executor.submit(slot.ensure_started)  # fresh env in the background
         return StepOutcome(ep.episode_id, "", 0.0, True, {"crashed": True}, crashed=True, error=error)

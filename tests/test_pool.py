@@ -158,3 +158,57 @@ def test_killed_worker_process_restarts_and_others_continue():
         assert pool.stats()["restarts"] == 1
         (o,) = pool.reset([tasks[1]])  # restarted worker serves a new episode
         assert not o.crashed and "vault code" in o.observation
+
+
+class _HangingEnv(GridNavEnv):
+    """grid_nav whose `hang` action blocks until the test releases it, even through close()
+    (a simulator call that ignores being closed), and whose task_id 'bad' is bad input."""
+
+    name = "hanging_grid"
+    release = None  # threading.Event, set by the test
+
+    def _reset(self, task):
+        if task.task_id == "bad":
+            raise ValueError("corrupt game file")
+        return super()._reset(task)
+
+    def _step(self, action):
+        if action == "hang":
+            _HangingEnv.release.wait(30)
+        return super()._step(action)
+
+
+register_env("hanging_grid", _HangingEnv)
+
+
+def test_hung_step_slot_is_rebuilt_and_next_episode_on_it_completes():
+    """Before the fix the hung call kept the slot's lock and executor thread, so every later
+    reset on that slot timed out too (restarts counted, live_envs 0)."""
+    import threading
+
+    _HangingEnv.release = threading.Event()
+    task = Task("hanging_grid", "hanging_grid", 3)
+    try:
+        with EnvPool("hanging_grid", max_live_envs=1, step_timeout_s=0.3, reset_timeout_s=1.0) as pool:
+            (o,) = pool.reset([task])
+            (s,) = pool.step([o.episode_id], ["hang"])
+            assert s.crashed and s.done and "timeout" in s.error and pool.num_free == 1
+            for _ in range(2):  # two full episodes on the rebuilt slot, the hang still going on
+                recs = pool.run_episodes([task], expert_policy(pool))
+                assert not recs[0].crashed and recs[0].success
+                assert recs[0].observations[0] == make_env("grid_nav").reset(Task("grid_nav", "grid_nav", 3))[0]
+            st = pool.stats()
+            assert (st["timeouts"], st["restarts"], st["crashes"], st["live_envs"]) == (1, 1, 1, 1)
+            assert pool.num_free == 1
+    finally:
+        _HangingEnv.release.set()
+
+
+def test_reset_user_error_frees_the_other_episodes_slots():
+    good, bad = Task("hanging_grid", "hanging_grid", 1), Task("hanging_grid", "bad", 1)
+    with EnvPool("hanging_grid", max_live_envs=3) as pool:
+        with pytest.raises(ValueError, match="corrupt game file"):
+            pool.reset([good, bad, good])
+        assert pool.num_free == 3  # was 1: the two good episodes' slots leaked
+        outs = pool.reset([good] * 3)
+        assert [o.crashed for o in outs] == [False] * 3
