@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
+import numbers
 from typing import Any, Protocol, runtime_checkable
 
 SPLITS = ("train", "dev", "test")
@@ -87,6 +89,29 @@ class Env(Protocol):
         """Free the simulator (JVM, game, HTTP env)."""
 
 
+def _checked_step(env_name: str, result: Any) -> tuple[str, float, bool, dict[str, Any]]:
+    """Validate an adapter's `_step` result before it reaches returns and advantages.
+
+    A NaN / inf reward would poison every advantage of its group, and a non-bool `done`
+    ("no" is truthy) would end episodes at random, so both are env errors, not data.
+    Accepts numpy scalars (np.float32 rewards, np.bool_ done). Raises EnvError (the pool
+    turns it into a crashed episode) naming the env and the offending value.
+    """
+    if not isinstance(result, tuple) or len(result) != 4:
+        raise EnvError(f"{env_name}: _step must return (obs, reward, done, info), got {result!r:.200}")
+    obs, reward, done, info = result
+    if not isinstance(obs, str):
+        raise EnvError(f"{env_name}: observation must be str, got {type(obs).__name__} {obs!r:.100}")
+    if not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
+        raise EnvError(f"{env_name}: reward must be a finite real number, got {reward!r}")
+    is_np_bool = type(done).__module__ == "numpy" and type(done).__name__ in ("bool_", "bool")
+    if not (isinstance(done, bool) or is_np_bool):
+        raise EnvError(f"{env_name}: done must be a bool, got {type(done).__name__} {done!r:.100}")
+    if not isinstance(info, dict):
+        raise EnvError(f"{env_name}: info must be a dict, got {type(info).__name__} {info!r:.100}")
+    return obs, float(reward), bool(done), info
+
+
 class TextEnv(abc.ABC):
     """Base class with the shared step bookkeeping; subclasses implement `_reset`/`_step`.
 
@@ -141,7 +166,7 @@ class TextEnv(abc.ABC):
             info = {k: v for k, v in self._last_info.items() if k != "invalid"}
             info.update(invalid=False, invalid_format=True)
         else:
-            obs, reward, done, info = self._step(action)
+            obs, reward, done, info = _checked_step(self.name, self._step(action))
             info.setdefault("invalid_format", False)
         truncated = not done and self._steps >= self.max_steps
         info["truncated"] = truncated

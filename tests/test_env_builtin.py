@@ -1,11 +1,12 @@
 """Built-in envs, the env registry, the step bookkeeping and the task sampler."""
 import json
+import re
 
 import pytest
 
-from envs_bridge import Task, TaskSampler, list_envs, make_env
-from envs_bridge.base import Env
-from envs_bridge.builtin import builtin_task_list
+from envs_bridge import EnvPool, Task, TaskSampler, list_envs, make_env, register_env
+from envs_bridge.base import Env, EnvError
+from envs_bridge.builtin import GuessNumberEnv, builtin_task_list
 
 BUILTINS = ["memory_key", "guess_number", "grid_nav"]
 
@@ -134,3 +135,52 @@ def test_memory_key_ignores_non_ascii_digits_in_code():
         env.step("go north")
     obs, r, done, _ = env.step("enter ²③")
     assert (r, done) == (0.0, False) and "wrong" in obs
+
+
+class _LyingEnv(GuessNumberEnv):
+    """guess_number whose step result is replaced by `_LyingEnv.result` (an adapter bug)."""
+
+    name = "lying_guess"
+    result = None
+
+    def _step(self, action):
+        return _LyingEnv.result
+
+
+register_env("lying_guess", _LyingEnv)
+
+
+@pytest.mark.parametrize("result, match", [
+    (("o", float("nan"), False, {}), "reward must be a finite real number, got nan"),
+    (("o", float("inf"), False, {}), "reward must be a finite real number, got inf"),
+    (("o", "1", False, {}), "reward must be a finite real number, got '1'"),
+    (("o", 1.0, "no", {}), "done must be a bool, got str 'no'"),
+    (("o", 1.0, None, {}), "done must be a bool, got NoneType"),
+    ((12345, 1.0, False, {}), "observation must be str, got int"),
+    (("o", 1.0, False, None), "info must be a dict, got NoneType"),
+    (None, "_step must return (obs, reward, done, info), got None"),
+])
+def test_bad_step_result_is_env_error_naming_env_and_value(result, match):
+    env = make_env("lying_guess")
+    env.reset(Task("lying_guess", "lying_guess", 0))
+    _LyingEnv.result = result
+    with pytest.raises(EnvError, match=r"^lying_guess: " + re.escape(match)):
+        env.step("guess 3")
+
+
+def test_bad_step_result_through_pool_is_crashed_episode():
+    with EnvPool("lying_guess", max_live_envs=1) as pool:
+        (o,) = pool.reset([Task("lying_guess", "lying_guess", 0)])
+        _LyingEnv.result = ("o", float("nan"), False, {})
+        (s,) = pool.step([o.episode_id], ["guess 3"])
+        assert (s.crashed, s.done, s.reward) == (True, True, 0.0)
+        assert "lying_guess" in s.error and "nan" in s.error and pool.num_free == 1
+
+
+def test_numpy_reward_and_done_are_accepted_as_plain_python():
+    np = pytest.importorskip("numpy")
+    env = make_env("lying_guess")
+    env.reset(Task("lying_guess", "lying_guess", 0))
+    _LyingEnv.result = ("o", np.float32(0.5), np.bool_(True), {})
+    obs, r, done, info = env.step("guess 3")
+    assert (r, done, type(r), type(done)) == (0.5, True, float, bool)
