@@ -60,6 +60,7 @@ def run(c) -> dict:
     builder = make_prompt_builder(tokenizer, c)
     task_sampler = ex.TaskSampler(ex.task_list(c), seed=c.seed)
 
+    ex.check_resume(c, ex.stored_config(os.path.join(workdir, "ckpt")))
     ckpt = Checkpointer(os.path.join(workdir, "ckpt"), keep=c.ckpt.keep, every=c.ckpt.every)
     restored = ckpt.restore(trainer.abstract_state(init_params))
     if restored is None:
@@ -82,8 +83,9 @@ def run(c) -> dict:
 
     policy = SamplerPolicy(sampler, policy_params(state))
 
-    writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
     start = int(jax.device_get(state.step))
+    # Rows logged after the restored step belong to the lost iterations: drop them on resume.
+    writer = MetricsWriter(workdir, enabled=jax.process_index() == 0, resume_step=start)
     progress = Progress(c.iterations, start=start)
     pool = ex.build_pool(c)
     timing: dict[str, float] = {}

@@ -56,6 +56,10 @@ def validate(c: Any) -> None:
                  "tasks_per_batch"):
         if int(r[name]) < 1:
             raise ConfigError(f"rollout.{name} must be >= 1, got {r[name]}")
+    if c.model.path and c.model.preset:
+        raise ConfigError(f"both model.path ({c.model.path!r}) and model.preset "
+                          f"({c.model.preset!r}) are set; pick one (e.g. --config.model.preset= "
+                          "to train the checkpoint at model.path)")
     if not c.model.path and not c.model.preset:
         raise ConfigError("set --config.model.path (a local Qwen2.5 checkpoint dir or hub id) "
                           "or --config.model.preset (random weights of a named shape)")
@@ -63,6 +67,63 @@ def validate(c: Any) -> None:
         raise ConfigError(f"unknown model.preset {c.model.preset!r}; use one of {sorted(PRESETS)}")
     if c.env.num_workers < 1:
         raise ConfigError("env.num_workers (live envs) must be >= 1; extra episodes run in waves")
+    for name in ("max_action_tokens", "max_strategy_tokens", "max_judge_tokens"):
+        if int(r[name]) < 1:
+            raise ConfigError(f"rollout.{name} must be >= 1, got {r[name]}")
+    if int(c.env.max_steps) < 1:
+        raise ConfigError(f"env.max_steps must be >= 1, got {c.env.max_steps}")
+    if int(c.ckpt.keep) < 1:
+        raise ConfigError(f"ckpt.keep must be >= 1 (orbax would delete every checkpoint and a "
+                          f"killed run could not resume), got {c.ckpt.keep}")
+    try:
+        jnp.dtype(c.model.dtype)
+    except TypeError:
+        raise ConfigError(f"model.dtype {c.model.dtype!r} is not a dtype; use float32 or "
+                          "bfloat16") from None
+
+
+# Fields that must match between a run's stored config and a resuming one: changing any of them
+# makes the checkpoint mean something else (another algorithm, env, model or batch layout).
+RESUME_KEYS = ("algo", "env.name", "env.split", "model.path", "model.preset", "lora.rank",
+               "rollout.num_strategies", "rollout.episodes_per_strategy", "rollout.group_size",
+               "rollout.tasks_per_batch")
+
+
+def _get(d: Any, dotted: str) -> Any:
+    for k in dotted.split("."):
+        if d is None or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def stored_config(ckpt_dir: str) -> dict | None:
+    """The config saved with the newest checkpoint in `ckpt_dir` (None when there is none or
+    its meta file is unreadable; the restore then decides)."""
+    import json
+    if not os.path.isdir(ckpt_dir):
+        return None
+    steps = sorted((int(d) for d in os.listdir(ckpt_dir) if d.isdigit()), reverse=True)
+    for step in steps:
+        try:
+            with open(os.path.join(ckpt_dir, str(step), "meta", "metadata")) as f:
+                return json.load(f).get("config")
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def check_resume(c: Any, stored: dict | None) -> None:
+    """Raise ConfigError when the config of the checkpoint being resumed differs from `c` in a
+    field of RESUME_KEYS (the message names the fields and says to use a new workdir)."""
+    if not stored:
+        return
+    now = c.to_dict()
+    diff = [f"{k}: {_get(stored, k)!r} -> {_get(now, k)!r}" for k in RESUME_KEYS
+            if _get(stored, k) is not None and _get(stored, k) != _get(now, k)]
+    if diff:
+        raise ConfigError(f"{c.workdir} holds a run with a different config ({'; '.join(diff)}); "
+                          "use a new --config.workdir, or delete that folder to start over")
 
 
 def resolve(c: Any) -> Any:

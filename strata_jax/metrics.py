@@ -33,15 +33,22 @@ class MetricsWriter:
       workdir: run directory (created).
       enabled: False on non-zero hosts: every method becomes a no-op.
       tensorboard: set False to skip tensorboardX (e.g. on images without it).
+      resume_step: the step a run resumed from: JSONL rows with a larger step (written by
+        iterations after the last checkpoint, which will be redone) are dropped, so a killed and
+        resumed run logs each step once.
     """
 
-    def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True) -> None:
+    def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
+                 resume_step: int | None = None) -> None:
         self.workdir = workdir
         self.enabled = enabled
         self._tb = None
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
+        if resume_step is not None:
+            for name in ("metrics.jsonl", "trajectories.jsonl"):
+                _truncate_after(os.path.join(workdir, name), resume_step)
         if tensorboard:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(os.path.join(workdir, "tb"))
@@ -83,6 +90,21 @@ class MetricsWriter:
             self._tb.close()
         self._scalars.close()
         self._trajs.close()
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Rewrite a JSONL log keeping rows with "step" <= step (atomic replace)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    keep = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(keep) == len(lines):
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -107,3 +107,35 @@ def test_sampler_params_cast_follows_config():
     assert {x.dtype for x in jax.tree.leaves(cast)} == {jnp.dtype(jnp.bfloat16)}
     tiny = sciworld.get_config("tiny")
     assert ex.sampler_params(tiny, params) is params  # already fp32: no copy
+
+
+def test_validate_rejects_settings_that_defeat_resume_or_are_ambiguous():
+    c = sciworld.get_config("tiny")
+    c.ckpt.keep = 0
+    with pytest.raises(ex.ConfigError, match="ckpt.keep must be >= 1"):
+        ex.validate(c)
+    c = sciworld.get_config("tiny")
+    c.model.path = "/some/checkpoint"  # the tiny variant also sets a preset
+    with pytest.raises(ex.ConfigError, match="both model.path"):
+        ex.validate(c)
+    c = sciworld.get_config("tiny")
+    c.model.dtype = "float33"
+    with pytest.raises(ex.ConfigError, match="not a dtype"):
+        ex.validate(c)
+
+
+def test_resume_with_a_different_config_is_refused():
+    c = sciworld.get_config("tiny")
+    stored = c.to_dict()
+    ex.check_resume(c, stored)  # same config: fine
+    ex.check_resume(c, None)    # fresh run: fine
+    c2 = sciworld.get_config("tiny,grpo")
+    with pytest.raises(ex.ConfigError, match=r"algo: 'strata' -> 'grpo'.*new --config.workdir"):
+        ex.check_resume(c2, stored)
+
+
+def test_nan_or_negative_lr_is_refused():
+    from strata_jax.training import TrainConfig
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match="lr must be a finite number"):
+            TrainConfig(lr=bad)

@@ -56,3 +56,19 @@ def test_progress_eta():
     p.t0 -= 10.0  # pretend 10 s went by for 2 iterations -> 10 s left for 2 more
     line = p.update(2)
     assert "2/4" in line and "eta   10.0s" in line
+
+
+def test_resume_drops_rows_of_lost_iterations(tmp_path):
+    # pitfall: a run killed after logging step 2 but before checkpointing it resumes from step 1
+    # and logs step 2 again; the log must hold each step once
+    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    for step in (1, 2):
+        w.scalars(step, {"loss": float(step)})
+        w.trajectories(step, [{"a": step}])
+    w.close()
+    w = MetricsWriter(str(tmp_path), tensorboard=False, resume_step=1)
+    w.scalars(2, {"loss": 20.0})
+    w.close()
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 20.0)]
+    assert [t["step"] for t in read_jsonl(str(tmp_path / "trajectories.jsonl"))] == [1]

@@ -68,6 +68,15 @@ class TrainConfig:
     lora: LoraConfig = LoraConfig()
 
     def __post_init__(self) -> None:
+        import math
+        for name in ("lr", "critic_lr"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r} "
+                                 f"(--config.optim.{name}=...)")
+        if not self.adam_eps > 0:
+            raise ValueError(f"train.adam_eps must be > 0 (Adam divides by sqrt(v) + eps), "
+                             f"got {self.adam_eps!r}")
         if self.critic not in CRITIC_KINDS:
             raise ValueError(f"train.critic must be one of {CRITIC_KINDS}, got {self.critic!r}")
         if self.remat not in REMAT_POLICIES:

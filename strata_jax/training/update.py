@@ -337,6 +337,11 @@ def _train_minibatch(state: TrainState, mb: SampleBatch, adv, w, targets, base=N
     if state.critic_params:
         cupd, new_copt = ctx.update(gc, state.critic_opt_state, state.critic_params)
         new_critic = optax.apply_updates(state.critic_params, cupd)
+    # The update itself must be finite too: finite gradients can still give a NaN step (e.g.
+    # Adam's 0/0 with eps = 0), and NaN params would be checkpointed and sampled from.
+    finite = finite & jnp.isfinite(optax.global_norm(upd))
+    if state.critic_params:
+        finite = finite & jnp.isfinite(optax.global_norm(cupd))
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa
     state = state.replace(params=keep(new_params, state.params),
                           opt_state=keep(new_opt, state.opt_state),
