@@ -68,6 +68,25 @@ def test_greedy_argmax_first_index_across_blocks():
     assert got.tolist() == np.argmax(x, axis=-1).tolist() == [got[0], 300, 999, 5, 777]
 
 
+def test_greedy_argmax_nan_rows_stay_inside_vocab():
+    """Before the fix a NaN row returned nb * 128 (512 for V = 300): out of the vocabulary."""
+    x = np.zeros((5, 300), np.float32)
+    x[0, :] = np.nan  # all NaN (NaN params) -> first NaN
+    x[1, 7] = 3.0
+    x[1, 250] = np.nan  # NaN counts as +inf: beats the 3.0
+    x[2, 200] = np.nan
+    x[2, 130] = np.nan  # first NaN, second block
+    x[3, 299] = np.nan  # last id, padded block
+    x[4, :] = -np.inf
+    x[4, 140] = np.nan
+    got = np.asarray(greedy_argmax(jnp.asarray(x)))
+    assert got.tolist() == [0, 250, 130, 299, 140]
+    assert got.tolist() == np.argmax(x, axis=-1).tolist()  # no +inf present: same as numpy
+    both = np.zeros((1, 300), np.float32)
+    both[0, 3], both[0, 9] = np.inf, np.nan
+    assert int(greedy_argmax(jnp.asarray(both))[0]) == 3  # first of {+inf, NaN}
+
+
 def test_sample_categorical_frequencies_and_zero_weights():
     v = 300  # not a multiple of the 128-id block
     w = np.zeros((v,), np.float32)

@@ -127,16 +127,23 @@ def _first_index(flags: jax.Array) -> jax.Array:
 def greedy_argmax(logits: jax.Array) -> jax.Array:
     """First index of the row maximum, like ``jnp.argmax`` / torch.argmax.
 
-    logits: [B, V] float32 -> [B] int32. Two-level: max per block of 128, then inside the first
-    block holding the row max.
+    logits: [B, V] float32 -> [B] int32 in [0, V). Two-level: max per block of 128, then inside
+    the first block holding the row max.
+
+    NaN counts as +inf (the first NaN / +inf entry wins; jnp.argmax would prefer the first NaN
+    over an earlier +inf). Without this a NaN row max matches no entry (NaN != NaN), the
+    first-index search returns its "none" value and the id lands past V (e.g. 512 for
+    V = 300), out of the vocabulary. The final clamp keeps the id in range whatever the input.
     """
+    v = logits.shape[-1]
+    logits = jnp.where(jnp.isnan(logits), jnp.inf, logits)
     blocks = _blocked(logits, -jnp.inf)
     block_max = jnp.max(blocks, axis=-1)  # [B, nb]
     row_max = jnp.max(block_max, axis=-1, keepdims=True)
     blk = _first_index(block_max == row_max)  # [B]
     inside = jnp.take_along_axis(blocks, blk[:, None, None], axis=1)[:, 0]  # [B, BLOCK]
     idx = _first_index(inside == row_max)
-    return blk * BLOCK + idx
+    return jnp.minimum(blk * BLOCK + idx, v - 1)
 
 
 def _last_positive(w: jax.Array) -> jax.Array:
