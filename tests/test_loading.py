@@ -3,6 +3,7 @@ export -> transformers reload with the same logits."""
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import jax
@@ -136,3 +137,64 @@ def test_hub_id_offline_says_to_set_model_path(monkeypatch):
         resolve_checkpoint("nonexistent-org-zz/nonexistent-model-zz")
     with pytest.raises(FileNotFoundError, match="model path"):
         resolve_checkpoint("/no/such/checkpoint/dir")
+
+
+def _st_with_header(path, edit):
+    """Write a 2-tensor safetensors file, then rewrite its header with `edit(header)`."""
+    import struct
+
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)  # 24 bytes at [0, 24)
+    b = np.arange(4, dtype=np.float32)  # 16 bytes at [24, 40)
+    write_safetensors(str(path), {"a": a, "b": b})
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    open(path, "wb").write(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])
+    return a, b
+
+
+def test_read_safetensors_valid_file_roundtrips(tmp_path):
+    a, b = _st_with_header(tmp_path / "m.safetensors", lambda h: None)
+    got = read_safetensors(str(tmp_path / "m.safetensors"))
+    np.testing.assert_array_equal(got["a"], a)
+    np.testing.assert_array_equal(got["b"], b)
+
+
+@pytest.mark.parametrize("edit, match", [
+    # dtype lie: F64 [2, 3] needs 48 bytes, the offsets span 24
+    (lambda h: h["a"].update(dtype="F64"), r"tensor 'a' \(F64 \[2, 3\]\) needs 48 bytes but its data_offsets \[0, 24\] span 24"),
+    (lambda h: h["a"].update(shape=[3, 3]), r"tensor 'a' \(F32 \[3, 3\]\) needs 36 bytes"),
+    (lambda h: h["b"].update(data_offsets=[16, 32]), r"tensors 'a' \[0, 24\) and 'b' \[16, 32\) overlap"),
+    (lambda h: h["b"].update(data_offsets=[40, 56]), r"tensor 'b' bytes \[40, 56\) lie past the end of the data section \(40 bytes\)"),
+    (lambda h: h["b"].update(data_offsets=[24]), r"tensor 'b' has bad data_offsets \[24\]"),
+    (lambda h: h["b"].update(shape=[-4]), r"tensor 'b' has a bad shape \[-4\]"),
+    (lambda h: h.update(c=[1, 2]), r"tensor 'c' header entry needs dtype, shape and data_offsets"),
+])
+def test_read_safetensors_header_lies_are_named(tmp_path, edit, match):
+    f = tmp_path / "m.safetensors"
+    _st_with_header(f, edit)
+    with pytest.raises(ValueError, match=re.escape(str(f)) + ": " + match):
+        read_safetensors(str(f))
+
+
+def test_read_safetensors_truncated_and_bad_lengths(tmp_path):
+    import struct
+
+    f = tmp_path / "m.safetensors"
+    _st_with_header(f, lambda h: None)
+    raw = open(f, "rb").read()
+    open(f, "wb").write(raw[:-4])  # last 4 bytes of 'b' missing: data section 36 bytes
+    with pytest.raises(ValueError, match=r"tensor 'b' bytes \[24, 40\) lie past the end of the data section \(36 bytes\)"):
+        read_safetensors(str(f))
+    open(f, "wb").write(raw[:4])
+    with pytest.raises(ValueError, match="4 bytes, shorter than the 8-byte header length"):
+        read_safetensors(str(f))
+    open(f, "wb").write(struct.pack("<Q", 10 ** 15) + b"{}")
+    with pytest.raises(ValueError, match="header length 1000000000000000 is impossible for a 10-byte file"):
+        read_safetensors(str(f))
+    open(f, "wb").write(struct.pack("<Q", 8) + b"[1, 2]  ")
+    with pytest.raises(ValueError, match="header must be a JSON object, got list"):
+        read_safetensors(str(f))

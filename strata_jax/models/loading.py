@@ -88,24 +88,68 @@ class TensorRef:
                            offset=self.offset).reshape(self.shape)
 
 
+# A real header is a few hundred bytes per tensor; 100 MB is the safetensors reference
+# implementation's cap too. Larger means a garbled or hostile length prefix.
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
 def read_safetensors_header(file: str) -> dict[str, TensorRef]:
     """`TensorRef` of every tensor in one safetensors file (reads only the header).
 
-    Raises ValueError for a garbled header or an unsupported dtype."""
+    Checks (safetensors format spec, huggingface/safetensors README "Format"): the 8-byte
+    little-endian header length lies in [2, min(100 MB, file size - 8)]; the header is a JSON
+    object; each tensor has a known dtype, a shape of non-negative ints and data_offsets
+    [begin, end] with end - begin == prod(shape) * itemsize, lying inside the data section;
+    tensor byte ranges do not overlap. Raises ValueError naming the file (and tensor) on
+    any violation: a truncated file, a header whose dtype / shape lies about the bytes.
+    """
+    size = os.path.getsize(file)
     with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
+        prefix = f.read(8)
+        if len(prefix) != 8:
+            raise ValueError(f"{file} is not a safetensors file: {size} bytes, shorter than the "
+                             "8-byte header length (truncated download?)")
+        (n,) = struct.unpack("<Q", prefix)
+        if n < 2 or n > min(_MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"{file}: safetensors header length {n} is impossible for a {size}-byte "
+                             f"file (max {_MAX_HEADER_BYTES}); the file is truncated or not safetensors")
         try:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise ValueError(f"{file} is not a safetensors file (bad header: {e})") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"{file}: safetensors header must be a JSON object, got {type(header).__name__}")
     header.pop("__metadata__", None)
+    data_size = size - 8 - n
     out = {}
+    ranges = []
     for name, info in header.items():
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise ValueError(f"{file}: tensor {name!r} header entry needs dtype, shape and "
+                             f"data_offsets, got {info!r:.200}")
         if info["dtype"] not in _ST_DTYPES:
             raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        begin, _ = info["data_offsets"]
-        out[name] = TensorRef(file, 8 + n + begin, _ST_DTYPES[info["dtype"]],
-                              tuple(info["shape"]))
+        dtype, shape, offs = _ST_DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"{file}: tensor {name!r} has a bad shape {shape!r}")
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
+                or not 0 <= offs[0] <= offs[1]):
+            raise ValueError(f"{file}: tensor {name!r} has bad data_offsets {offs!r}")
+        begin, end = offs
+        want = int(np.prod(shape, dtype=object)) * dtype.itemsize  # object: no int64 overflow
+        if end - begin != want:
+            raise ValueError(f"{file}: tensor {name!r} ({info['dtype']} {shape}) needs {want} bytes "
+                             f"but its data_offsets {offs} span {end - begin}; the header is corrupt")
+        if end > data_size:
+            raise ValueError(f"{file}: tensor {name!r} bytes [{begin}, {end}) lie past the end of the "
+                             f"data section ({data_size} bytes); the file is truncated")
+        ranges.append((begin, end, name))
+        out[name] = TensorRef(file, 8 + n + begin, dtype, tuple(shape))
+    ranges.sort()
+    for (b0, e0, n0), (b1, e1, n1) in zip(ranges, ranges[1:]):
+        if b1 < e0:
+            raise ValueError(f"{file}: tensors {n0!r} [{b0}, {e0}) and {n1!r} [{b1}, {e1}) overlap; "
+                             "the header is corrupt")
     return out
 
 
