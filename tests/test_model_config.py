@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -95,3 +96,37 @@ def test_bf16_params_forward_close_to_fp32():
     h16, _ = forward(p16, cfg, tokens, pos, mask)
     assert h16.dtype == jnp.bfloat16 and h32.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(h16, np.float32), h32, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false (a JSON bool), got 'false'"),
+    ({"tie_word_embeddings": 0}, "tie_word_embeddings must be true or false (a JSON bool), got 0"),
+    ({"vocab_size": 64.9}, "vocab_size must be an integer, got 64.9"),
+    ({"vocab_size": "abc"}, "vocab_size must be an integer, got 'abc'"),
+    ({"vocab_size": True}, "vocab_size must be an integer, got True"),
+    ({"vocab_size": 0}, "Qwen2Config.vocab_size must be a positive int, got 0"),
+    ({"num_key_value_heads": 2.5}, "num_key_value_heads must be an integer, got 2.5"),
+    ({"rms_norm_eps": -1e-6}, "Qwen2Config.rms_norm_eps must be a finite number > 0, got -1e-06"),
+    ({"rms_norm_eps": 0}, "Qwen2Config.rms_norm_eps must be a finite number > 0, got 0.0"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a number, got '1e-6'"),
+    ({"rope_theta": float("nan")}, "Qwen2Config.rope_theta must be a finite number > 0, got nan"),
+])
+def test_bad_field_values_are_clear_errors(edit, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        Qwen2Config.from_hf_dict({**BASE, **edit})
+
+
+def test_integral_float_sizes_and_json_bools_accepted():
+    cfg = Qwen2Config.from_hf_dict({**BASE, "vocab_size": 64.0, "tie_word_embeddings": True})
+    assert (cfg.vocab_size, type(cfg.vocab_size), cfg.tie_word_embeddings) == (64, int, True)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[1, 2]", "config.json: config.json must hold a JSON object, got list"),
+    ('"qwen2"', "config.json must hold a JSON object, got str"),
+    ("{'a': 1}", "config.json is not valid JSON"),
+])
+def test_config_json_not_an_object_is_clear(tmp_path, text, match):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        Qwen2Config.from_pretrained(str(tmp_path))

@@ -9,8 +9,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
+
+
+def _int_field(d: dict[str, Any], key: str, default: int | None = None) -> int:
+    """config.json integer field: an int, or a float with an integral value (64.0); a
+    fractional value, string or bool raises ValueError naming the field."""
+    v = d.get(key, default)
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"config.json: {key} must be an integer, got {v!r}")
+    return v
+
+
+def _float_field(v: Any, key: str) -> float:
+    """config.json real field: an int or float (not a string or bool); ValueError otherwise."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"config.json: {key} must be a number, got {v!r}")
+    return float(v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +63,19 @@ class Qwen2Config:
     max_position_embeddings: int = 32768
 
     def __post_init__(self) -> None:
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                    "num_kv_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Qwen2Config.{key} must be a positive int, got {v!r}")
+        for key in ("rope_theta", "rms_norm_eps"):
+            v = getattr(self, key)
+            # eps <= 0 turns RMSNorm of a zero row into 0/0 = NaN; theta <= 0 breaks RoPE.
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"Qwen2Config.{key} must be a finite number > 0, got {v!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError("Qwen2Config.tie_word_embeddings must be a bool, got "
+                             f"{self.tie_word_embeddings!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
@@ -59,6 +91,8 @@ class Qwen2Config:
         attention (``use_sliding_window: true``), RoPE scaling (yarn, linear, ...), an activation
         other than silu, or a model_type other than qwen2.
         """
+        if not isinstance(d, dict):
+            raise ValueError(f"config.json must hold a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type", "qwen2")
         if model_type != "qwen2":
             raise ValueError(f"config.json has model_type={model_type!r}; only 'qwen2' "
@@ -88,20 +122,25 @@ class Qwen2Config:
                     "num_attention_heads"):
             if key not in d:
                 raise ValueError(f"config.json lacks required field {key!r}")
-        heads = int(d["num_attention_heads"])
-        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        heads = _int_field(d, "num_attention_heads")
+        hidden = _int_field(d, "hidden_size")
+        head_dim = _int_field(d, "head_dim") if d.get("head_dim") else hidden // heads
+        tie = d.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):  # bool("false") is True: a silent wrong LM head
+            raise ValueError(f"config.json: tie_word_embeddings must be true or false (a JSON bool), "
+                             f"got {tie!r}")
         return cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]),
+            vocab_size=_int_field(d, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_int_field(d, "intermediate_size"),
+            num_layers=_int_field(d, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rope_theta=float(theta),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            num_kv_heads=_int_field(d, "num_key_value_heads") if d.get("num_key_value_heads") else heads,
+            head_dim=head_dim,
+            rope_theta=_float_field(theta, "rope_theta"),
+            rms_norm_eps=_float_field(d.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+            tie_word_embeddings=tie,
+            max_position_embeddings=_int_field(d, "max_position_embeddings", 32768),
         )
 
     @classmethod
@@ -112,7 +151,14 @@ class Qwen2Config:
             raise FileNotFoundError(f"no config.json in {path!r}: point the model path at an HF "
                                     "checkpoint directory")
         with open(cfg_file) as f:
-            return cls.from_hf_dict(json.load(f))
+            try:
+                d = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"{cfg_file} is not valid JSON ({e})") from e
+        try:
+            return cls.from_hf_dict(d)
+        except ValueError as e:
+            raise ValueError(f"{cfg_file}: {str(e).removeprefix('config.json: ')}") from e
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A transformers-loadable Qwen2 ``config.json`` dict (fp32 ``torch_dtype`` left to caller)."""
