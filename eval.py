@@ -1,9 +1,11 @@
 """Evaluate a policy on a split: one strategy per task at temperature 0.4, per-family metrics.
 
     python eval.py --config=configs/sciworld.py:tiny                    # newest checkpoint of the run
-    python eval.py --config=configs/sciworld.py --config.model.path=/ckpt/Qwen2.5-7B-Instruct \
-        --split=test --no_checkpoint                                     # an HF checkpoint as is
-    python eval.py --config=configs/sciworld.py --config.env.eval_list=agentgym_test.txt
+    python eval.py --config=configs/sciworld.py --config.model.path=/ckpt/Qwen2.5-7B-Instruct --split=test --no_checkpoint
+    python eval.py --config=configs/sciworld.py --config.env.eval_list=my_pairs.txt
+
+An eval list file holds one ``task variation`` pair per line (or JSON pairs; see
+envs_bridge/scienceworld_env.py:load_eval_list), e.g. AgentGym's 200 ScienceWorld test items.
 
 Prints one line per family and the overall success rate and score, and writes them to
 ``<workdir>/eval_<split>_step<k>.json``.

@@ -1,7 +1,7 @@
 """StraTA on a built-in text env (default `memory_key`, whose vault code is shown ONLY in the first
 observation; envs_bridge/builtin.py). The CPU learning benchmark's setting (issue 10).
 
-Command (CPU, ~1 minute of behaviour cloning, then ~10-30 s per iteration on 2 cores):
+Command (CPU; behaviour cloning takes ~1-2 s per SFT step on 2 cores, 300 steps, cached):
     python sft.py   --config=configs/builtin.py:tiny           # warm start only (cached)
     python train.py --config=configs/builtin.py:tiny           # StraTA from the warm start
     python train.py --config=configs/builtin.py:tiny,grpo,matched   # GRPO, same episode budget

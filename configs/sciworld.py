@@ -2,12 +2,14 @@
 
 Command (paper setting, Qwen2.5-1.5B-Instruct, 8 GPUs or a TPU v4-32 slice; ~150 iterations):
     python train.py --config=configs/sciworld.py --config.model.path=/ckpt/Qwen2.5-1.5B-Instruct
-Expected: ScienceWorld mean final score rises over training; the source reports 63.5 for 7B.
+Expected: ScienceWorld mean final score rises over training (the source reports 63.5 for
+Qwen2.5-7B; swap the model path for the 7B setting, see README's run guide).
 
 Variants (comma-separated, see configs/base.py:apply_variant):
     :tiny        CPU smoke run, no downloads: a tiny random Qwen2-shape model with the offline
                  Qwen tokenizer, 2 ScienceWorld train tasks, sigma=2, N=2, M=2, 4 env steps,
-                 32 new tokens, 3 iterations (~20 s per iteration on 2 cores after compilation).
+                 32 new tokens, 3 iterations (measured 29-52 s per iteration after compilation on a
+                 2-core box shared with other jobs; ~3 minutes in all).
     :grpo / :gigpo / :rloo / :ppo / :dapo / :stapo    baselines (group_size 8 episodes / task)
     :matched     baselines with the StraTA episode budget (group_size = N*M = 32)
     :vanilla / :diverse / :judgment / :full    StraTA ablations;  :mean   top-delta -> mean
