@@ -61,7 +61,7 @@ def test_chunked_values_and_gradients_equal_full(temperature):
 
 def test_hand_computed_two_token_vocab():
     # V=2, D=1, lm_head rows [1], [-1]: logits (h, -h). With h = ln(3)/2: p = (3/4, 1/4).
-    cfg = Qwen2Config(vocab_size=2, hidden_size=1, intermediate_size=1, num_layers=0,
+    cfg = Qwen2Config(vocab_size=2, hidden_size=1, intermediate_size=1, num_layers=1,
                       num_heads=1, num_kv_heads=1, head_dim=2)
     params = {"embed": jnp.zeros((2, 1)), "layers": [], "final_norm": jnp.ones(1),
               "lm_head": jnp.array([[1.0], [-1.0]])}
