@@ -8,8 +8,8 @@ Qwen2.5-7B; swap the model path for the 7B setting, see README's run guide).
 Variants (comma-separated, see configs/base.py:apply_variant):
     :tiny        CPU smoke run, no downloads: a tiny random Qwen2-shape model with the offline
                  Qwen tokenizer, 2 ScienceWorld train tasks, sigma=2, N=2, M=2, 4 env steps,
-                 32 new tokens, 3 iterations (measured 29-52 s per iteration after compilation on a
-                 2-core box shared with other jobs; ~3 minutes in all).
+                 32 new tokens, 3 iterations (measured on a quiet 2-core box: 85 s in all, 14 s per
+                 iteration after compilation).
     :grpo / :gigpo / :rloo / :ppo / :dapo / :stapo    baselines (group_size 8 episodes / task)
     :matched     baselines with the StraTA episode budget (group_size = N*M = 32)
     :vanilla / :diverse / :judgment / :full    StraTA ablations;  :mean   top-delta -> mean
