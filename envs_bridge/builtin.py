@@ -18,6 +18,7 @@ Reward 1.0 on success (score 1), else 0; done on success or at the step limit.
 """
 from __future__ import annotations
 
+import abc
 import random
 import re
 from typing import Any
@@ -53,13 +54,13 @@ class _BuiltinEnv(TextEnv):
         """Tasks of this env in `split`."""
         return builtin_task_list(cls.name, split)
 
+    @abc.abstractmethod
     def admissible_actions(self) -> list[str]:
         """Current admissible actions."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def expert_action(self) -> str:
         """The optimal next action in the current state."""
-        raise NotImplementedError
 
     def prompt_pieces(self) -> PromptPieces:
         """Role name, task description, templates and admissible actions."""
