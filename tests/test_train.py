@@ -58,6 +58,8 @@ def _reference_logprobs(params, batch):
 def test_score_pass_matches_direct_logprobs(setup):
     params, trainer, state = setup
     batch = make_batch(grpo_records(n_tasks=1, per_task=3))
+    # rows 4-7 are one whole chunk of padding (micro_batch_size 4): the skipped branch
+    assert batch.num_rows == 8 and not np.any(batch.valid[4:])
     scored = trainer.score(state, batch, params, jax.random.PRNGKey(0))
     want = _reference_logprobs(params, batch)
     np.testing.assert_allclose(np.asarray(scored.old_logprobs), want, atol=2e-5)

@@ -143,9 +143,20 @@ def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
         return x.reshape((n, chunk_rows) + x.shape[1:])
 
     xs = (split(batch.prompt_ids), split(batch.prompt_mask), split(batch.response_ids),
-          split(batch.response_mask), jnp.arange(n))
+          split(batch.response_mask), jnp.arange(n), split(batch.valid))
 
     def one(x):
+        # A chunk of padding rows only (bucketing pads up to 1.5x) costs nothing: same rule as
+        # the training micro-batches.
+        *x, ok = x
+        return jax.lax.cond(jnp.any(ok), compute, skip, tuple(x))
+
+    def skip(x):
+        b, t = x[2].shape
+        z = jnp.zeros((b, t), jnp.float32)
+        return z, z, jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.float32)
+
+    def compute(x):
         pi, pm, ri, rm, i = x
         run = dict(compute_dtype=cfg.compute_dtype)
         lp_kw = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
