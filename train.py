@@ -34,7 +34,7 @@ def run(c) -> dict:
     import numpy as np
 
     from strata_jax import experiment as ex
-    from strata_jax.evaluation import evaluate, spread_over_families
+    from strata_jax.evaluation import evaluate, spread_over_families, summarize
     from strata_jax.metrics import CompileCounter, MetricsWriter, Progress
     from strata_jax.rollout import RolloutConfig, SamplerPolicy, make_prompt_builder, rollout
     from strata_jax.sampling import Sampler, compiled_program_count
@@ -134,7 +134,7 @@ def run(c) -> dict:
         generated = float(np.sum(np.asarray(result.batch.response_mask)))
         m["perf/sampler_tokens_per_s"] = generated / max(result.stats.get("time/sampler_s", 0), 1e-9)
         m["perf/train_tokens_per_s"] = m.get("train/tokens", 0.0) / max(t_update, 1e-9)
-        m.update(family_metrics(result.trajectories))
+        m.update(summarize(result.trajectories, c.env.name, prefix="train"))
         writer.scalars(step, m)
         writer.trajectories(step, result.dump()[: c.log.dump_trajectories])
         last.clear()
@@ -159,21 +159,6 @@ def run(c) -> dict:
     step = int(jax.device_get(state.step))
     log.info("%s at step %d; outputs in %s", status, step, workdir)
     return {"status": status, "step": step, "workdir": workdir, "last_metrics": last}
-
-
-def family_metrics(trajectories) -> dict[str, float]:
-    """Success rate and mean score per task family (the env's task id), for the metrics log."""
-    by: dict[str, list] = {}
-    for tr in trajectories:
-        if tr.crashed:
-            continue
-        fam = str(tr.spec.task.task_id).split("/")[0]
-        by.setdefault(fam, []).append(tr)
-    out = {}
-    for fam, trs in by.items():
-        out[f"family/{fam}/success"] = sum(float(t.success) for t in trs) / len(trs)
-        out[f"family/{fam}/return"] = sum(t.episode_return for t in trs) / len(trs)
-    return out
 
 
 def main(argv):

@@ -45,12 +45,14 @@ def eval_rollout_config(c: Any) -> RolloutConfig:
                                temperature=float(c.eval.temperature), dapo_refill=False)
 
 
-def summarize(trajectories: Sequence[Any], env_name: str) -> dict[str, float]:
+def summarize(trajectories: Sequence[Any], env_name: str, prefix: str = "eval"
+              ) -> dict[str, float]:
     """Success rate and mean score overall and per family (the task id) from played episodes.
 
+    Score is in the env's own units (ScienceWorld / WebShop 0-100, else the [0,1] return).
     Crashed episodes count as failures with score 0 (an eval number must not improve because
-    an env died). Keys: eval/success, eval/score, eval/episodes, eval/crashed,
-    eval/family/<family>/success and /score.
+    an env died). Keys (prefix "eval"; train.py logs its rollouts with prefix "train"):
+    <prefix>/success, /score, /episodes, /crashed, <prefix>/family/<family>/success and /score.
     """
     scale = SCORE_SCALE.get(env_name, 1.0)
     by: dict[str, list[tuple[float, float]]] = {}
@@ -62,12 +64,13 @@ def summarize(trajectories: Sequence[Any], env_name: str) -> dict[str, float]:
         by.setdefault(fam, []).append((float(ok and tr.success),
                                        scale * tr.episode_return if ok else 0.0))
     allv = [v for vs in by.values() for v in vs]
-    out = {"eval/episodes": float(len(allv)), "eval/crashed": float(crashed),
-           "eval/success": float(np.mean([s for s, _ in allv])) if allv else 0.0,
-           "eval/score": float(np.mean([x for _, x in allv])) if allv else 0.0}
+    p = prefix
+    out = {f"{p}/episodes": float(len(allv)), f"{p}/crashed": float(crashed),
+           f"{p}/success": float(np.mean([s for s, _ in allv])) if allv else 0.0,
+           f"{p}/score": float(np.mean([x for _, x in allv])) if allv else 0.0}
     for fam, vs in sorted(by.items()):
-        out[f"eval/family/{fam}/success"] = float(np.mean([s for s, _ in vs]))
-        out[f"eval/family/{fam}/score"] = float(np.mean([x for _, x in vs]))
+        out[f"{p}/family/{fam}/success"] = float(np.mean([s for s, _ in vs]))
+        out[f"{p}/family/{fam}/score"] = float(np.mean([x for _, x in vs]))
     return out
 
 

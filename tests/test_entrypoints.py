@@ -139,3 +139,11 @@ def test_nan_or_negative_lr_is_refused():
     for bad in (float("nan"), -1.0):
         with pytest.raises(ValueError, match="lr must be a finite number"):
             TrainConfig(lr=bad)
+
+
+def test_summarize_prefix_for_training_rollouts():
+    trs = [_Tr(_Spec(Task("scienceworld", "boil", 0)), False, -0.5)]
+    m = summarize(trs, "scienceworld", prefix="train")
+    assert m == {"train/episodes": 1.0, "train/crashed": 0.0, "train/success": 0.0,
+                 "train/score": -50.0, "train/family/boil/success": 0.0,
+                 "train/family/boil/score": -50.0}
