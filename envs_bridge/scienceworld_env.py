@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import tempfile
-from typing import Any, Sequence
+from typing import Any
 
 from envs_bridge.base import EnvError, PromptPieces, Task, TextEnv
-from envs_bridge.registry import register_env  # noqa: F401  (lazy-registered as "scienceworld")
 
 logger = logging.getLogger(__name__)
 

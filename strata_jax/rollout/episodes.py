@@ -33,7 +33,6 @@ import threading
 import time
 from typing import Any, Sequence
 
-import numpy as np
 
 from envs_bridge.base import PromptPieces, Task
 from envs_bridge.parsing import parse_action

@@ -12,7 +12,6 @@ The chain runs as one jitted ``vmap`` over a row-count bucket (powers of two), s
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Sequence
 
 import jax

@@ -33,7 +33,6 @@ Rows of the batch (see `strata_jax.algos.batch` for the contract):
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
