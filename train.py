@@ -89,6 +89,7 @@ def run(c) -> dict:
     progress = Progress(c.iterations, start=start)
     pool = ex.build_pool(c)
     timing: dict[str, float] = {}
+    latest: dict = {}   # the iteration's RolloutResult, from next_batch to on_metrics
     last: dict = {}
 
     eval_tasks = (spread_over_families(ex.task_list(c, c.eval.split), c.eval.max_tasks)
@@ -118,13 +119,13 @@ def run(c) -> dict:
                              key=ex.seed_key(c, 1, it), config=rollout_cfg)
         timing["time/rollout_s"] = time.time() - t0
         timing["_t_update"] = time.time()
-        next_batch.result = result
+        latest["rollout"] = result
         # Multi-host: the hosts' batches become one global batch for the sharded update.
         return distributed.global_batch(result.batch, mesh,
                                         trainer.cfg.score_rows or trainer.cfg.micro_batch_size)
 
     def on_metrics(step, metrics):
-        result = next_batch.result
+        result = latest["rollout"]
         t_update = time.time() - timing.pop("_t_update")
         m = {**result.stats, **metrics, **timing, "time/update_s": t_update,
              "compile/sampler_programs": float(compiled_program_count()),
