@@ -28,6 +28,7 @@ def tiny(c):
     c.model.warm_start = "sft"
     c.mesh = base.ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
     c.env.max_steps = 8            # corridor 3-5 rooms + the code: optimal 4-6 steps
+    c.env.code_digits = 1          # a policy that forgot the code guesses right 1 time in 10
     c.env.max_prompt_tokens = 512
     c.env.num_workers = 8
     c.rollout.tasks_per_batch = 4
@@ -52,6 +53,7 @@ def tiny(c):
 def get_config(arg: str | None = None):
     c = base.get_base_config()
     c.env.name = "memory_key"
+    c.env.code_digits = 3          # memory_key only (other built-ins ignore it)
     c.env.max_steps = 10
     c.env.max_prompt_tokens = 1024
     c.adv.gigpo_step_norm = "mean_std_norm"

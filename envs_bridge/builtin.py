@@ -80,15 +80,29 @@ class _BuiltinEnv(TextEnv):
 
 @register_env("memory_key")
 class MemoryKeyEnv(_BuiltinEnv):
-    """Vault code shown only at step 1; walk `corridor` rooms north, then `enter <code>`."""
+    """Vault code shown only at step 1; walk `corridor` rooms north, then `enter <code>`.
+
+    Args:
+      max_steps: step limit. code_digits: length of the code (1..9, default 3). A policy that
+        has forgotten the code succeeds by guessing with probability 10**-code_digits, so
+        ``code_digits=1`` leaves a memoryless baseline a 10% ceiling to learn towards (the CPU
+        learning benchmark), while 3 makes guessing hopeless.
+    Raises ValueError for code_digits outside 1..9.
+    """
 
     name = "memory_key"
     environment = "a text adventure (memory key)"
     templates = ("go north", "go south", "enter <digits>", "look")
 
+    def __init__(self, max_steps: int = 20, code_digits: int = 3) -> None:
+        super().__init__(max_steps)
+        if not 1 <= int(code_digits) <= 9:
+            raise ValueError(f"memory_key code_digits must be in 1..9, got {code_digits!r}")
+        self.code_digits = int(code_digits)
+
     def _reset(self, task: Task) -> tuple[str, dict[str, Any]]:
         rng = random.Random(task.variation)
-        self.code = "".join(str(rng.randrange(10)) for _ in range(3))
+        self.code = "".join(str(rng.randrange(10)) for _ in range(self.code_digits))
         self.corridor = rng.randint(3, 5)
         self.pos = 0
         self._desc = "Open the vault at the far north end of the corridor by entering its code."
@@ -108,7 +122,7 @@ class MemoryKeyEnv(_BuiltinEnv):
 
     def _where(self) -> str:
         if self.pos == self.corridor:
-            return "You stand before the vault. A keypad waits for a 3-digit code."
+            return f"You stand before the vault. A keypad waits for a {self.code_digits}-digit code."
         return f"You are in the corridor, room {self.pos} of {self.corridor}. The corridor continues north."
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:

@@ -58,3 +58,13 @@ def test_typed_key_value_parsing():
     assert c.env.max_steps == 7 and isinstance(c.env.max_steps, int)
     assert c.env.tasks == ("a", "b")
     assert c.adv.std_ddof == 1 and isinstance(c.adv.std_ddof, int)
+
+
+def test_env_kwargs_pass_only_what_the_env_takes():
+    from configs import builtin
+    from strata_jax.experiment import env_kwargs
+    c = builtin.get_config("tiny")
+    assert env_kwargs(c) == {"max_steps": 8, "code_digits": 1}
+    # grid_nav's constructor has no code_digits: the memory_key field stays out of its kwargs.
+    c.env.name = "grid_nav"
+    assert env_kwargs(c) == {"max_steps": 8}

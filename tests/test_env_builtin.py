@@ -63,6 +63,21 @@ def test_memory_key_code_only_in_first_observation():
     assert (r, done) == (0.0, False) and "wrong" in obs
 
 
+def test_memory_key_one_digit_code_and_bad_length():
+    # Seed 3 draws 3, 9, 8 (above): a 1-digit code is the first draw, and the corridor length
+    # then comes from a different point of the seed's stream.
+    env = make_env("memory_key", code_digits=1)
+    obs0, _ = env.reset(Task("memory_key", "memory_key", 3))
+    assert "'vault code 3'" in obs0
+    while env.expert_action() == "go north":
+        obs, *_ = env.step("go north")
+    assert obs.endswith("waits for a 1-digit code.")
+    assert env.step("enter 4")[1:3] == (0.0, False)
+    assert env.step("enter 3")[1:3] == (1.0, True)
+    with pytest.raises(ValueError, match="code_digits must be in 1..9"):
+        make_env("memory_key", code_digits=0)
+
+
 def test_deterministic_identical_copies():
     a, b = make_env("grid_nav"), make_env("grid_nav")
     t = Task("grid_nav", "grid_nav", 42)

@@ -189,6 +189,11 @@ def test_maybe_warm_start_caches(tmp_path, tok, monkeypatch):
     p1 = sft.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
     p2 = sft.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
     assert calls == [1]   # second call loaded the cache
+    # A change to the env's data (memory_key code length) is another cache entry.
+    d = sft.warm_start_dir(c, cfg, str(tmp_path))
+    c.env.code_digits = 2
+    assert sft.warm_start_dir(c, cfg, str(tmp_path)) != d
+    c.env.code_digits = 1
     np.testing.assert_array_equal(np.asarray(p1["embed"]), np.asarray(p2["embed"]))
     assert not np.array_equal(np.asarray(p1["embed"]), np.asarray(params["embed"]))
     c.model.warm_start = sft.warm_start_dir(c, cfg, str(tmp_path))   # an explicit export dir

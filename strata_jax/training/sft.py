@@ -521,11 +521,14 @@ def sft_examples(c: Any, tokenizer: Any, cfg: SFTConfig | None = None
 
 def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
     """A 12-hex id of everything the warm start depends on (data, prompts, model, init)."""
+    from strata_jax import experiment as ex
+
     d = dict(sft={k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"},
              model=dataclasses.asdict(model_cfg), init=[c.model.path, c.model.preset, c.seed,
                                                         c.model.dtype, c.model.tokenizer],
              env=[c.env.name, list(c.env.tasks), c.env.max_prompt_tokens, c.env.history_length,
-                  c.env.max_steps, bool(c.rollout.cumulative_prompts)])
+                  c.env.max_steps, bool(c.rollout.cumulative_prompts)],
+             env_kwargs=ex.env_kwargs(c))  # e.g. memory_key's code_digits changes the data
     return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
