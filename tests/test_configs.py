@@ -29,6 +29,8 @@ def test_tiny_variant_matches_issue_8():
     assert c.env.max_steps == 4 and len(c.env.tasks) == 2 and c.iterations == 3
     assert r.max_action_tokens == r.max_strategy_tokens == r.max_judge_tokens == 32
     assert c.model.tokenizer == "offline" and c.model.path == ""
+    # issue 10: the tiny job starts from behaviour cloning on its own tasks' gold paths
+    assert c.model.warm_start == "sft" and c.sft.steps == 250
 
 
 def test_variants_compose_in_order():

@@ -50,10 +50,12 @@ def test_notebook_runs_tiny_config_on_cpu(tmp_path, monkeypatch):
     nb.cells = [c for c in nb.cells if not (c.cell_type == "code" and _is_install(c))]
     nb.cells.append(nbformat.v4.new_code_cell(_PROBE))
     workdir = tmp_path / "quickstart"
-    # The kernel inherits this environment: the notebook's config cell reads these two, and a
+    # The kernel inherits this environment: the notebook's config cell reads these three (no
+    # warm start here: its minutes of SFT are tested in test_sft.py / test_train_e2e.py), and a
     # single CPU device is what a CPU Colab runtime has (the tests' 8 fake devices only slow it).
     monkeypatch.setenv("QUICKSTART_WORKDIR", str(workdir))
     monkeypatch.setenv("QUICKSTART_ITERATIONS", "2")
+    monkeypatch.setenv("QUICKSTART_WARM_START", "")
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
