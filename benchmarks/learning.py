@@ -107,7 +107,7 @@ def code_copy_probe(args, export: str, episodes: int = 48) -> dict:
                                b["response_mask"])
         return response_logprobs(p, cfg, h, b["response_ids"], b["response_mask"])[0]
 
-    vault = [e for e in examples if e.kind == "action" and e.response_text.find("enter ") >= 0]
+    vault = [e for e in examples if e.kind == "action" and "enter " in e.response_text]
     groups = {"strategy": [e for e in examples if e.kind == "strategy"],
               "vault_with_z": [e for e in vault if e.with_strategy],
               "vault_flat": [e for e in vault if not e.with_strategy]}
