@@ -5,12 +5,15 @@ lower-cased. Runs of whitespace inside the action collapse to one space. The out
 closed, non-empty `<action>` block, and contains no CJK character anywhere. Invalid output
 yields `ParsedAction(action=None, valid=False)` (an invalid step, never an exception).
 Tag matching is case-insensitive (`<Action>` counts). A nested `<action>` inside the first
-action block makes it invalid (the model did not produce one clean action).
+action block makes it invalid (the model did not produce one clean action). Control and
+format characters (Unicode categories Cc / Cf: NUL, zero-width space, BOM, bidi marks) are
+dropped from the action, so an action made only of them is empty, hence invalid.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
+import unicodedata
 
 _THINK_RE = re.compile(r"<think>(.*?)</think>", re.IGNORECASE | re.DOTALL)
 _ACTION_RE = re.compile(r"<action>(.*?)</action>", re.IGNORECASE | re.DOTALL)
@@ -61,6 +64,10 @@ def parse_action(output: str) -> ParsedAction:
     body = act.group(1)
     if re.search(r"<action>", body, re.IGNORECASE):
         return ParsedAction(None, False, think.group(1).strip(), reason="nested action tags")
+    # Whitespace (incl. \t, \n) separates words; other control / format characters are noise the
+    # env would never match, and would make a blank-looking action "valid".
+    body = "".join(ch for ch in body if ch.isspace()
+                   or unicodedata.category(ch) not in ("Cc", "Cf"))
     action = " ".join(body.split()).lower()
     if not action:
         return ParsedAction(None, False, think.group(1).strip(), reason="empty action")

@@ -28,6 +28,9 @@ CASES = [
     (f"<think>{LONG_THINK}", None, False),  # very long, truncated before any action
     ("<think>a</think><action>move\n  apple 1\tto fridge 1</action>", "move apple 1 to fridge 1", True),
     ("<think></think><action>click[Buy Now]</action>", "click[buy now]", True),  # empty think is allowed
+    ("<think>a</think><action>\u200b\u200b</action>", None, False),  # zero-width spaces only
+    ("<think>a</think><action>\x00\ufeff \u202e</action>", None, False),  # NUL, BOM, bidi only
+    ("<think>a</think><action>go\u200b north\x00</action>", "go north", True),  # noise dropped
 ]
 
 
