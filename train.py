@@ -172,4 +172,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from strata_jax.cli import parse_flags
+    app.run(main, flags_parser=parse_flags)

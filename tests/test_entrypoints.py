@@ -147,3 +147,21 @@ def test_summarize_prefix_for_training_rollouts():
     assert m == {"train/episodes": 1.0, "train/crashed": 0.0, "train/success": 0.0,
                  "train/score": -50.0, "train/family/boil/success": 0.0,
                  "train/family/boil/score": -50.0}
+
+
+@pytest.mark.parametrize("script,config,override,hint", [
+    ("sft.py", "configs/builtin.py:tiny", "--config.sft.stepz", " (did you mean 'steps'?)"),
+    ("train.py", "configs/sciworld.py:tiny", "--config.model.nope", ""),
+])
+def test_unknown_config_override_is_one_clear_line(script, config, override, hint):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, script, f"--config={config}", f"{override}=3",
+                          "--config.iterations=2"], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"{script}: {override} names no field of the config{hint}. Fields and their defaults: "
+        "configs/base.py; variants: the experiment file's docstring.")
+    assert "Traceback" not in out.stderr
