@@ -174,6 +174,18 @@ def test_bad_input(setup):
         sampler.generate(params, [[1], [2]], sp, _keys(3))
     with pytest.raises(ValueError, match="outside"):
         sampler.generate(params, [[config.vocab_size]], sp, _keys(1))
+    # Not silently truncated or wrapped: float ids, Python ints beyond int64, float counts.
+    with pytest.raises(ValueError, match=r"prompt 0 must hold integer token ids, got dtype float64 "
+                                         r"\(first value 1.5\)"):
+        sampler.generate(params, [[1.5, 2]], sp, _keys(1))
+    with pytest.raises(ValueError, match=r"outside \[0, \d+\): max 1180591620717411303424"):
+        sampler.generate(params, [[2 ** 70]], sp, _keys(1))
+    for kw, msg in ((dict(top_k=2.0), "top_k must be an integer, got 2.0"),
+                    (dict(max_new_tokens=True), "max_new_tokens must be an integer, got True"),
+                    (dict(stop_token_ids=[1.0]), "stop_token_ids must be integer token ids")):
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(**kw)
+    assert SamplingParams(top_k=np.int64(3)).top_k == 3 and type(SamplingParams(top_k=np.int64(3)).top_k) is int
     empty = sampler.generate(params, [[1, 2], [3]], SamplingParams(max_new_tokens=0), _keys(2))
     assert [g.token_ids.tolist() for g in empty] == [[], []]
     assert empty.lengths.tolist() == [0, 0]

@@ -38,12 +38,22 @@ def as_id_lists(seqs: Sequence[Sequence[int]], what: str, vocab_size: int,
     """Validate ragged token ids and convert each row to an int32 numpy array.
 
     Raises:
-      ValueError: an empty row (unless ``allow_empty``), a non-1-D row, or an id outside
+      ValueError: an empty row (unless ``allow_empty``), a non-1-D row, non-integer ids
+        (floats, strings: int32 casting would silently truncate them), or an id outside
         ``[0, vocab_size)`` (the embedding lookup would silently clamp it).
     """
     out = []
     for i, s in enumerate(seqs):
-        a = np.asarray(s, dtype=np.int64)
+        a = np.asarray(s)
+        if a.size and a.dtype.kind not in "iu":
+            # Python ints beyond int64 arrive as an object array; floats / strings are not ids.
+            if a.dtype.kind == "O" and all(isinstance(x, int) and not isinstance(x, bool)
+                                           for x in a.reshape(-1)):
+                raise ValueError(f"{what} {i} has token ids outside [0, {vocab_size}): "
+                                 f"max {max(a.reshape(-1))}")
+            raise ValueError(f"{what} {i} must hold integer token ids, got dtype {a.dtype} "
+                             f"(first value {a.reshape(-1)[0].item()!r}); pass the tokenizer's ids as ints")
+        a = a.astype(np.int64) if a.size else np.zeros(a.shape, np.int64)
         if a.ndim != 1:
             raise ValueError(f"{what} {i} must be a flat list of token ids, got shape {a.shape}")
         if a.size == 0 and not allow_empty:

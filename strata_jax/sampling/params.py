@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -32,8 +34,8 @@ class SamplingParams:
         in the output).
 
     Raises:
-      ValueError: on a negative temperature, top_p outside (0, 1], negative top_k or
-        max_new_tokens, or negative stop ids.
+      ValueError: on a negative temperature, top_p outside (0, 1], a top_k, max_new_tokens or
+        stop id that is not an integer (2.0 included) or is negative.
     """
 
     temperature: float = 1.0
@@ -44,6 +46,15 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
 
     def __post_init__(self) -> None:
+        # Counts and ids must be whole numbers: int(2.7) would silently change what was asked.
+        for name in ("top_k", "max_new_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"{name} must be an integer, got {v!r} ({type(v).__name__})")
+            object.__setattr__(self, name, int(v))
+        if any(isinstance(s, bool) or not isinstance(s, (int, np.integer))
+               for s in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integer token ids, got {self.stop_token_ids!r}")
         # Normalise to a tuple so the dataclass stays hashable whatever the caller passed.
         object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in self.stop_token_ids))
         if not self.temperature >= 0.0:
