@@ -13,7 +13,7 @@
 
 Each env's warm start is trained ONCE (sft.py's `run`, cached in ``<out>/warm_start_<env>``;
 not counted in the RL time) and every RL run starts from that export
-(``model.path=<export>``, offline tokenizer). Printed per iteration: success rate (and
+(``model.warm_start=<export>``). Printed per iteration: success rate (and
 ScienceWorld score = 100 x mean episode return) as mean and spread (min-max) over seeds, the
 rollouts of iteration i being played by the policy after i updates. Before the memory_key runs
 it probes the warm start: p(correct code digit) on strategy rows and on StraTA / flat vault rows
@@ -134,7 +134,7 @@ def rl_run(make, args, env: str, algo: str, seed: int, export: str) -> dict:
     c = make(args, algo, seed)
     if algo == "grpo":
         c.rollout.group_size = c.rollout.num_strategies * c.rollout.episodes_per_strategy
-    c.model.path, c.model.preset, c.model.tokenizer, c.model.warm_start = export, "", "offline", ""
+    c.model.warm_start = export    # the run's own init, replaced by the export (shape-checked)
     c.workdir = os.path.join(args.out, env, f"{algo}_s{seed}")
     shutil.rmtree(c.workdir, ignore_errors=True)
     t0 = time.time()

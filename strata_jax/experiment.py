@@ -13,6 +13,7 @@ system"; issue 8.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 from typing import Any
@@ -32,9 +33,8 @@ log = logging.getLogger(__name__)
 
 # Qwen2.5 checkpoints pad the vocabulary to this size (ids above the tokenizer's are unused).
 QWEN25_VOCAB = 151936
-# Env constructor arguments that a config may carry under c.env besides max_steps.
-# Optional c.env fields passed to the env constructor when a config sets them (each adapter's
-# own keyword arguments; a config only sets the ones its env takes).
+# Optional c.env fields passed to the env constructor (besides max_steps) when the config sets
+# them and the env's constructor takes them (`env_kwargs`).
 _ENV_KWARGS = ("server_url", "data_dir", "jvm_max_heap_mb", "fetch_valid_actions", "code_digits")
 
 
@@ -208,18 +208,20 @@ def env_kwargs(c: Any) -> dict[str, Any]:
     """Constructor arguments for the env of ``c.env.name``: ``max_steps`` plus the optional
     `_ENV_KWARGS` fields the config sets and the env's constructor takes (so an experiment file
     can keep e.g. ``env.code_digits`` while ``env.name=grid_nav`` is tried from the command line)."""
-    import inspect
     kw: dict[str, Any] = {"max_steps": int(c.env.max_steps)}
-    try:
-        params = inspect.signature(get_env_factory(c.env.name)).parameters
-        takes = lambda k: k in params or any(  # noqa: E731
-            p.kind == p.VAR_KEYWORD for p in params.values())
-    except (TypeError, ValueError):  # no introspectable signature: pass everything set
-        takes = lambda k: True  # noqa: E731
     for k in _ENV_KWARGS:
-        if k in c.env and c.env[k] not in (None, "") and takes(k):
+        if k in c.env and c.env[k] not in (None, "") and _takes(get_env_factory(c.env.name), k):
             kw[k] = c.env[k]
     return kw
+
+
+def _takes(factory: Any, name: str) -> bool:
+    """Whether `factory` accepts keyword `name` (True when its signature cannot be read)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
 def task_list(c: Any, split: str | None = None) -> list:

@@ -178,8 +178,9 @@ def test_bad_input(setup):
     with pytest.raises(ValueError, match=r"prompt 0 must hold integer token ids, got dtype float64 "
                                          r"\(first value 1.5\)"):
         sampler.generate(params, [[1.5, 2]], sp, _keys(1))
-    with pytest.raises(ValueError, match=r"outside \[0, \d+\): max 1180591620717411303424"):
-        sampler.generate(params, [[2 ** 70]], sp, _keys(1))
+    big = 2 ** 70   # 1180591620717411303424
+    with pytest.raises(ValueError, match=rf"outside \[0, \d+\): min {big}, max {big}"):
+        sampler.generate(params, [[big]], sp, _keys(1))
     for kw, msg in ((dict(top_k=2.0), "top_k must be an integer, got 2.0"),
                     (dict(max_new_tokens=True), "max_new_tokens must be an integer, got True"),
                     (dict(stop_token_ids=[1.0]), "stop_token_ids must be integer token ids")):

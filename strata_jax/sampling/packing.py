@@ -47,10 +47,10 @@ def as_id_lists(seqs: Sequence[Sequence[int]], what: str, vocab_size: int,
         a = np.asarray(s)
         if a.size and a.dtype.kind not in "iu":
             # Python ints beyond int64 arrive as an object array; floats / strings are not ids.
-            if a.dtype.kind == "O" and all(isinstance(x, int) and not isinstance(x, bool)
-                                           for x in a.reshape(-1)):
+            flat = a.reshape(-1).tolist()
+            if a.dtype.kind == "O" and all(type(x) is int for x in flat):
                 raise ValueError(f"{what} {i} has token ids outside [0, {vocab_size}): "
-                                 f"max {max(a.reshape(-1))}")
+                                 f"min {min(flat)}, max {max(flat)}")
             raise ValueError(f"{what} {i} must hold integer token ids, got dtype {a.dtype} "
                              f"(first value {a.reshape(-1)[0].item()!r}); pass the tokenizer's ids as ints")
         a = a.astype(np.int64) if a.size else np.zeros(a.shape, np.int64)
