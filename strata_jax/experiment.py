@@ -27,7 +27,7 @@ from envs_bridge.pool import EnvPool
 from envs_bridge.registry import get_env_factory, list_envs
 from strata_jax import sharding
 from strata_jax.models import PRESETS, Qwen2Config, init_params, load_params, load_tokenizer
-from strata_jax.models.loading import resolve_checkpoint
+from strata_jax.models.loading import checkpoint_config, resolve_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,8 @@ def build_mesh(c: Any) -> jax.sharding.Mesh:
 
 
 def build_tokenizer(c: Any):
-    """``model.tokenizer``: "offline" = the shipped Qwen BPE; "" = from model.path; else a dir."""
+    """``model.tokenizer``: "offline" = the shipped Qwen BPE; "" = from model.path (a checkpoint
+    dir's tokenizer files or a GGUF file's tokenizer metadata); else a dir."""
     if c.model.tokenizer == "offline" or (not c.model.tokenizer and not c.model.path):
         return load_tokenizer(None)
     path = c.model.tokenizer or resolve_checkpoint(c.model.path)
@@ -160,8 +161,8 @@ def build_model(c: Any, tokenizer: Any, mesh: jax.sharding.Mesh | None
     """Model config and the INITIAL policy params (also the frozen reference model).
 
     model.preset: random weights of a named shape (seeded by c.seed), the vocabulary widened to
-    hold every tokenizer id. model.path: an HF checkpoint dir or hub id (`load_params`; a clear
-    error offline). Params are placed with the mesh's logical-axis shardings.
+    hold every tokenizer id. model.path: an HF checkpoint dir, a GGUF file or a hub id
+    (`load_params`; a clear error offline). Params are placed with the mesh's logical-axis shardings.
     """
     from strata_jax.training.sft import maybe_warm_start  # lazy: sft imports this module
 
@@ -177,7 +178,7 @@ def build_model(c: Any, tokenizer: Any, mesh: jax.sharding.Mesh | None
             params = sharding.shard_params(params, cfg, mesh)
         return cfg, params
     ckpt = resolve_checkpoint(c.model.path)
-    cfg = Qwen2Config.from_pretrained(ckpt)
+    cfg = checkpoint_config(ckpt)
     params = load_params(ckpt, cfg, dtype=dtype, mesh=mesh)
     return cfg, maybe_warm_start(c, cfg, params, tokenizer, workdir(c), mesh=mesh)
 

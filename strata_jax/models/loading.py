@@ -1,8 +1,9 @@
-"""HF safetensors checkpoints <-> the params pytree.
+"""Model checkpoints (HF safetensors dirs, GGUF files) <-> the params pytree.
 
 `load_params` / `load_checkpoint` read a local checkpoint dir (one ``model.safetensors`` or shards
-listed by ``model.safetensors.index.json``) or a hub id (downloaded with huggingface_hub when
-online). Tensors are read one at a time into host memory and placed with their target
+listed by ``model.safetensors.index.json``), a ``*.gguf`` file (`strata_jax.models.gguf`:
+metadata -> config, quantized tensors dequantized to float32), or a hub id (downloaded with
+huggingface_hub when online). Tensors are read one at a time into host memory and placed with their target
 ``NamedSharding`` (``jax.make_array_from_callback``: each device receives only its slice), so no
 full copy per device is built and host memory peaks at one tensor beyond the placed params.
 `export_params` writes params back as HF safetensors + config.json that transformers and vLLM
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from strata_jax.models import gguf
 from strata_jax.models.config import Qwen2Config
 from strata_jax.models.qwen2 import Params, param_shapes
 
@@ -182,20 +184,28 @@ def write_safetensors(file: str, tensors: dict[str, np.ndarray],
 
 
 def resolve_checkpoint(path_or_id: str) -> str:
-    """Local directory of a checkpoint: the path itself, or a hub snapshot download.
+    """Local checkpoint: the directory or ``*.gguf`` file itself, or a hub snapshot download.
 
     Raises:
       FileNotFoundError: a path-like argument that does not exist.
+      ValueError: a file that is not a GGUF file.
       RuntimeError: a hub id that cannot be downloaded (offline, no cache): says to set the model
-        path to a local checkpoint directory.
+        path to a local checkpoint directory or GGUF file.
     """
     if os.path.isdir(path_or_id):
         return path_or_id
+    if os.path.isfile(path_or_id):
+        if not gguf.is_gguf(path_or_id):
+            raise ValueError(f"model path {path_or_id!r} is a file but not a GGUF file; set it to "
+                             "a *.gguf file or an HF checkpoint directory (config.json + "
+                             "*.safetensors)")
+        return path_or_id
     if path_or_id.startswith((".", "/", "~")) or os.sep + os.sep in path_or_id or \
-            path_or_id.count("/") != 1:
-        raise FileNotFoundError(f"checkpoint directory {path_or_id!r} does not exist; set the "
-                                "model path to a local HF checkpoint dir (config.json + "
-                                "*.safetensors) or an 'org/name' hub id")
+            path_or_id.count("/") != 1 or path_or_id.endswith(".gguf"):
+        raise FileNotFoundError(f"checkpoint {path_or_id!r} does not exist; set the model path "
+                                "to a local HF checkpoint dir (config.json + *.safetensors), a "
+                                "*.gguf file (python -m strata_jax.models.fetch --list) or an "
+                                "'org/name' hub id")
     try:
         from huggingface_hub import snapshot_download
         return snapshot_download(path_or_id, allow_patterns=[
@@ -207,7 +217,18 @@ def resolve_checkpoint(path_or_id: str) -> str:
             "the model path to its local directory.") from e
 
 
-def _checkpoint_tensors(ckpt_dir: str) -> dict[str, TensorRef]:
+def checkpoint_config(ckpt: str) -> Qwen2Config:
+    """`Qwen2Config` of a local checkpoint: a GGUF file's metadata or a dir's config.json."""
+    if os.path.isfile(ckpt):
+        return gguf.gguf_config(ckpt)
+    return Qwen2Config.from_pretrained(ckpt)
+
+
+def _checkpoint_tensors(ckpt_dir: str) -> dict[str, Any]:
+    """``{HF tensor name: ref}`` of a local checkpoint; each ref has ``shape``, ``dtype`` and
+    ``read()`` (`TensorRef` for safetensors, `gguf.GGUFTensorRef` for a GGUF file)."""
+    if os.path.isfile(ckpt_dir):
+        return gguf.gguf_tensors(ckpt_dir)
     index = os.path.join(ckpt_dir, "model.safetensors.index.json")
     single = os.path.join(ckpt_dir, "model.safetensors")
     tensors: dict[str, TensorRef] = {}
@@ -248,8 +269,8 @@ def load_params(path_or_id: str, config: Qwen2Config | None = None,
     """Load an HF Qwen2 checkpoint into the params pytree.
 
     Args:
-      path_or_id: local checkpoint dir or hub id (see `resolve_checkpoint`).
-      config: model config; default: read from the checkpoint's config.json.
+      path_or_id: local checkpoint dir, GGUF file or hub id (see `resolve_checkpoint`).
+      config: model config; default: read from the checkpoint (`checkpoint_config`).
       dtype: param dtype (float32 or bfloat16); None keeps each tensor's stored dtype.
       mesh: place each array with its ``strata_jax.sharding.param_shardings`` sharding (each
         device reads only its slice); None: the default device.
@@ -260,7 +281,7 @@ def load_params(path_or_id: str, config: Qwen2Config | None = None,
     """
     ckpt_dir = resolve_checkpoint(path_or_id)
     if config is None:
-        config = Qwen2Config.from_pretrained(ckpt_dir)
+        config = checkpoint_config(ckpt_dir)
     tensors = _checkpoint_tensors(ckpt_dir)
     shapes = param_shapes(config)
     expected: dict[tuple, tuple] = {}
@@ -268,7 +289,7 @@ def load_params(path_or_id: str, config: Qwen2Config | None = None,
             shapes, is_leaf=lambda x: isinstance(x, tuple))[0]:
         expected[tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp)] = shape
 
-    found: dict[tuple, TensorRef] = {}
+    found: dict[tuple, Any] = {}
     for name, arr in tensors.items():
         if _IGNORED_RE.search(name):
             continue
@@ -312,9 +333,10 @@ def load_params(path_or_id: str, config: Qwen2Config | None = None,
 
 def load_checkpoint(path_or_id: str, dtype: Any = jnp.float32,
                     mesh: jax.sharding.Mesh | None = None) -> tuple[Qwen2Config, Params]:
-    """(config, params) of a local dir or hub id; see `load_params` for arguments and errors."""
+    """(config, params) of a local dir, GGUF file or hub id; see `load_params` for arguments and
+    errors."""
     ckpt_dir = resolve_checkpoint(path_or_id)
-    config = Qwen2Config.from_pretrained(ckpt_dir)
+    config = checkpoint_config(ckpt_dir)
     return config, load_params(ckpt_dir, config, dtype=dtype, mesh=mesh)
 
 

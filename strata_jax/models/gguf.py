@@ -1,0 +1,354 @@
+"""GGUF checkpoints (llama.cpp's single-file format) as a Qwen2 model source.
+
+A ``*.gguf`` file carries everything a run needs: the architecture's hyper-parameters, every
+weight tensor (often block-quantized: Q4_K, Q5_0, Q6_K, Q8_0, ...), and the tokenizer (BPE
+tokens, merges, token types, special ids, chat template). This module reads the file with the
+``gguf`` package (the format's reference Python reader, maintained with llama.cpp) and maps it onto
+what the rest of the project already uses for HF checkpoints:
+
+  * `gguf_config` -> `Qwen2Config` from the ``qwen2.*`` metadata (every field checked);
+  * `gguf_tensors` -> ``{HF tensor name: GGUFTensorRef}``, the same interface as the safetensors
+    `TensorRef` (``.shape`` in HF's ``[out, in]`` orientation, ``.read()`` -> a float32 host array,
+    dequantized with ``gguf.quants``), so `loading.load_params` places them one at a time;
+  * `gguf_tokenizer` -> a transformers fast tokenizer built from the file's own vocabulary,
+    merges, special tokens and chat template (the ``tokenizers`` library, no torch).
+
+Quantized weights are dequantized to float32 once at load: the port computes in fp32/bf16, and a
+fine-tuned policy is exported as HF safetensors (`loading.export_params`), which transformers and
+vLLM serve. Tensors are read with plain file reads at their offsets rather than through the
+reader's memory map, so loaded pages do not stay resident.
+
+Tensor names and metadata keys: llama.cpp ``gguf-py/gguf/constants.py`` (MODEL_ARCH.QWEN2,
+``TENSOR_NAMES``, ``Keys``) and ``src/llama-model.cpp`` (defaults for optional keys). Qwen2's
+q/k weights are stored unpermuted (llama.cpp's converter permutes only LLaMA-style rotary
+layouts), so no inverse permutation is applied; the transformers parity tests pin that.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from strata_jax.models.config import Qwen2Config
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_ARCHITECTURES = ("qwen2",)
+
+# llama.cpp tensor names -> HF Qwen2 names ("{i}" is the layer index).
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Precomputed RoPE frequencies some converters add; the port computes its own from rope_theta.
+_IGNORED = ("rope_freqs.weight",)
+
+
+def is_gguf(path: str) -> bool:
+    """True when `path` is a file that starts with the GGUF magic bytes."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def gguf_name_to_hf(name: str) -> str | None:
+    """HF Qwen2 tensor name of a llama.cpp tensor name (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``); None for names the port does not use."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = _BLOCK_RE.match(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, size: int, mtime_ns: int) -> Any:
+    # Parsing the metadata of a Qwen vocabulary (152k token strings) takes seconds; config,
+    # params and tokenizer of one run read the same file, so the parsed reader is shared.
+    import gguf
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # truncated, wrong version, garbled header: one message
+        raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); "
+                         "re-download it (python -m strata_jax.models.fetch verifies the "
+                         "checksum)") from e
+
+
+def open_gguf(path: str) -> Any:
+    """The parsed ``gguf.GGUFReader`` of `path` (cached per path, size and mtime).
+
+    Raises FileNotFoundError when `path` is missing and ValueError when it is not a GGUF file.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    if not is_gguf(path):
+        raise ValueError(f"{path} does not start with the GGUF magic bytes: not a GGUF file")
+    st = os.stat(path)
+    return _reader(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+def _field(reader: Any, key: str, default: Any = None, required: bool = True) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        if required and default is None:
+            raise ValueError(f"{reader.data.filename}: GGUF metadata lacks {key!r}, which a Qwen2 "
+                             "model needs; the file was not written by a Qwen2 converter")
+        return default
+    return f.contents()
+
+
+def _arch(reader: Any) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{reader.data.filename}: GGUF architecture {arch!r} is not supported; "
+                         f"strata-jax ports {', '.join(SUPPORTED_ARCHITECTURES)} (Qwen2 / Qwen2.5) "
+                         "models only")
+    return arch
+
+
+def _positive_int(v: Any, key: str, file: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 1:
+        raise ValueError(f"{file}: GGUF metadata {key!r} must be a positive integer, got {v!r}")
+    return int(v)
+
+
+def gguf_config(path: str) -> Qwen2Config:
+    """`Qwen2Config` from a GGUF file's ``qwen2.*`` metadata.
+
+    Keys read (llama.cpp ``LLM_KV_*``): block_count, embedding_length, feed_forward_length,
+    attention.head_count, attention.head_count_kv (default: head_count, as llama.cpp),
+    attention.key_length / value_length (default: embedding_length / head_count; must agree),
+    rope.freq_base (default 10000, as llama.cpp), attention.layer_norm_rms_epsilon,
+    context_length. vocab_size is the embedding's row count; the LM head is tied when the file
+    has no ``output.weight`` (llama.cpp's rule).
+
+    Raises:
+      ValueError: another architecture, a missing or malformed required key, RoPE scaling
+        (YaRN / linear: not ported), or key_length != value_length.
+    """
+    reader = open_gguf(path)
+    arch = _arch(reader)
+    file = reader.data.filename
+
+    def get(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none", required=False)
+    if scaling not in ("none", ""):
+        raise ValueError(f"{file}: RoPE scaling {scaling!r} is not supported by the Qwen2 port "
+                         "(it implements plain RoPE with rope.freq_base)")
+    hidden = _positive_int(get("embedding_length"), f"{arch}.embedding_length", file)
+    heads = _positive_int(get("attention.head_count"), f"{arch}.attention.head_count", file)
+    kv_heads = _positive_int(get("attention.head_count_kv", heads),
+                             f"{arch}.attention.head_count_kv", file)
+    key_len = _positive_int(get("attention.key_length", hidden // heads),
+                            f"{arch}.attention.key_length", file)
+    value_len = _positive_int(get("attention.value_length", key_len),
+                              f"{arch}.attention.value_length", file)
+    if key_len != value_len:
+        raise ValueError(f"{file}: key_length {key_len} != value_length {value_len}; Qwen2 uses "
+                         "one head width")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{file}: no token_embd.weight tensor; not a Qwen2 model file")
+    vocab = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes are [in, out]: [D, V]
+    theta = get("rope.freq_base", 10000.0)
+    eps = get("attention.layer_norm_rms_epsilon")
+    for key, v in (("rope.freq_base", theta), ("attention.layer_norm_rms_epsilon", eps)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)):
+            raise ValueError(f"{file}: GGUF metadata '{arch}.{key}' must be a number, got {v!r}")
+    try:
+        return Qwen2Config(
+            vocab_size=vocab, hidden_size=hidden,
+            intermediate_size=_positive_int(get("feed_forward_length"),
+                                            f"{arch}.feed_forward_length", file),
+            num_layers=_positive_int(get("block_count"), f"{arch}.block_count", file),
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=key_len,
+            # float32 metadata: 1e-6 is stored as 9.99999997e-07; round to float32 precision.
+            rope_theta=float(np.float32(theta)), rms_norm_eps=float(f"{np.float32(eps):.7g}"),
+            tie_word_embeddings="output.weight" not in tensors,
+            max_position_embeddings=_positive_int(get("context_length"),
+                                                  f"{arch}.context_length", file))
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensorRef:
+    """One tensor of a GGUF file, read and dequantized on demand.
+
+    Attributes:
+      file: the GGUF path. name: the llama.cpp tensor name. offset / n_bytes: absolute byte range
+      of the stored data. qtype: ``gguf.GGMLQuantizationType``. stored_shape: numpy shape of the
+      stored data (rows, bytes per row for block-quantized types). shape: the dequantized shape in
+      HF orientation (``[out, in]`` for matrices: GGUF lists dimensions innermost first).
+    """
+
+    file: str
+    name: str
+    offset: int
+    n_bytes: int
+    qtype: Any
+    stored_shape: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> np.dtype:
+        """float32: every stored type is dequantized / widened to it."""
+        return np.dtype(np.float32)
+
+    def read(self) -> np.ndarray:
+        """The tensor as a fresh float32 host array of `shape` (plain reads, no mmap)."""
+        from gguf import GGMLQuantizationType, quants
+        raw = np.fromfile(self.file, dtype=np.uint8, count=self.n_bytes, offset=self.offset)
+        if raw.size != self.n_bytes:
+            raise ValueError(f"{self.file}: tensor {self.name!r} is truncated ({raw.size} of "
+                             f"{self.n_bytes} bytes); re-download the file")
+        if self.qtype == GGMLQuantizationType.F32:
+            out = raw.view(np.float32)
+        elif self.qtype == GGMLQuantizationType.F16:
+            out = raw.view(np.float16).astype(np.float32)
+        else:
+            try:
+                out = quants.dequantize(raw.reshape(self.stored_shape), self.qtype)
+            except NotImplementedError:
+                raise ValueError(f"{self.file}: tensor {self.name!r} uses quantization "
+                                 f"{self.qtype.name}, which the gguf package cannot dequantize; "
+                                 "convert the model with another quantization") from None
+        return np.ascontiguousarray(out, dtype=np.float32).reshape(self.shape)
+
+
+def gguf_tensors(path: str) -> dict[str, GGUFTensorRef]:
+    """``{HF Qwen2 tensor name: GGUFTensorRef}`` of every weight in a GGUF file.
+
+    Raises ValueError for another architecture or a tensor name the Qwen2 port does not know
+    (named in the message). ``rope_freqs.weight`` is ignored (the port computes RoPE itself).
+    """
+    reader = open_gguf(path)
+    _arch(reader)
+    out: dict[str, GGUFTensorRef] = {}
+    for t in reader.tensors:
+        if t.name in _IGNORED:
+            continue
+        hf = gguf_name_to_hf(t.name)
+        if hf is None:
+            raise ValueError(f"{path}: GGUF tensor {t.name!r} has no place in the Qwen2 port")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        out[hf] = GGUFTensorRef(file=path, name=t.name, offset=int(t.data_offset),
+                                n_bytes=int(t.n_bytes), qtype=t.tensor_type,
+                                stored_shape=tuple(int(d) for d in t.data.shape), shape=shape)
+    return out
+
+
+# Pre-tokenizer of each llama.cpp ``tokenizer.ggml.pre`` value the port supports. Qwen2's split
+# regex is the one in Qwen2.5's tokenizer.json (and llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2).
+_PRE_TOKENIZERS = {
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+              r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # gguf.TokenType
+
+
+def _strings(reader: Any, key: str) -> list[str]:
+    f = reader.fields[key]
+    return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_tokenizer(path: str, size: int, mtime_ns: int) -> Any:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+    from tokenizers import pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    reader = open_gguf(path)
+    file = reader.data.filename
+    kind = _field(reader, "tokenizer.ggml.model")
+    pre = _field(reader, "tokenizer.ggml.pre", "default", required=False)
+    if kind != "gpt2" or pre not in _PRE_TOKENIZERS:
+        raise ValueError(f"{file}: tokenizer {kind!r} / pre-tokenizer {pre!r} is not the Qwen2 "
+                         "byte-level BPE (gpt2 / qwen2); pass --config.model.tokenizer=offline to "
+                         "use the shipped Qwen2.5 tokenizer instead")
+    tokens = _strings(reader, "tokenizer.ggml.tokens")
+    types = reader.fields["tokenizer.ggml.token_type"]
+    types = [int(types.parts[i][0]) for i in types.data]
+    merges = [tuple(m.split(" ", 1)) for m in _strings(reader, "tokenizer.ggml.merges")]
+    # Added tokens sit in the vocabulary at their file ids too, so `add_tokens` below keeps those
+    # ids instead of appending (the file may place them anywhere, not only after the BPE rows).
+    vocab = {t: i for i, (t, ty) in enumerate(zip(tokens, types))
+             if ty in (_NORMAL, _CONTROL, _USER_DEFINED)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                               ignore_merges=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_PRE_TOKENIZERS[pre]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    # Control tokens (<|im_start|>, ...) are special; user-defined ones (<tool_call>) are plain
+    # added tokens; unused ([PAD151665] ...) rows of a padded embedding get no token at all.
+    added = [AddedToken(t, special=ty == _CONTROL, normalized=False)
+             for t, ty in zip(tokens, types) if ty in (_CONTROL, _USER_DEFINED)]
+    tok.add_tokens(added)
+
+    def token(key: str) -> str | None:
+        i = _field(reader, key, -1, required=False)
+        return tokens[int(i)] if 0 <= int(i) < len(tokens) else None
+
+    template = _field(reader, "tokenizer.chat_template", "", required=False)
+    if not template:
+        from strata_jax.models.tokenizer import QWEN25_CHAT_TEMPLATE
+        template = QWEN25_CHAT_TEMPLATE
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=token("tokenizer.ggml.eos_token_id"),
+        pad_token=token("tokenizer.ggml.padding_token_id"),
+        bos_token=None,  # Qwen2 adds no BOS (tokenizer.ggml.add_bos_token is false)
+        chat_template=template, clean_up_tokenization_spaces=False,
+        model_max_length=int(_field(reader, "qwen2.context_length", 32768, required=False)))
+
+
+def gguf_tokenizer(path: str) -> Any:
+    """A transformers fast tokenizer built from a GGUF file's own tokenizer metadata.
+
+    Byte-level BPE from ``tokenizer.ggml.tokens`` / ``merges`` / ``token_type`` with the Qwen2
+    pre-tokenizer; control tokens become special added tokens; eos / pad from the file's ids; the
+    file's ``tokenizer.chat_template`` (the Qwen2.5 template when absent). Built with the
+    ``tokenizers`` library, no torch. Cached per file: do not mutate it.
+
+    Raises ValueError when the file's tokenizer is not Qwen2's byte-level BPE.
+    """
+    st = os.stat(path)
+    return _gguf_tokenizer(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+def gguf_metadata(path: str) -> dict[str, Any]:
+    """Scalar metadata of a GGUF file (arrays such as the vocabulary omitted), for logs / reports."""
+    reader = open_gguf(path)
+    out = {}
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type")):
+            continue
+        try:
+            v = f.contents()
+        except Exception:  # noqa: BLE001 - exotic value types are left out of a report
+            continue
+        out[key] = v if isinstance(v, (str, int, float, bool)) else json.dumps(v)[:200]
+    return out

