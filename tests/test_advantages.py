@@ -173,6 +173,17 @@ def test_gae_lambda_095():
     np.testing.assert_allclose(adv, [0.46575, 0.385, 0.3], **TOL)
 
 
+def test_gae_invalid_step_reward_carries_the_penalty():
+    # Step 1 format-invalid: its reward 0 becomes -0.1. gamma = lambda = 1, V = 0:
+    # A = returns = (-0.1 + 1, -0.1 + 1, 1) = .9, .9, 1.
+    recs = [act(0, 0, 0, 1.0, step_reward=0.0, values=0.0),
+            act(0, 0, 1, 1.0, step_reward=0.0, values=0.0, invalid=True),
+            act(0, 0, 2, 1.0, step_reward=1.0, values=0.0)]
+    adv, _, m = run("gae", recs, gae_whiten=False)
+    np.testing.assert_allclose(adv, [0.9, 0.9, 1.0], **TOL)
+    np.testing.assert_allclose(np.asarray(m["row/value_targets"])[:3], [0.9, 0.9, 1.0], **TOL)
+
+
 # ----------------------------------------------------------------------------- StraTA
 
 

@@ -187,12 +187,17 @@ def gigpo(b: SampleBatch, c: EstimatorConfig, step=0):
 
 
 def _gae(b: SampleBatch, c: EstimatorConfig, lam: float, whiten: bool):
-    """GAE over each trajectory's step samples: (advantages, value targets = raw A + V)."""
+    """GAE over each trajectory's step samples: (advantages, value targets = raw A + V).
+
+    The step reward of a format-invalid step carries the invalid-format penalty (as every other
+    estimator's step score does: docs/method.md §2), so PPO and STAPO see it too.
+    """
     mask = _action_mask(b)
     traj_seg = dense_group_ids([b.task_id, b.trajectory_id], mask)
     order, has_next = trajectory_order(traj_seg, b.step_index, mask)
     v = jnp.where(mask, b.values, 0.0)[order]
-    r = jnp.where(mask, b.step_reward, 0.0)[order]
+    reward = b.step_reward - c.invalid_penalty * b.invalid.astype(jnp.float32)
+    r = jnp.where(mask, reward, 0.0)[order]
     v_next = jnp.where(has_next, jnp.concatenate([v[1:], jnp.zeros((1,), v.dtype)]), 0.0)
     delta = r + c.gae_gamma * v_next - v
     a_sorted = reverse_linear_recurrence(delta, jnp.where(has_next, c.gae_gamma * lam, 0.0))
