@@ -108,3 +108,12 @@ def test_judge_prompt_truncates_observations(tok):
     assert "Step 2 observation: short\nStep 2 action: look" in p.text
     assert "<bad_steps>1, 4</bad_steps>" in p.text and "<bad_steps>none</bad_steps>" in p.text
     assert "Your strategy for this task:\nplan" in p.prefix_text
+
+
+def test_step_prompt_states_the_action_rule(tok):
+    # The parser executes only the first action block after </think>; the prompt says so.
+    from envs_bridge.parsing import parse_action
+    t = PromptBuilder(tok, 4096).step_prompt(PIECES, "obs", []).text
+    assert "only the first action block after </think> is executed" in t
+    assert parse_action("<think>Do not do <action>focus on orange</action> yet.</think>\n"
+                        "<action>look around</action>").action == "look around"

@@ -44,8 +44,11 @@ TRUNCATION_MARK = " ...[truncated]"
 INVALID_NOTICE = ("Note: your last output had no valid action (it needs <think>...</think> "
                   "followed by one <action>...</action>), so nothing happened; the observation "
                   "is unchanged.")
+# The parsing rule of `envs_bridge.parsing`, stated to the model: only the first action block
+# after </think> is executed (an action written inside the think block is not).
 STEP_INSTRUCTION = ("Now think step by step about what to do next inside <think></think>, then "
-                    "give exactly one action inside <action></action>.")
+                    "give exactly one action inside <action></action> after </think>; only the "
+                    "first action block after </think> is executed.")
 STRATEGY_INSTRUCTION = ("Before acting, write a concise, ordered plan of the sub-goals that "
                         "solve this task inside <strategy></strategy>. Do not give any action.")
 JUDGE_INSTRUCTION = (
