@@ -21,7 +21,7 @@ Flow of `Sampler.generate` (and of `Sampler.generate_with_prefixes`):
 Params are always arguments of the jitted functions, never closed over (a closed-over 2 GB
 constant would be baked into the executable). Compilation is bounded by bucketing the batch
 and every length to powers of two with a floor (`buckets`); max_new_tokens, temperature, top_p,
-top_k, the stop ids and the stop-string table (fixed shape [32k, V]) are traced values, so
+top_k, the stop ids and the stop-string table ([S, V], S a multiple of 32) are traced, so
 changing them does not recompile (only the greedy / top-k-on / top-p-on / stop-string-on
 switches and the buckets do).
 
