@@ -19,7 +19,7 @@ Also measured in the same run:
     python benchmarks/sampler.py --preset qwen2.5-1.5b --batch 64 --dtype bfloat16   # GPU
     python benchmarks/sampler.py --batch 8 --frameworks jax --stop-text   # + stop-string check
 
-``--stop-text`` turns on the rollout's action stop string (``</think>`` then ``</action>``,
+``--stop-text`` turns on the rollout's action stop string (``</think>``, ``<action>``, ``</action>``,
 the offline tokenizer's [32, V] table, one gather per row and step) so its cost can be read
 off against a run without it; random weights never complete it, so every row still decodes
 exactly --new-tokens tokens.

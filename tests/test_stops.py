@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from strata_jax.models import load_tokenizer
-from strata_jax.rollout.episodes import ACTION_STOP
+from strata_jax.rollout.prompts import ACTION_STOP
 from strata_jax.sampling import SamplingParams
 from strata_jax.sampling.stops import (STATE_BUCKET, build_stop_text, build_stop_text_from_bytes,
                                        token_bytes)
@@ -62,10 +62,13 @@ def test_the_issue_reply_stops_at_the_end_of_the_first_action_block(tok, action_
 def test_an_action_block_inside_the_think_block_does_not_stop(tok, action_stop):
     _, text, _ = _cut(tok, action_stop, ISSUE_13)
     assert text == ISSUE_13  # the first </action> (inside the think block) is passed over
+    _, text, _ = _cut(tok, action_stop, "<think>a</think> x</action> <action>go</action>!")
+    assert text == "<think>a</think> x</action> <action>go</action>"  # the parser's block
     _, text, _ = _cut(tok, action_stop, "<think>x.</think>\n\n<ACTION>a.</Action>> more")
     assert text == "<think>x.</think>\n\n<ACTION>a.</Action>>"  # case-insensitive, '.</' split
     for text in ("<think>still thinking <action>x</action>", "<action>go</action>",
-                 "<think>a</think><action>x</act<|im_end|>ion>"):
+                 "<think>a</think><action>x</act<|im_end|>ion>",
+                 "<think>a</think> a stray </action> and no block"):
         assert _cut(tok, action_stop, text)[2] == 0, text  # never completed
 
 
@@ -75,7 +78,7 @@ def test_table_scan_equals_a_text_reference_on_real_tokens(tok, action_stop):
              "<<//think>></think></actio</action>", "<think>é</think><action>café</action>"]
     rng = np.random.default_rng(0)
     alphabet = ["<", "/", "think", "action", ">", "</", " ", "\n", "a", "T", "ACTION", ".</",
-                "</think>", "</action>", "><", ">\n"]
+                "</think>", "</action>", "><", ">\n", "<action>", "<ACTION>"]
     texts += ["".join(rng.choice(alphabet, 30)) for _ in range(200)]
     hits = 0
     for text in texts:
@@ -104,7 +107,7 @@ def test_random_byte_vocabularies_match_the_text_reference():
 def test_table_shape_special_ids_and_vocab_widening(tok, action_stop):
     v = len(tok)
     assert action_stop.table.shape == (STATE_BUCKET, v) and action_stop.table.dtype == np.int16
-    assert action_stop.accept == len("</think>") + len("</action>")
+    assert action_stop.accept == len("</think>") + len("<action>") + len("</action>")
     assert build_stop_text(tok, ACTION_STOP) is action_stop  # cached per tokenizer
     tb = token_bytes(tok)
     assert tb[151645] is None and tb[522] == b"</" and tb[397] == b">\n"

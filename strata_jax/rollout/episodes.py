@@ -19,7 +19,7 @@ Keys: step t of episode (task_uid, strategy_id, trajectory_id) samples with
 ``row_keys(key, (PURPOSE_ACTION, task_uid, strategy_id, trajectory_id, t))``, independent of
 the cohort, batch row or host.
 
-Stop: the action sampling params carry the stop string ``("</think>", "</action>")``
+Stop: the action sampling params carry the stop string ``("</think>", "<action>", "</action>")``
 (`action_stop_text`), so a row's generation ends on the token that completes the first action
 block after the closed think block, the block the parser executes; nothing the model would have
 written after it (a fabricated "Observation: ...", a second action) is generated or trained, and
@@ -46,7 +46,7 @@ from envs_bridge.pool import EnvPool, StepOutcome, Ticket
 from strata_jax.models import stop_token_ids
 from strata_jax.rollout.keys import PURPOSE_ACTION, row_keys
 from strata_jax.rollout.policy import Policy
-from strata_jax.rollout.prompts import (HistoryEntry, PromptBuilder, PromptIds,
+from strata_jax.rollout.prompts import (ACTION_STOP, HistoryEntry, PromptBuilder, PromptIds,
                                         invalid_history_action)
 from strata_jax.sampling import FINISH_STOP, Generation, SamplingParams
 
@@ -66,9 +66,6 @@ def content_ids(tokenizer: Any, gen: Generation) -> list[int]:
     if gen.finish_reason == FINISH_STOP and ids and ids[-1] in stop_token_ids(tokenizer):
         ids = ids[:-1]
     return ids
-
-
-ACTION_STOP = ("</think>", "</action>")
 
 
 def action_stop_text(tokenizer: Any) -> Any:

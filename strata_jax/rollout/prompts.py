@@ -60,6 +60,12 @@ STEP_INSTRUCTION = ("Now think step by step about what to do next inside <think>
                     "first action block after </think> is executed.")
 STRATEGY_INSTRUCTION = ("Before acting, write a concise, ordered plan of the sub-goals that "
                         "solve this task inside <strategy></strategy>. Do not give any action.")
+# Where each stage's generation ends (stop strings, matched in order on device by the sampler:
+# `strata_jax.sampling.stops`): the end of the first action block after </think> (the block
+# the parser executes), the first </strategy>, the first </bad_steps> (only the first counts).
+ACTION_STOP = ("</think>", "<action>", "</action>")
+STRATEGY_STOP = ("</strategy>",)
+JUDGE_STOP = ("</bad_steps>",)
 JUDGE_INSTRUCTION = (
     "For each step, ask two questions: does the action follow the strategy, and does it advance "
     "the task? List the numbers of the steps that do neither inside <bad_steps></bad_steps>, "

@@ -12,6 +12,8 @@ StraTA (`mode="strata"`), per task (method.md 2.1-2.5):
   4. M episodes per kept strategy on identical copies of the task (`run_episodes`);
   5. self-judgment: one greedy call per finished, non-crashed trajectory -> judge flags.
 Flat (`mode="flat"`): ``group_size`` episodes per task, no strategy, no judge.
+Every stage's generation ends with its closing tag, checked on device by the sampler
+(`SamplingParams.stop_text`; `prompts.ACTION_STOP`, `STRATEGY_STOP`, `JUDGE_STOP`).
 Cumulative prompts: the `PromptBuilder` built with ``history_length=None``
 (`make_prompt_builder` does it when ``config.rollout.cumulative_prompts``).
 DAPO refill (`dapo_rollout`): roll out tasks, keep the task groups whose episode returns are not
@@ -43,24 +45,17 @@ from envs_bridge.pool import EnvPool
 from strata_jax.algos.batch import KIND_ACTION, KIND_STRATEGY, SampleBatch, make_sample_batch
 from strata_jax.algos.dapo_filter import keep_informative_groups
 from strata_jax.models import stop_token_ids
-from strata_jax.rollout.episodes import (ACTION_STOP, EpisodeSpec, Interval, LoopStats,
-                                         Trajectory, anchor_hash, content_ids,
-                                         decode_generation, dedupe_prefixes, prompt_pieces_for,
-                                         run_episodes)
+from strata_jax.rollout.episodes import (EpisodeSpec, Interval, LoopStats, Trajectory,
+                                         anchor_hash, content_ids, decode_generation,
+                                         dedupe_prefixes, prompt_pieces_for, run_episodes)
 from strata_jax.rollout.judge import judge_flags, parse_bad_steps
 from strata_jax.rollout.keys import PURPOSE_JUDGE, PURPOSE_STRATEGY, base_key_data, row_keys
 from strata_jax.rollout.policy import Policy
-from strata_jax.rollout.prompts import (HistoryEntry, PromptBuilder, PromptIds,
-                                        invalid_history_action)
+from strata_jax.rollout.prompts import (ACTION_STOP, JUDGE_STOP, STRATEGY_STOP, HistoryEntry,
+                                        PromptBuilder, PromptIds, invalid_history_action)
 from strata_jax.rollout.strategy import StrategyCheck, check_strategy, select_strategies
 from strata_jax.sampling import FINISH_LENGTH, Generation, SamplingParams
 from strata_jax.sampling.stops import StopText, build_stop_text
-
-# Each stage's generation ends with its closing tag, checked on device (`SamplingParams.stop_text`):
-# the action at the first </action> after </think> (the block the parser executes), the strategy
-# at the first </strategy>, the verdict at the first </bad_steps> (only the first block counts).
-STRATEGY_STOP = ("</strategy>",)
-JUDGE_STOP = ("</bad_steps>",)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,10 +14,11 @@ The decode loop then carries one int32 state per row and does one gather per ste
 ``state = table[state, token]``, and a row stops when ``state == accept``. Exact for every
 spelling, a few integer ops per row per step, no host sync, fixed shapes (no recompilation).
 
-Patterns are matched IN ORDER: ``("</think>", "</action>")`` accepts at the first ``</action>``
-that ends after a ``</think>``, i.e. at the end of the first action block after the closed think
-block, which is the parser's rule (`envs_bridge.parsing`): an action block written inside the
-think block does not stop generation. Matching is ASCII case-insensitive (``</ACTION>``
+Patterns are matched IN ORDER: ``("</think>", "<action>", "</action>")`` accepts at the first
+``</action>`` that follows an ``<action>`` that follows a ``</think>``, i.e. at the end of the
+first action block after the closed think block, which is the parser's rule
+(`envs_bridge.parsing`): an action block written inside the think block, or a stray
+``</action>`` before the block, does not stop generation. Matching is ASCII case-insensitive (``</ACTION>``
 counts), as the parser's tag matching is. Each pattern is tracked with Knuth-Morris-Pratt
 failure links, so overlapping partial matches (``<</action>``) are found. A special token (``<|im_end|>``
 etc.) or an id the tokenizer does not know spells no text: it resets the progress on the current
@@ -235,7 +236,7 @@ def build_stop_text(tokenizer: Any, patterns: Sequence[str]) -> StopText:
 
     Args:
       tokenizer: e.g. ``strata_jax.models.load_tokenizer(None)``.
-      patterns: strings matched in order, e.g. ``("</think>", "</action>")``.
+      patterns: strings matched in order, e.g. ``("</think>", "<action>", "</action>")``.
     Raises:
       ValueError: see `build_stop_text_from_bytes`.
     """
