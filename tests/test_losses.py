@@ -146,6 +146,9 @@ def test_dr_grpo_needs_a_norm_len_and_the_train_config_fills_it():
     assert TrainConfig.from_config(c).loss.norm_len == 300
     apply_variant(c, "loss.norm_len=1024")                          # the command-line spelling
     assert TrainConfig.from_config(c).loss.norm_len == 1024
+    c.loss.norm_len = -1
+    with pytest.raises(ValueError, match="norm_len must be an integer >= 0"):
+        TrainConfig.from_config(c)
 
 
 def test_observation_tokens_and_tokens_after_eos_carry_no_loss():

@@ -26,8 +26,10 @@ def _default_norm_len(c: Any, loss: Any) -> dict:
     max_strategy_tokens)`` (strategy rows are trained too). Without a rollout section nothing
     is filled (`LossConfig.validate` then asks for it when the mode needs it).
     """
-    if loss is not None and (loss.get("norm_len", 0) or 0) > 0:
-        return {}
+    if loss is not None:
+        cur = loss.get("norm_len", 0) if hasattr(loss, "get") else getattr(loss, "norm_len", 0)
+        if cur not in (0, None):
+            return {}  # set (a bad value is LossConfig.validate's to report)
     r = c.get("rollout", None)
     if r is None or "max_action_tokens" not in r:
         return {}
