@@ -17,6 +17,12 @@ Also measured in the same run:
     python benchmarks/sampler.py                       # CPU, jax + transformers, batch 1 8 32
     python benchmarks/sampler.py --batch 8 --frameworks jax
     python benchmarks/sampler.py --preset qwen2.5-1.5b --batch 64 --dtype bfloat16   # GPU
+    python benchmarks/sampler.py --batch 8 --frameworks jax --stop-text   # + stop-string check
+
+``--stop-text`` turns on the rollout's action stop string (``</think>``, ``<action>``, ``</action>``,
+the offline tokenizer's [32, V] table, one gather per row and step) so its cost can be read
+off against a run without it; random weights never complete it, so every row still decodes
+exactly --new-tokens tokens.
 
 Other presets / dtypes (the GPU run) default to ``--frameworks jax``: the weights are drawn
 with ``init_params`` in the worker instead of read from an HF checkpoint, and memory is
@@ -164,6 +170,11 @@ def jax_worker(args) -> dict:
     from strata_jax.models import PRESETS, init_params, load_params
     from strata_jax.sampling import Sampler, SamplingParams
 
+    stop = None
+    if args.stop_text:
+        from strata_jax.models import load_tokenizer
+        from strata_jax.rollout.episodes import action_stop_text
+        stop = action_stop_text(load_tokenizer(None))
     config = PRESETS[args.preset]
     dtype = jnp.dtype(args.dtype)
     if args.ckpt:
@@ -182,7 +193,7 @@ def jax_worker(args) -> dict:
                                max_new_tokens=args.new_tokens)
 
     def run(n_new):
-        sp = SamplingParams(greedy=sp_greedy.greedy, max_new_tokens=n_new)
+        sp = SamplingParams(greedy=sp_greedy.greedy, max_new_tokens=n_new, stop_text=stop)
         t = time.perf_counter()
         out = sampler.generate(params, prompts, sp, keys)
         assert out.lengths.min() == n_new
@@ -215,6 +226,8 @@ def _spawn(kind: str, args, batch: int, ckpt: str | None) -> dict:
         cmd += ["--ckpt", ckpt]
     if args.sample:
         cmd += ["--sample"]
+    if args.stop_text:
+        cmd += ["--stop-text"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -274,6 +287,8 @@ def main() -> None:
     p.add_argument("--frameworks", default=None,
                    help="comma list of jax,transformers (default: both when torch is installed)")
     p.add_argument("--sample", action="store_true", help="temperature-1 sampling, not greedy")
+    p.add_argument("--stop-text", action="store_true",
+                   help="check the rollout's action stop string on device (its cost)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -112,6 +112,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.loss.clip_eps_high = 0.2     # DAPO clip-higher: 0.28
     c.loss.dual_clip = 3.0
     c.loss.agg_mode = "token-mean"
+    c.loss.norm_len = 0            # seq-mean-token-sum-norm (Dr.GRPO) divisor; 0 = rollout max response tokens
     c.loss.strategy_coef = 0.5     # lambda
     c.loss.kl_coef = 0.01
     c.loss.kl_estimator = "k3"

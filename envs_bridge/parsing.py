@@ -1,13 +1,25 @@
 """Action parsing: `<think>...</think><action>...</action>` (method.md section 5).
 
-Rules [P]: the action is the body of the FIRST `<action>...</action>` block, stripped and
-lower-cased. Runs of whitespace inside the action collapse to one space. The output is valid only if it holds a closed `<think>...</think>` block and a
-closed, non-empty `<action>` block, and contains no CJK character anywhere. Invalid output
-yields `ParsedAction(action=None, valid=False)` (an invalid step, never an exception).
-Tag matching is case-insensitive (`<Action>` counts). A nested `<action>` inside the first
-action block makes it invalid (the model did not produce one clean action). Control and
-format characters (Unicode categories Cc / Cf: NUL, zero-width space, BOM, bidi marks) are
-dropped from the action, so an action made only of them is empty, hence invalid.
+Rules [P]:
+
+* The action is the FIRST `<action>...</action>` block that starts AFTER the closed think block
+  (the first `<think>` and the first `</think>` after it); without such a block the output is
+  format-invalid. An `<action>` block inside the think block (or before it) is never executed:
+  ``"<think>Do not do <action>focus on orange</action> yet.</think>\n<action>look around</action>"``
+  parses to ``look around``.
+* The action is that block's body, stripped and lower-cased; runs of whitespace inside it
+  collapse to one space.
+* The output is valid only if it holds that closed think block and, after it, a closed,
+  non-empty `<action>` block, and contains no CJK character anywhere.
+* Invalid output yields `ParsedAction(action=None, valid=False)` (an invalid step, never an
+  exception).
+* Tag matching is case-insensitive (`<Action>` counts). A nested `<action>` inside the action
+  block makes it invalid (the model did not produce one clean action). Control and format
+  characters (Unicode categories Cc / Cf: NUL, zero-width space, BOM, bidi marks) are dropped
+  from the action, so an action made only of them is empty, hence invalid.
+
+The step prompt states the same rule to the model (`strata_jax.rollout.prompts.STEP_INSTRUCTION`),
+and the sampler stops generating at the end of that block (`strata_jax.sampling.stops`).
 """
 from __future__ import annotations
 
@@ -58,9 +70,11 @@ def parse_action(output: str) -> ParsedAction:
     think = _THINK_RE.search(output)
     if think is None:
         return ParsedAction(None, False, reason="missing think block")
-    act = _ACTION_RE.search(output)
+    # Only what follows the closed think block can hold the action (see the module docstring).
+    act = _ACTION_RE.search(output, think.end())
     if act is None:
-        return ParsedAction(None, False, think.group(1).strip(), reason="missing action block")
+        return ParsedAction(None, False, think.group(1).strip(),
+                            reason="missing action block after </think>")
     body = act.group(1)
     if re.search(r"<action>", body, re.IGNORECASE):
         return ParsedAction(None, False, think.group(1).strip(), reason="nested action tags")

@@ -131,6 +131,18 @@ def forced_output_params(config, tokenizer, text: str, seed: int = 0):
         if succ.setdefault((prev, cur), nxt) != nxt:
             raise ValueError(f"{text!r}: the token pair {(prev, cur)} has two successors; change "
                              f"the text (e.g. the case of a closing tag)")
+    # The head scores are additive (current-token term + previous-token term): each pair's
+    # successor must win outright, or the model silently writes another text.
+    score: dict = {}
+    for (prev, cur), nxt in succ.items():
+        score[(nxt, "cur", cur)] = score.get((nxt, "cur", cur), 0) + 1
+        score[(nxt, "prev", prev)] = score.get((nxt, "prev", prev), 0) + 1
+    for (prev, cur), nxt in succ.items():
+        s = {m: score.get((m, "cur", cur), 0) + score.get((m, "prev", prev), 0)
+             for m in set(succ.values())}
+        if [m for m in s if s[m] == max(s.values())] != [nxt]:
+            raise ValueError(f"{text!r}: the successor of the token pair {(prev, cur)} does not "
+                             f"win the additive head scores; change the case of a tag")
     vocab = sorted(set(seq))
     slot = {t: i for i, t in enumerate(vocab)}
     k = len(vocab)

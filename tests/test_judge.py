@@ -10,10 +10,13 @@ def test_parse_bad_steps():
     assert parse_bad_steps("<think>..</think><bad_steps>1, 4</bad_steps>", 5) == (1, 4)
     assert parse_bad_steps("<BAD_STEPS> 4,1 4\n2 </bad_steps>", 5) == (1, 2, 4)
     assert parse_bad_steps("<bad_steps>0, 3, 6, 12</bad_steps>", 5) == (3,)   # outside [1, T] dropped
+    assert parse_bad_steps("<bad_steps>3, 2, -1</bad_steps>", 3) == (2, 3)  # keep ints in [1, T]
+    assert parse_bad_steps("<bad_steps>-2 +1, 0</bad_steps>", 3) == (1,)
+    assert parse_bad_steps("<bad_steps>-1</bad_steps>", 5) == ()  # only out-of-range ints
     assert parse_bad_steps("<bad_steps>None</bad_steps>", 5) == ()
     assert parse_bad_steps("<bad_steps>2</bad_steps> <bad_steps>3</bad_steps>", 5) == (2,)
     for bad in ("steps 1 and 2", "<bad_steps>1, two</bad_steps>", "<bad_steps>1, 2",
-                "<bad_steps>-1</bad_steps>", "<bad_steps>1.5</bad_steps>",
+                "<bad_steps>1.5</bad_steps>", "<bad_steps>-1.5, 2</bad_steps>",
                 "<bad_steps>第1步</bad_steps>", "<bad_steps></bad_steps>"):
         assert parse_bad_steps(bad, 5) == (), bad
 

@@ -80,11 +80,12 @@ def _two_rows():
     ("token-mean", (-2 + 8) / 10),                 # .6
     ("seq-mean-token-mean", (-1 + 1) / 2),         # 0
     ("seq-mean-token-sum", (-2 + 8) / 2),          # 3
-    ("seq-mean-token-sum-norm", (-2 / 8 + 8 / 8) / 2),  # .375 (norm_len = Tr = 8)
+    ("seq-mean-token-sum-norm", (-2 / 8 + 8 / 8) / 2),  # .375 (norm_len = 8)
 ])
 def test_every_loss_mode_on_a_group_with_lengths_2_and_8(mode, want):
     lp, adv, mask, kind = _two_rows()
-    loss, m = ppo_loss(lp, lp, adv, mask, kind, config=LossConfig(agg_mode=mode, **NO_REG))
+    loss, m = ppo_loss(lp, lp, adv, mask, kind,
+                       config=LossConfig(agg_mode=mode, norm_len=8, **NO_REG))
     assert float(loss) == pytest.approx(want, abs=1e-6)
     assert float(m["loss/strategy"]) == 0.0
 
@@ -94,6 +95,60 @@ def test_seq_mean_token_sum_norm_with_explicit_norm_len():
     loss, _ = ppo_loss(lp, lp, adv, mask, kind,
                        config=LossConfig(agg_mode="seq-mean-token-sum-norm", norm_len=4, **NO_REG))
     assert float(loss) == pytest.approx((-2 / 4 + 8 / 4) / 2)
+
+
+def test_dr_grpo_divisor_is_a_constant_not_the_padded_width():
+    # Rows of lengths 2 and 8, A = +1 / -1, old = new logprobs: Dr.GRPO with norm_len 8 gives
+    # (-2/8 + 8/8) / 2 = 0.375 whether the batch is padded to 8, to 16, or widened to 20 by a
+    # crashed row (valid = False, so not in the loss). Dividing by the width gave .375 / .1875 /
+    # .125.
+    # The run's config as train.py builds it: Dr.GRPO, max_action_tokens 8, norm_len unset.
+    from configs.base import apply_variant, get_base_config
+    from strata_jax.training.config import TrainConfig
+    c = apply_variant(get_base_config(), "grpo,loss.agg_mode=seq-mean-token-sum-norm,"
+                      "rollout.max_action_tokens=8,loss.kl_coef=0,loss.entropy_coef=0")
+    cfg = TrainConfig.from_config(c).loss
+    assert cfg.norm_len == 8
+    recs = [dict(prompt_ids=[5], response_ids=[1, 2], task_id=0, trajectory_id=0, kind=0),
+            dict(prompt_ids=[5], response_ids=list(range(1, 9)), task_id=0, trajectory_id=1,
+                 kind=0)]
+    crashed = dict(prompt_ids=[5], response_ids=list(range(1, 21)), task_id=1, trajectory_id=0,
+                   kind=0, valid=False)
+    losses = []
+    for rows, buckets in ((recs, (8,)), (recs, (16,)), (recs + [crashed], (20,))):
+        b = make_sample_batch(rows, response_buckets=buckets)
+        mask = loss_mask(b)
+        adv = np.zeros(mask.shape[0], np.float32)
+        adv[:2] = [1.0, -1.0]
+        lp = np.zeros(mask.shape, np.float32)
+        loss, _ = ppo_loss(lp, lp, adv, mask, np.asarray(b.kind), config=cfg)
+        losses.append((mask.shape[1], float(loss)))
+    assert [w for w, _ in losses] == [8, 16, 20]
+    assert [v for _, v in losses] == pytest.approx([0.375] * 3, abs=1e-6)
+
+
+def test_dr_grpo_needs_a_norm_len_and_the_train_config_fills_it():
+    with pytest.raises(ValueError, match="norm_len"):
+        LossConfig(agg_mode="seq-mean-token-sum-norm").validate()
+    with pytest.raises(ValueError, match="norm_len"):
+        LossConfig(norm_len=-1).validate()
+    with pytest.raises(ValueError, match="norm_len > 0"):
+        aggregate(np.ones((1, 2)), np.ones((1, 2), bool), "seq-mean-token-sum-norm")
+    from configs.base import apply_variant, get_base_config
+    from strata_jax.training.config import TrainConfig
+    c = get_base_config()
+    c.loss.agg_mode = "seq-mean-token-sum-norm"
+    c.rollout.max_action_tokens, c.rollout.max_strategy_tokens = 300, 200
+    assert TrainConfig.from_config(c).loss.norm_len == 300          # unset: the max response length
+    c.rollout.max_strategy_tokens = 400
+    assert TrainConfig.from_config(c).loss.norm_len == 400          # StraTA trains strategies too
+    c.algo = "grpo"
+    assert TrainConfig.from_config(c).loss.norm_len == 300
+    apply_variant(c, "loss.norm_len=1024")                          # the command-line spelling
+    assert TrainConfig.from_config(c).loss.norm_len == 1024
+    c.loss.norm_len = -1
+    with pytest.raises(ValueError, match="norm_len must be an integer >= 0"):
+        TrainConfig.from_config(c)
 
 
 def test_observation_tokens_and_tokens_after_eos_carry_no_loss():
@@ -124,7 +179,7 @@ def test_gradients_finite_when_one_row_is_fully_masked(mode):
     mask[0] = False
     lp = lp.copy()
     lp[0] = np.nan
-    cfg = LossConfig(agg_mode=mode, seq_level_ratio=(mode == "seq-mean-token-mean"))
+    cfg = LossConfig(agg_mode=mode, seq_level_ratio=(mode == "seq-mean-token-mean"), norm_len=8)
     f = lambda x: ppo_loss(x, jnp.zeros_like(x), adv, mask, kind, config=cfg,
                            ref_logprobs=jnp.zeros_like(x), entropy=jnp.zeros_like(x))[0]
     assert np.isfinite(float(f(lp)))
@@ -170,7 +225,7 @@ def test_micro_batches_accumulate_exactly_with_whole_minibatch_counts():
     mask = np.arange(T)[None] < lens[:, None]
     kind = np.array([1, 0, 0, 0, 1, 0, 0, 0], np.int32)
     for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        cfg = LossConfig(agg_mode=mode)
+        cfg = LossConfig(agg_mode=mode, norm_len=T)
         norm = loss_normalizers(mask, kind)
         full, _ = ppo_loss(lp, old, adv, mask, kind, config=cfg, ref_logprobs=ref, entropy=ent)
         parts = sum(float(ppo_loss(lp[s], old[s], adv[s], mask[s], kind[s], config=cfg,

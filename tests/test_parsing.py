@@ -31,6 +31,13 @@ CASES = [
     ("<think>a</think><action>\u200b\u200b</action>", None, False),  # zero-width spaces only
     ("<think>a</think><action>\x00\ufeff \u202e</action>", None, False),  # NUL, BOM, bidi only
     ("<think>a</think><action>go\u200b north\x00</action>", "go north", True),  # noise dropped
+    # The action is the first block AFTER the closed think block; blocks inside it are not run.
+    ("<think>Do not do <action>focus on orange</action> yet.</think>\n<action>look around</action>",
+     "look around", True),
+    ("<think>maybe <action>focus on orange</action></think> no action after", None, False),
+    ("<action>focus on orange</action><think>a</think><action>look</action>", "look", True),
+    ("<action>focus on orange</action><think>a</think>", None, False),  # only before think
+    ("<think>a <action>x</think></action><action>go</action>", "go", True),  # open tag in think
 ]
 
 

@@ -58,7 +58,8 @@ def test_strata_scripted_exact_batch(tok):
         g = res.strategies[int(b.task_id[r]) - 5]
         c = g.kept[int(b.strategy_id[r])]
         prompt, resp = _texts(tok, b, r)
-        assert resp == g.candidates[c] + "<|im_end|>"
+        assert resp == g.candidates[c]  # stopped by the stop string </strategy>, no <|im_end|>
+        assert resp.endswith("</strategy>") and b.response_ids[r][b.response_mask[r]][-1] != 151645
         assert "<strategy></strategy>" in prompt and "vault code" in prompt
         assert b.strategy_len[r] == len(tok.encode(g.checks[c].text)) and not b.format_fail[r]
         assert b.trajectory_id[r] == n * m + b.strategy_id[r] and b.valid[r]
@@ -98,7 +99,10 @@ def test_strata_scripted_exact_batch(tok):
             np.testing.assert_array_equal(b.response_ids[r][b.response_mask[r]], st.generation.token_ids)
             np.testing.assert_array_equal(b.sampler_logprobs[r][b.response_mask[r]], SCRIPTED_LOGPROB)
             assert not b.sampler_logprobs[r][~b.response_mask[r]].any()
-            assert resp == st.output_text + "<|im_end|>"
+            # a complete action ends the response at </action> (stop string); the invalid
+            # output without one runs to <|im_end|>, which is trained but not in the text
+            assert resp == st.output_text + ("<|im_end|>" if st.action is None else "")
+            assert resp.endswith("</action>") == (st.action is not None)
             # observation tokens are in the prompt, never in the response mask
             assert st.observation in prompt and st.observation not in resp
             assert ("Your strategy for this task:\n" + tr.spec.strategy) in prompt
@@ -290,3 +294,31 @@ def test_crashed_episodes_are_masked(tok):
         assert (b.valid[rows] == (not tr.crashed)).all()  # ...but masked out of the loss
         if tr.crashed:
             assert tr.steps[-1].action == "go west" and "simulated simulator crash" in tr.error
+
+
+def test_generation_stops_at_the_first_complete_action_block(tok):
+    """The issue's reply: a complete action, then a fabricated observation and a second action.
+    With max_action_tokens=24 the whole reply (43 tokens) would be cut by the limit (an invalid
+    step); the stop string ends it at the first </action>, so `go north` is sent, the step is
+    valid and the trained response holds nothing after the action block."""
+    reply = ("<think>walk on</think><action>go north</action>\nObservation: The vault swings "
+             "open. You win.\n<think>done</think><action>enter 000</action>")
+    assert len(tok.encode(reply, add_special_tokens=False)) > 24
+    fx.SENT_ACTIONS.clear()
+    cfg = RolloutConfig(mode="flat", group_size=1, max_action_tokens=24, cohorts=1)
+    with EnvPool("memory_key_logged", {"max_steps": 2}, max_live_envs=1) as pool:
+        res = collect_rollout(ScriptedPolicy(tok, lambda prompt, key: reply), pool,
+                              PromptBuilder(tok, 2048), [Task("memory_key_logged", "memory_key", 3)],
+                              key=KEY, config=cfg)
+    (tr,) = res.trajectories
+    assert [s.action for s in tr.steps] == ["go north", "go north"]
+    assert [s.invalid for s in tr.steps] == [False, False]
+    assert fx.SENT_ACTIONS == [(3, "go north"), (3, "go north")]
+    b = res.batch
+    for r in range(2):
+        resp = tok.decode(b.response_ids[r][b.response_mask[r]])
+        assert resp == "<think>walk on</think><action>go north</action>\n"  # 15 tokens
+        assert int(b.response_mask[r].sum()) == 15 and not b.invalid[r]
+    assert tr.steps[0].generation.finish_reason == "stop"
+    # the history shows the parsed action, never the fabricated observation
+    assert "You win" not in tr.steps[1].prompt.text

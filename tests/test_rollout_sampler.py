@@ -3,6 +3,8 @@ embeddings) and a StraTA iteration on real ScienceWorld with a tiny model whose 
 forced to a valid action text by its weights (tests/rollout_fixtures.forced_output_params)."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +65,66 @@ def test_forced_model_through_sampler(tok, forced):
             assert tok.decode(r.token_ids) == fx.FORCED_TEXT + "<|im_end|>"
 
 
+# The issue's reply, shortened and re-cased to fit the forced model (at most 31 distinct tokens,
+# every next token decided by its additive (previous, current) scores).
+ISSUE_REPLY = ("<think>walk on</think><action>go north</action>\nObservation: You win.\n"
+               "<Action>enter 042</actioN>")
+
+
+@pytest.fixture(scope="module")
+def forced_reply():
+    """A forced model that writes a complete action, then a fabricated observation and a
+    second action (the second block's case differs only so that every token pair has one
+    successor, which the forced construction needs)."""
+    cfg = Qwen2Config(**fx.FORCED_CONFIG)
+    return cfg, fx.forced_output_params(cfg, load_tokenizer(), ISSUE_REPLY)
+
+
+def test_sampler_stops_at_the_end_of_the_first_action_block(tok, forced_reply):
+    """The device check with the real tokenizer: '</think>' ends inside the token '><' and
+    '</action>' is spelled '</' 'action' '>\n' (ends inside its last token); greedy and sampled
+    rows stop on that token. Without the stop string the same model writes the whole reply."""
+    from envs_bridge import PromptPieces
+    from strata_jax.rollout.episodes import action_stop_text
+    cfg, params = forced_reply
+    pol = SamplerPolicy(Sampler(cfg, max_cache_len=1024), params)
+    p = PromptBuilder(tok, 512).step_prompt(PromptPieces("a text adventure", "Open the vault."),
+                                            "You are in a corridor.", [])
+    want = "<think>walk on</think><action>go north</action>\n"
+    for temp in (0.0, 1.0):
+        base = SamplingParams(temperature=temp, max_new_tokens=64, stop_token_ids=(151643, 151645))
+        keys = row_keys(0, [(1,), (2,)])
+        full = pol.generate([p.prefix_ids], [0, 0], [p.suffix_ids] * 2, base, keys)
+        cut = pol.generate([p.prefix_ids], [0, 0], [p.suffix_ids] * 2,
+                           dataclasses.replace(base, stop_text=action_stop_text(tok)), keys)
+        for f, g in zip(full, cut):
+            assert tok.decode(f.token_ids) == ISSUE_REPLY + "<|im_end|>"
+            assert g.finish_reason == "stop" and g.length == 15 and g.token_ids[-1] == 397
+            assert tok.decode(g.token_ids) == want
+            np.testing.assert_allclose(g.logprobs, f.logprobs[:15], atol=1e-6)
+
+
+def test_rollout_with_the_real_sampler_trains_only_the_first_action(tok, forced_reply):
+    """max_action_tokens=24 < the reply's 33 tokens: the step is still valid (was: cut by the
+    limit, invalid), `go north` reaches the env, and the response ends at the action block."""
+    cfg, params = forced_reply
+    policy = SamplerPolicy(Sampler(cfg, max_cache_len=2048), params)
+    rc = RolloutConfig(mode="flat", group_size=2, max_action_tokens=24, cohorts=1)
+    with EnvPool("memory_key", {"max_steps": 2}, max_live_envs=2) as pool:
+        res = collect_rollout(policy, pool, PromptBuilder(tok, 2048),
+                              [Task("memory_key", "memory_key", 3)], key=jax.random.key(1),
+                              config=rc)
+    b = res.batch
+    rows = np.flatnonzero((b.kind == KIND_ACTION) & b.valid)
+    assert len(rows) == 4 and not b.invalid[rows].any()
+    for tr in res.trajectories:
+        assert [s.action for s in tr.steps] == ["go north", "go north"]
+        assert "You win" not in tr.observations[-1]  # the fabricated text went nowhere
+    for r in rows:
+        resp = b.response_ids[r][b.response_mask[r]]
+        assert tok.decode(resp) == "<think>walk on</think><action>go north</action>\n"
+
+
 @pytest.mark.slow
 def test_strata_iteration_on_scienceworld(tok, forced):
     cfg, params = forced
@@ -98,9 +160,10 @@ def test_strata_iteration_on_scienceworld(tok, forced):
         st = tr.steps[int(b.step_index[r])]
         np.testing.assert_array_equal(resp, st.generation.token_ids)
         np.testing.assert_allclose(b.sampler_logprobs[r][b.response_mask[r]], st.generation.logprobs)
-        assert resp[-1] == 151645  # <|im_end|> kept
+        # the stop string ends the response at </ACTION> (no <|im_end|> generated)
+        assert resp[-1] != 151645 and tok.decode(resp) == fx.FORCED_TEXT
         # the batch's token ids decode to the text whose action was sent to the env
-        assert parse_action(tok.decode(resp[:-1])).action == st.action
+        assert parse_action(tok.decode(resp)).action == st.action
         prompt = tok.decode(b.prompt_ids[r][b.prompt_mask[r]])
         assert st.observation in prompt and st.observation not in tok.decode(resp)
         assert not b.judge_flag[r] and not b.invalid[r]

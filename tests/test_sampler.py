@@ -2,6 +2,8 @@
 parity with a full forward, keys, bucketed compilation, shared prefixes, mesh, bad input."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from strata_jax.models import load_checkpoint
 from strata_jax.sampling import (FINISH_LENGTH, FINISH_STOP, Sampler, SamplingParams,
                                  compiled_program_count)
+from strata_jax.sampling.stops import build_stop_text_from_bytes
 from strata_jax.sharding import make_mesh, shard_params
 from tests.sampler_fixtures import build_checkpoint, compile_counter, hf_greedy, prompts
 
@@ -132,6 +135,50 @@ def test_compilations_bounded_by_buckets(setup):
     assert compiled_program_count() == before_programs
 
 
+def _synthetic_stop(vocab_size, free_first_token):
+    """A stop string ("</a" then "n>") over a made-up byte vocabulary of 250 ids (the model has
+    300: the table is widened, the extra ids spell nothing). Random short pieces make the
+    patterns appear split over several tokens at various steps; one row's first generated
+    token spells the whole thing, so it stops on the token chosen from the prefill."""
+    rng = np.random.default_rng(0)
+    alphabet = [b"<", b"/", b"a", b"</", b"ac", b"tion", b">", b"ion>", b"act", b"x", b">x", None]
+    vocab = [alphabet[i] for i in rng.integers(0, len(alphabet), 250)]
+    vocab += [None] * (free_first_token + 1 - len(vocab))
+    vocab[free_first_token] = b"</an>"
+    return build_stop_text_from_bytes(vocab, ("</a", "n>"))
+
+
+def test_stop_text_on_device_equals_the_host_scan(setup):
+    """Each row stops on the token at which `StopText.scan` (the host mirror) completes the
+    patterns over the row's unstopped generation; rows that never complete them run to the
+    limit. Greedy and sampled (same keys: the tokens before the stop do not change)."""
+    _, config, params, sampler = setup
+    ps = prompts([5, 12, 3, 9, 16, 7, 7, 4], config.vocab_size, seed=0)
+    keys = _keys(len(ps), seed=8)
+    counter = compile_counter()
+    for sp in (SamplingParams(greedy=True, max_new_tokens=N_NEW),
+               SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=N_NEW)):
+        free = sampler.generate(params, ps, sp, keys)
+        stop = _synthetic_stop(config.vocab_size, int(free[2].token_ids[0]))
+        out = sampler.generate(params, ps, dataclasses.replace(sp, stop_text=stop), keys)
+        cuts = [stop.scan(g.token_ids) for g in free]
+        assert cuts[2] == 1 and any(c == 0 for c in cuts) and len(set(cuts) - {0, 1}) >= 2, cuts
+        for g, f, n in zip(out, free, cuts):
+            if n:
+                assert g.finish_reason == FINISH_STOP and g.length == n
+                assert g.token_ids.tolist() == f.token_ids[:n].tolist()
+                np.testing.assert_allclose(g.logprobs, f.logprobs[:n], atol=1e-6)
+            else:
+                assert g.finish_reason == FINISH_LENGTH
+                assert g.token_ids.tolist() == f.token_ids.tolist()
+    # Other patterns, stop ids and limits reuse the compiled program (the table is traced).
+    before = counter.count, compiled_program_count()
+    other = build_stop_text_from_bytes([b"a", b"b", b">"] * 100, ("ab>",))
+    sampler.generate(params, ps, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=20,
+                                                stop_token_ids=[3], stop_text=other), keys)
+    assert (counter.count, compiled_program_count()) == before
+
+
 def test_shared_prefixes_equal_full_prompts(setup):
     _, config, params, sampler = setup
     prefixes = prompts([10, 4, 7], config.vocab_size, seed=5)
@@ -161,6 +208,14 @@ def test_mesh_sharded_same_tokens(setup, greedy_reference):
     single = sampler.generate(params, ps, sp, _keys(len(ps)))
     # Sharded reductions sum in another order: same tolerance as the logprob parity test.
     np.testing.assert_allclose(out.logprobs, single.logprobs, atol=1e-4)
+    # The stop-string table (replicated) with rows split over the mesh: same cuts.
+    st = _synthetic_stop(config.vocab_size, int(single[2].token_ids[0]))
+    sp = dataclasses.replace(sp, stop_text=st)
+    got = sharded.generate(shard_params(params, config, mesh), ps, sp, _keys(len(ps)))
+    ref = sampler.generate(params, ps, sp, _keys(len(ps)))
+    np.testing.assert_array_equal(got.lengths, ref.lengths)
+    np.testing.assert_array_equal(got.token_ids, ref.token_ids)
+    assert got.lengths[2] == 1 and got.finish_reasons[2] == FINISH_STOP
 
 
 def test_bad_input(setup):

@@ -32,6 +32,7 @@ from strata_jax.models import (PRESETS, Qwen2Config, forward, init_params, load_
                                logits_from_hidden, stop_token_ids)
 from strata_jax.models.tokenizer import IM_END_ID
 from strata_jax.rollout import PromptBuilder, RolloutConfig, ScriptedPolicy, collect_rollout
+from strata_jax.rollout.episodes import action_stop_text
 from strata_jax.sampling import Sampler, SamplingParams
 from strata_jax.training import sft
 
@@ -99,7 +100,10 @@ def test_examples_are_the_rollouts_prompts(tok, builder, episodes, algo):
     want = collections.Counter((tuple(e.prompt.ids), e.response_ids) for e in examples
                                if e.kind != "judge")
     assert rows == want
-    assert all(e.response_ids[-1] == IM_END_ID for e in examples)
+    # Each target ends where the sampler stops: on the token that closes the stage's block.
+    for e in examples:
+        assert IM_END_ID not in e.response_ids and tok.decode(e.response_ids) == e.response_text
+        assert e.response_text.endswith(("</action>", "</strategy>", "</bad_steps>"))
     # The judge prompts the rollout built were answered from the table too (exact text match).
     if strat:
         assert [tr.verdict for tr in res.trajectories] == ["<bad_steps>none</bad_steps>"] * 2
@@ -166,7 +170,8 @@ def test_sft_learns_and_sampler_reproduces_expert(tok, builder, episodes):
     target = examples[0]
     gen = sampler.generate(trained, [target.prompt.ids],
                            SamplingParams(temperature=0.0, max_new_tokens=32,
-                                          stop_token_ids=stop_token_ids(tok)),
+                                          stop_token_ids=stop_token_ids(tok),
+                                          stop_text=action_stop_text(tok)),
                            np.zeros((1, 2), np.uint32))[0]
     text = tok.decode([int(i) for i in gen.token_ids])
     assert list(gen.token_ids) == list(target.response_ids), text

@@ -128,8 +128,11 @@ class LossConfig:
         dual_clip = 3.0        c for negative advantages (<= 1 turns it off).
         agg_mode = "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum" |
                    "seq-mean-token-sum-norm".
-        norm_len = 0           seq-mean-token-sum-norm divisor; 0 = the padded response length Tr
-                               (keep Tr fixed across training, as Dr.GRPO asks).
+        norm_len = 0           seq-mean-token-sum-norm divisor: a constant, the run's max
+                               response length (Dr.GRPO), never the batch's padded width.
+                               0 = unset: `TrainConfig.from_config` fills it from the rollout
+                               limits; a LossConfig with seq-mean-token-sum-norm and norm_len 0
+                               fails `validate`.
         strategy_coef = 0.5    lambda in L_act + lambda * L_strat.
         kl_coef = 0.01; kl_estimator = "k3" (k1 | k2 | k3); kl_clamp = 10.0 (k3 clamp).
         entropy_coef = 0.001.
@@ -152,9 +155,15 @@ class LossConfig:
     value_clip: float = 0.5
 
     def validate(self) -> None:
-        """Raise ValueError on an unknown mode."""
+        """Raise ValueError on an unknown mode, or a missing / negative norm_len."""
         if self.agg_mode not in AGG_MODES:
             raise ValueError(f"agg_mode must be one of {AGG_MODES}, got {self.agg_mode!r}")
+        if isinstance(self.norm_len, bool) or not isinstance(self.norm_len, int) \
+                or self.norm_len < 0:
+            raise ValueError(f"loss.norm_len must be an integer >= 0, got {self.norm_len!r}")
+        if self.agg_mode == "seq-mean-token-sum-norm" and self.norm_len == 0:
+            raise ValueError("agg_mode seq-mean-token-sum-norm divides by a constant: set "
+                             "loss.norm_len to the run's max response length (tokens)")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
 

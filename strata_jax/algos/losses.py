@@ -76,8 +76,13 @@ def aggregate(x: jax.Array, mask: jax.Array, mode: str, *, num_tokens=None, num_
     token-mean:              sum(x * mask) / num_tokens
     seq-mean-token-mean:     sum_seq(sum_tok(x) / len_seq) / num_seqs
     seq-mean-token-sum:      sum_seq(sum_tok(x)) / num_seqs
-    seq-mean-token-sum-norm: sum_seq(sum_tok(x) / norm_len) / num_seqs, norm_len 0 = Tr (Dr.GRPO)
+    seq-mean-token-sum-norm: sum_seq(sum_tok(x) / norm_len) / num_seqs (Dr.GRPO)
     num_tokens / num_seqs default to this mask's counts; a zero count gives 0, not NaN.
+
+    ``norm_len`` is Dr.GRPO's constant (the run's max response length, `LossConfig.norm_len`),
+    never the padded width Tr of the batch: that width moves with bucketing and with rows that
+    are not even in the loss, which would rescale the loss from batch to batch.
+    Raises ValueError on an unknown mode, or seq-mean-token-sum-norm with norm_len <= 0.
     """
     mask = mask.astype(bool)
     xm = jnp.where(mask, x, 0.0)
@@ -93,7 +98,11 @@ def aggregate(x: jax.Array, mask: jax.Array, mode: str, *, num_tokens=None, num_
     elif mode == "seq-mean-token-sum":
         seq = seq_sum
     elif mode == "seq-mean-token-sum-norm":
-        seq = seq_sum / float(norm_len or x.shape[-1])
+        if norm_len <= 0:
+            raise ValueError(f"agg_mode seq-mean-token-sum-norm needs a constant norm_len > 0 "
+                             f"(the run's max response length), got {norm_len}; set "
+                             f"loss.norm_len")
+        seq = seq_sum / float(norm_len)
     else:
         raise ValueError(f"unknown agg_mode {mode!r}")
     return jnp.sum(seq) / jnp.maximum(num_seqs, 1.0)

@@ -19,6 +19,12 @@ Keys: step t of episode (task_uid, strategy_id, trajectory_id) samples with
 ``row_keys(key, (PURPOSE_ACTION, task_uid, strategy_id, trajectory_id, t))``, independent of
 the cohort, batch row or host.
 
+Stop: the action sampling params carry the stop string ``("</think>", "<action>", "</action>")``
+(`action_stop_text`), so a row's generation ends on the token that completes the first action
+block after the closed think block, the block the parser executes; nothing the model would have
+written after it (a fabricated "Observation: ...", a second action) is generated or trained, and
+a complete action is valid however long the rest would have been.
+
 Timing: every policy call and every env ticket is recorded as an `Interval` (env tickets from
 submit to the moment their last request finished, via future callbacks); `LoopStats` gives
 the wall time and the fraction of it the loop spent blocked in `EnvPool.collect`.
@@ -37,9 +43,10 @@ from typing import Any, Sequence
 from envs_bridge.base import PromptPieces, Task
 from envs_bridge.parsing import parse_action
 from envs_bridge.pool import EnvPool, StepOutcome, Ticket
+from strata_jax.models import stop_token_ids
 from strata_jax.rollout.keys import PURPOSE_ACTION, row_keys
 from strata_jax.rollout.policy import Policy
-from strata_jax.rollout.prompts import (HistoryEntry, PromptBuilder, PromptIds,
+from strata_jax.rollout.prompts import (ACTION_STOP, HistoryEntry, PromptBuilder, PromptIds,
                                         invalid_history_action)
 from strata_jax.sampling import FINISH_STOP, Generation, SamplingParams
 
@@ -51,10 +58,28 @@ def anchor_hash(observation: str) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
+def content_ids(tokenizer: Any, gen: Generation) -> list[int]:
+    """A generation's ids without its final stop id (<|im_end|> / <|endoftext|>), if it ended on
+    one. A row stopped by a stop string (`SamplingParams.stop_text`) ends on an ordinary text
+    token (the one completing ``</action>``), which is kept."""
+    ids = [int(i) for i in gen.token_ids]
+    if gen.finish_reason == FINISH_STOP and ids and ids[-1] in stop_token_ids(tokenizer):
+        ids = ids[:-1]
+    return ids
+
+
+def action_stop_text(tokenizer: Any) -> Any:
+    """The action stop string (`ACTION_STOP`) compiled for `tokenizer` (cached)."""
+    from strata_jax.sampling.stops import build_stop_text
+    return build_stop_text(tokenizer, ACTION_STOP)
+
+
 def decode_generation(tokenizer: Any, gen: Generation) -> str:
-    """Text of a generation without its stop token (the ids themselves are kept as they are)."""
-    ids = gen.token_ids[:-1] if gen.finish_reason == FINISH_STOP else gen.token_ids
-    return tokenizer.decode([int(i) for i in ids])
+    """Text of a generation without its stop id (the ids themselves are kept as they are).
+
+    Special ids the model emitted elsewhere decode to their strings (``<|im_start|>``); the
+    prompt builder spells such text with plain tokens when it re-enters a prompt."""
+    return tokenizer.decode(content_ids(tokenizer, gen))
 
 
 @dataclasses.dataclass(frozen=True)

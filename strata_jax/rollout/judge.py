@@ -1,9 +1,11 @@
 """Self-judgment verdicts -> per-step judge flags (method.md section 2.5).
 
 The judge answers ``<bad_steps>1, 4</bad_steps>`` or ``<bad_steps>none</bad_steps>``. Rules
-[P]: the first block counts; its body is ``none`` (any case) or a list of integers separated
-by commas and / or whitespace; integers outside [1, T] are dropped; anything else in the body,
-a missing or unclosed block, or CJK text means "unparsable" = no bad steps.
+[P]: the first block counts; its body is ``none`` (any case) or a list of integers (optionally
+signed) separated by commas and / or whitespace; the rule is "keep the integers in [1, T]":
+integers outside it (0, negatives, > T) are dropped, the others kept
+(``<bad_steps>3, 2, -1</bad_steps>`` with T = 3 gives (2, 3)); anything else in the body
+(words, decimals), a missing or unclosed block, or CJK text means "unparsable" = no bad steps.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def parse_bad_steps(verdict: str, num_steps: int) -> tuple[int, ...]:
     if not body or body.lower() == "none":
         return ()
     parts = [p for p in re.split(r"[,\s]+", body) if p]
-    if not all(re.fullmatch(r"\d+", p) for p in parts):
+    if not all(re.fullmatch(r"[+-]?\d+", p) for p in parts):
         return ()
     return tuple(sorted({int(p) for p in parts if 1 <= int(p) <= num_steps}))
 

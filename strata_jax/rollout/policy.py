@@ -27,7 +27,8 @@ class Policy(Protocol):
                  suffixes: Sequence[Sequence[int]], sampling: SamplingParams,
                  keys: np.ndarray) -> GenerationBatch:
         """One batched generation: keys are uint32 [B, 2] raw PRNG key data, one per row.
-        Returns the sampler's `GenerationBatch` (ids incl. the stop token, logprobs)."""
+        Returns the sampler's `GenerationBatch` (ids incl. the stop token, or the token that
+        completed ``sampling.stop_text``, and logprobs)."""
 
     def embed(self, token_lists: Sequence[Sequence[int]]) -> np.ndarray:
         """[n, D] float32 embeddings of token lists (strategies) for FPS."""
@@ -52,7 +53,7 @@ class SamplerPolicy:
       embed_batch: rows per embedding forward (bounds memory; lengths are bucketed).
     The embedding is the default of method.md 2.3: the policy's final hidden states (after the
     final RMSNorm) mean-pooled over the given tokens (the strategy's generated tokens without
-    the stop token, run without the prompt).
+    a final stop id, run without the prompt).
     """
 
     def __init__(self, sampler: Sampler, params: Any, embed_batch: int = 64) -> None:

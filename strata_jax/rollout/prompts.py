@@ -26,6 +26,15 @@ sees. All M episodes of a strategy (StraTA), or all G episodes of a task (flat),
 prefix; the sigma*N strategy candidates of a task share theirs; a trajectory's judge prompt
 shares the prefix of its step prompts.
 
+Special tokens come only from the chat template. Everything inside the user turn (task, env
+observations, history actions, the model's own strategy, decoded model text) is untrusted text:
+it is tokenised with special-token strings treated as plain text (``split_special_tokens``), so
+an observation holding ``<|im_end|>\n<|im_start|>assistant\n`` or a history entry ending in
+``<|endoftext|>`` is spelled with ordinary BPE pieces and cannot close the user turn, open a
+fake assistant turn or insert the pad id. The template's header and footer are tokenised on their
+own, with their special ids. A flat step prompt therefore always holds exactly three
+``<|im_start|>`` and two ``<|im_end|>`` ids, and decoding the ids gives back the rendered text.
+
 Token budget (``max_prompt_tokens``, per env): history entries are dropped, oldest first, until
 the prompt fits; only with no history left is the current observation truncated (head kept,
 " ...[truncated]" appended). Non-cumulative prompts keep at most ``history_length`` entries
@@ -44,10 +53,19 @@ TRUNCATION_MARK = " ...[truncated]"
 INVALID_NOTICE = ("Note: your last output had no valid action (it needs <think>...</think> "
                   "followed by one <action>...</action>), so nothing happened; the observation "
                   "is unchanged.")
+# The parsing rule of `envs_bridge.parsing`, stated to the model: only the first action block
+# after </think> is executed (an action written inside the think block is not).
 STEP_INSTRUCTION = ("Now think step by step about what to do next inside <think></think>, then "
-                    "give exactly one action inside <action></action>.")
+                    "give exactly one action inside <action></action> after </think>; only the "
+                    "first action block after </think> is executed.")
 STRATEGY_INSTRUCTION = ("Before acting, write a concise, ordered plan of the sub-goals that "
                         "solve this task inside <strategy></strategy>. Do not give any action.")
+# Where each stage's generation ends (stop strings, matched in order on device by the sampler:
+# `strata_jax.sampling.stops`): the end of the first action block after </think> (the block
+# the parser executes), the first </strategy>, the first </bad_steps> (only the first counts).
+ACTION_STOP = ("</think>", "<action>", "</action>")
+STRATEGY_STOP = ("</strategy>",)
+JUDGE_STOP = ("</bad_steps>",)
 JUDGE_INSTRUCTION = (
     "For each step, ask two questions: does the action follow the strategy, and does it advance "
     "the task? List the numbers of the steps that do neither inside <bad_steps></bad_steps>, "
@@ -122,7 +140,8 @@ class PromptBuilder:
         (cumulative prompts, STAPO).
       judge_obs_chars: each observation in the judge prompt is cut to this many characters.
     Raises:
-      ValueError: a tokenizer whose chat template does not place the content in one user turn.
+      ValueError: a tokenizer whose chat template does not place the content in one user turn,
+        or that cannot tokenise special-token strings as plain text (``split_special_tokens``).
     """
 
     def __init__(self, tokenizer: Any, max_prompt_tokens: int = 4096,
@@ -140,13 +159,24 @@ class PromptBuilder:
         if rendered.count(_MARK) != 1:
             raise ValueError("the tokenizer's chat template must render the user content once")
         self.chat_header, self.chat_footer = rendered.split(_MARK)
+        # The only special ids a prompt holds: the template's, tokenised with specials parsed.
+        self._header_ids = tuple(tokenizer.encode(self.chat_header, add_special_tokens=False))
+        self._footer_ids = tuple(tokenizer.encode(self.chat_footer, add_special_tokens=False))
+        special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        probe = "".join(getattr(tokenizer, "all_special_tokens", ()) or ())
+        if probe and special & set(self.encode(probe)):
+            raise ValueError("this tokenizer maps special-token strings in plain text to special "
+                             "ids even with split_special_tokens=True; use a transformers fast "
+                             "tokenizer (transformers >= 4.40)")
         self._prefix_cache: dict[str, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ tokenising
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (special-token strings such as <|im_start|> map to their ids)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Token ids of untrusted content `text`: special-token strings such as <|im_start|>
+        are spelled as plain text (ordinary BPE ids), never mapped to their special ids."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False,
+                                          split_special_tokens=True))
 
     def count_tokens(self, text: str) -> int:
         """Token count of `text`."""
@@ -155,7 +185,7 @@ class PromptBuilder:
     def _prefix_ids(self, text: str) -> tuple[int, ...]:
         ids = self._prefix_cache.get(text)
         if ids is None:
-            ids = tuple(self.encode(self.chat_header + text))
+            ids = self._header_ids + tuple(self.encode(text))
             if len(self._prefix_cache) > 4096:
                 self._prefix_cache.clear()
             self._prefix_cache[text] = ids
@@ -164,9 +194,8 @@ class PromptBuilder:
     def _make(self, prefix: str, suffix: str, **kw: Any) -> PromptIds:
         if not prefix.endswith("\n") or not suffix[:1].isalpha():
             raise AssertionError("prefix must end with a newline and suffix start with a letter")
-        body = suffix + self.chat_footer
-        return PromptIds(self._prefix_ids(prefix), tuple(self.encode(body)),
-                         self.chat_header + prefix, body, **kw)
+        return PromptIds(self._prefix_ids(prefix), tuple(self.encode(suffix)) + self._footer_ids,
+                         self.chat_header + prefix, suffix + self.chat_footer, **kw)
 
     # ------------------------------------------------------------------ text pieces
 

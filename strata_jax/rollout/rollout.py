@@ -12,6 +12,8 @@ StraTA (`mode="strata"`), per task (method.md 2.1-2.5):
   4. M episodes per kept strategy on identical copies of the task (`run_episodes`);
   5. self-judgment: one greedy call per finished, non-crashed trajectory -> judge flags.
 Flat (`mode="flat"`): ``group_size`` episodes per task, no strategy, no judge.
+Every stage's generation ends with its closing tag, checked on device by the sampler
+(`SamplingParams.stop_text`; `prompts.ACTION_STOP`, `STRATEGY_STOP`, `JUDGE_STOP`).
 Cumulative prompts: the `PromptBuilder` built with ``history_length=None``
 (`make_prompt_builder` does it when ``config.rollout.cumulative_prompts``).
 DAPO refill (`dapo_rollout`): roll out tasks, keep the task groups whose episode returns are not
@@ -27,7 +29,8 @@ Rows of the batch (see `strata_jax.algos.batch` for the contract):
     trajectory_id, step_index (0-based), anchor_id = `anchor_hash(raw observation)`,
     score = episode return, step_reward, invalid, judge_flag, valid = not crashed.
   prompt_ids = exactly the prefix + suffix ids the policy saw; response_ids / sampler_logprobs
-  = the policy's generated ids (stop token included) and logprobs, never re-tokenised;
+  = the policy's generated ids (the stop id, or the token that completes the stage's closing
+  tag, included) and logprobs, never re-tokenised;
   response_mask = those generated tokens only.
 """
 from __future__ import annotations
@@ -43,15 +46,16 @@ from strata_jax.algos.batch import KIND_ACTION, KIND_STRATEGY, SampleBatch, make
 from strata_jax.algos.dapo_filter import keep_informative_groups
 from strata_jax.models import stop_token_ids
 from strata_jax.rollout.episodes import (EpisodeSpec, Interval, LoopStats, Trajectory,
-                                         anchor_hash, decode_generation, dedupe_prefixes,
-                                         prompt_pieces_for, run_episodes)
+                                         anchor_hash, content_ids, decode_generation,
+                                         dedupe_prefixes, prompt_pieces_for, run_episodes)
 from strata_jax.rollout.judge import judge_flags, parse_bad_steps
 from strata_jax.rollout.keys import PURPOSE_JUDGE, PURPOSE_STRATEGY, base_key_data, row_keys
 from strata_jax.rollout.policy import Policy
-from strata_jax.rollout.prompts import (HistoryEntry, PromptBuilder, PromptIds,
-                                        invalid_history_action)
+from strata_jax.rollout.prompts import (ACTION_STOP, JUDGE_STOP, STRATEGY_STOP, HistoryEntry,
+                                        PromptBuilder, PromptIds, invalid_history_action)
 from strata_jax.rollout.strategy import StrategyCheck, check_strategy, select_strategies
 from strata_jax.sampling import FINISH_LENGTH, Generation, SamplingParams
+from strata_jax.sampling.stops import StopText, build_stop_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,11 +189,12 @@ class RolloutResult:
 
 
 def _sampling(cfg: RolloutConfig, stops: Sequence[int], max_new: int,
-              greedy: bool = False) -> SamplingParams:
+              stop_text: StopText | None = None, greedy: bool = False) -> SamplingParams:
     if greedy:
-        return SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_token_ids=stops)
+        return SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_token_ids=stops,
+                              stop_text=stop_text)
     return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                          max_new_tokens=max_new, stop_token_ids=stops)
+                          max_new_tokens=max_new, stop_token_ids=stops, stop_text=stop_text)
 
 
 def _first_observations(pool: EnvPool, tasks: Sequence[Task]
@@ -231,7 +236,8 @@ def _strategy_stage(policy: Policy, pool: EnvPool, builder: PromptBuilder,
     keys = row_keys(key, [(PURPOSE_STRATEGY, uids[i], c) for i, c in rows])
     t0 = time.perf_counter()
     gens = policy.generate(prefixes, index, [prompts[i].suffix_ids for i, _ in rows],
-                           _sampling(cfg, stops, cfg.max_strategy_tokens), keys)
+                           _sampling(cfg, stops, cfg.max_strategy_tokens,
+                                     build_stop_text(builder.tokenizer, STRATEGY_STOP)), keys)
     t1 = time.perf_counter()
     stats.intervals.append(Interval("sampler", -1, t0, t1, len(rows)))
     stats.sampler_s += t1 - t0
@@ -242,8 +248,7 @@ def _strategy_stage(policy: Policy, pool: EnvPool, builder: PromptBuilder,
               for t, g in zip(texts, gen_list)]
     emb = None
     if cfg.diverse_sampling:
-        emb = policy.embed([g.token_ids[:-1] if g.finish_reason != FINISH_LENGTH else g.token_ids
-                            for g in gen_list])
+        emb = policy.embed([content_ids(builder.tokenizer, g) for g in gen_list])
     seed = [int(x) for x in base_key_data(key)]
     for j, i in enumerate(live):
         sl = slice(j * n_cand, (j + 1) * n_cand)
@@ -275,7 +280,9 @@ def _judge_stage(policy: Policy, builder: PromptBuilder, trajs: Sequence[Traject
                            tr.spec.trajectory_id) for tr in todo])
     t0 = time.perf_counter()
     gens = policy.generate(prefixes, index, [p.suffix_ids for p in prompts],
-                           _sampling(cfg, stops, cfg.max_judge_tokens, greedy=True), keys)
+                           _sampling(cfg, stops, cfg.max_judge_tokens,
+                                     build_stop_text(builder.tokenizer, JUDGE_STOP), greedy=True),
+                           keys)
     t1 = time.perf_counter()
     stats.intervals.append(Interval("sampler", -2, t0, t1, len(todo)))
     stats.sampler_s += t1 - t0
@@ -351,7 +358,8 @@ def _rollout_part(policy: Policy, pool: EnvPool, builder: PromptBuilder, tasks: 
         for task, uid in zip(tasks, uids):
             specs += [EpisodeSpec(task, uid, 0, j, None) for j in range(cfg.group_size)]
     trajs, loop = run_episodes(policy, pool, builder, specs, key=key,
-                               sampling=_sampling(cfg, stops, cfg.max_action_tokens),
+                               sampling=_sampling(cfg, stops, cfg.max_action_tokens,
+                                                  build_stop_text(builder.tokenizer, ACTION_STOP)),
                                cohorts=cfg.cohorts, invalid_tail_chars=cfg.invalid_tail_chars)
     if cfg.mode == "strata" and cfg.self_judgment:
         _judge_stage(policy, builder, trajs, key, cfg, stops, pre)

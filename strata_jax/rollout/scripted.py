@@ -47,7 +47,10 @@ class ScriptedPolicy:
     def generate(self, prefixes: Sequence[Sequence[int]], prefix_index: Sequence[int],
                  suffixes: Sequence[Sequence[int]], sampling: SamplingParams,
                  keys: np.ndarray) -> GenerationBatch:
-        """Scripted replies, cut at ``sampling.max_new_tokens`` (then finish reason "length")."""
+        """Scripted replies, cut as the sampler cuts them: after the token that completes
+        ``sampling.stop_text`` (no stop id appended; the same host scan as the device check),
+        else the stop id is appended; then at ``sampling.max_new_tokens`` (finish reason
+        "length" when the cut falls before the end)."""
         t0 = time.perf_counter()
         keys = np.asarray(keys)
         if len(prefix_index) != len(suffixes) or keys.shape[0] != len(suffixes):
@@ -58,7 +61,9 @@ class ScriptedPolicy:
             prompt = list(prefixes[int(prefix_index[b])]) + list(suf)
             text = self.tokenizer.decode(prompt)
             ids = list(self.tokenizer.encode(self.respond(text, keys[b]),
-                                             add_special_tokens=False)) + [self.stop_id]
+                                             add_special_tokens=False))
+            hit = sampling.stop_text.scan(ids) if sampling.stop_text is not None else 0
+            ids = ids[:hit] if hit else ids + [self.stop_id]
             stopped.append(len(ids) <= sampling.max_new_tokens)
             rows.append(ids[: sampling.max_new_tokens])
         n = max([len(r) for r in rows] + [sampling.max_new_tokens])

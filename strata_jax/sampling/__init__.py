@@ -4,7 +4,8 @@ Public API:
   ``Sampler(config, mesh=None, max_cache_len=None, ...)`` with ``generate``,
   ``generate_with_prefixes`` and ``score``; ``SamplingParams``; ``Generation`` /
   ``GenerationBatch``; ``select_next_tokens`` and its parts (top-k / top-p masks, sampling,
-  argmax); ``bucket``; ``compiled_program_count``.
+  argmax); ``bucket``; ``compiled_program_count``; ``StopText`` / ``build_stop_text`` (stop
+  strings checked on device, `strata_jax.sampling.stops`).
 """
 
 from strata_jax.sampling.buckets import bucket
@@ -13,9 +14,10 @@ from strata_jax.sampling.params import SamplingParams
 from strata_jax.sampling.sampler import Sampler, compiled_program_count
 from strata_jax.sampling.selection import (greedy_argmax, sample_categorical,
                                            select_next_tokens, top_k_mask, top_p_mask)
+from strata_jax.sampling.stops import StopText, build_stop_text
 
 __all__ = [
     "Sampler", "SamplingParams", "Generation", "GenerationBatch", "FINISH_STOP",
     "FINISH_LENGTH", "bucket", "compiled_program_count", "select_next_tokens", "top_k_mask",
-    "top_p_mask", "sample_categorical", "greedy_argmax",
+    "top_p_mask", "sample_categorical", "greedy_argmax", "StopText", "build_stop_text",
 ]

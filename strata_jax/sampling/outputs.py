@@ -16,12 +16,14 @@ class Generation:
     """One row's generation.
 
     Attributes:
-      token_ids: [n] int32 generated ids, the stop token included, no padding.
+      token_ids: [n] int32 generated ids, the stop token included, no padding. A row stopped
+        by a stop string ends with the ordinary token that completed it.
       logprobs: [n] float32, ``log_softmax(logits / T)`` of each generated id before top-k /
         top-p renormalisation (T = 1 for greedy), natural log.
       length: n.
-      finish_reason: ``"stop"`` (emitted a stop id, which is the last id) or ``"length"``
-        (reached max_new_tokens; also for max_new_tokens == 0).
+      finish_reason: ``"stop"`` (emitted a stop id, which is the last id, or completed the
+        stop string with the last id) or ``"length"`` (reached max_new_tokens; also for
+        max_new_tokens == 0).
     """
 
     token_ids: np.ndarray
@@ -38,7 +40,7 @@ class GenerationBatch:
       token_ids: [B, N] int32, N = max_new_tokens; entries at t >= lengths[b] are 0.
       logprobs: [B, N] float32; entries at t >= lengths[b] are 0.
       lengths: [B] int32.
-      stopped: [B] bool, True when the row ended on a stop id.
+      stopped: [B] bool, True when the row ended on a stop id or completed the stop string.
     Index it (``batch[i]``) or iterate it to get `Generation` rows.
     """
 

@@ -12,6 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
+from strata_jax.sampling.stops import StopText
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -32,10 +34,14 @@ class SamplingParams:
       max_new_tokens: generation limit per row (>= 0); 0 returns empty generations.
       stop_token_ids: a row finishes when it emits one of these ids (the stop token is kept
         in the output).
+      stop_text: a compiled stop string (`strata_jax.sampling.stops.build_stop_text`), or
+        None: a row also finishes (finish reason "stop") on the token that completes it,
+        checked on device whatever the tokens' boundaries; that token is kept in the output.
 
     Raises:
       ValueError: on a negative temperature, top_p outside (0, 1], a top_k, max_new_tokens or
-        stop id that is not an integer (2.0 included) or is negative.
+        stop id that is not an integer (2.0 included) or is negative, or a stop_text that is
+        not a `StopText`.
     """
 
     temperature: float = 1.0
@@ -44,8 +50,12 @@ class SamplingParams:
     greedy: bool = False
     max_new_tokens: int = 256
     stop_token_ids: Sequence[int] = ()
+    stop_text: StopText | None = None
 
     def __post_init__(self) -> None:
+        if self.stop_text is not None and not isinstance(self.stop_text, StopText):
+            raise ValueError(f"stop_text must be a StopText (build_stop_text(tokenizer, "
+                             f"patterns)) or None, got {type(self.stop_text).__name__}")
         # Counts and ids must be whole numbers: int(2.7) would silently change what was asked.
         for name in ("top_k", "max_new_tokens"):
             v = getattr(self, name)

@@ -13,14 +13,17 @@ Flow of `Sampler.generate` (and of `Sampler.generate_with_prefixes`):
 3. ``_decode`` (jit, cache donated): token 0 is chosen from the prefill state; then a
    ``lax.while_loop`` feeds the previous token through the model (cache slot ``T + step - 1``,
    written in place by ``dynamic_update_slice``), computes the logits of that one position and
-   chooses the next token. Rows stop at a stop id or at max_new_tokens; the loop exits when all
-   rows are done. No host round trip per token: one device->host copy at the end.
+   chooses the next token. Rows stop at a stop id, on the token that completes the stop string
+   (``SamplingParams.stop_text``: one ``table[state, token]`` gather per row and step, see
+   `strata_jax.sampling.stops`) or at max_new_tokens; the loop exits when all rows are done.
+   No host round trip per token: one device->host copy at the end.
 
 Params are always arguments of the jitted functions, never closed over (a closed-over 2 GB
 constant would be baked into the executable). Compilation is bounded by bucketing the batch
 and every length to powers of two with a floor (`buckets`); max_new_tokens, temperature, top_p,
-top_k and the stop ids are traced values, so changing them does not recompile (only the
-greedy / top-k-on / top-p-on switches and the buckets do).
+top_k, the stop ids and the stop-string table ([S, V], S a multiple of 32) are traced, so
+changing them does not recompile (only the greedy / top-k-on / top-p-on / stop-string-on
+switches and the buckets do).
 
 Sharding: pass a ``Mesh`` (``strata_jax.sharding.make_mesh``) and params placed with
 ``strata_jax.sharding.shard_params``; rows are split over (data, fsdp) and the cache's kv heads
@@ -103,13 +106,15 @@ def _prefill_prefixed(params: Params, p_tokens: jax.Array, p_positions: jax.Arra
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "n_out", "greedy", "use_top_k", "use_top_p", "key_impl"),
+    static_argnames=("config", "n_out", "greedy", "use_top_k", "use_top_p", "use_stop_text",
+                     "key_impl"),
     donate_argnames=("cache",))
 def _decode(params: Params, cache: KVCache, last_hidden: jax.Array, key_data: jax.Array,
             next_position: jax.Array, active: jax.Array, max_new: jax.Array,
-            stop_ids: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, *,
+            stop_ids: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array,
+            stop_table: jax.Array, stop_accept: jax.Array, *,
             config: Qwen2Config, n_out: int, greedy: bool, use_top_k: bool,
-            use_top_p: bool,
+            use_top_p: bool, use_stop_text: bool,
             key_impl: str | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, KVCache]:
     """The decode loop.
 
@@ -122,6 +127,9 @@ def _decode(params: Params, cache: KVCache, last_hidden: jax.Array, key_data: ja
       active: [B] bool, False for filler rows of the batch bucket (done from the start).
       max_new: int32 scalar in [1, n_out]. stop_ids: [n_stop] int32, -1 = unused slot.
       temperature, top_p: float32 scalars; top_k: int32 scalar.
+      stop_table: [S, V] int16 stop-string transitions (`StopText.table_for_vocab`), state 0 =
+        start; stop_accept: int32 scalar accepting state. Read only when ``use_stop_text``
+        (otherwise a [1, 1] dummy).
     Returns:
       tokens [B, n_out] int32, logprobs [B, n_out] float32 (0 past each row's length),
       lengths [B] int32, stopped [B] bool, and the final cache: returning it lets XLA alias
@@ -144,12 +152,21 @@ def _decode(params: Params, cache: KVCache, last_hidden: jax.Array, key_data: ja
     def is_stop(tok):
         return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
 
+    def advance_text(text_state, tok, live):
+        """Stop-string automaton: one gather per row; (new state, completed now)."""
+        if not use_stop_text:
+            return text_state, jnp.zeros_like(live)
+        new = stop_table[text_state, tok].astype(jnp.int32)
+        new = jnp.where(live, new, text_state)
+        return new, live & (new == stop_accept)
+
     tok0, lp0 = choose(last_hidden, jnp.int32(0))
     tok0 = jnp.where(active, tok0, 0)
     lp0 = jnp.where(active, lp0, 0.0)
     out_tokens = jnp.zeros((b, n_out), jnp.int32).at[:, 0].set(tok0)
     out_logprobs = jnp.zeros((b, n_out), jnp.float32).at[:, 0].set(lp0)
-    stopped = active & is_stop(tok0)
+    text_state, text_hit = advance_text(jnp.zeros((b,), jnp.int32), tok0, active)
+    stopped = active & (is_stop(tok0) | text_hit)
     done = ~active | stopped | (max_new <= 1)
     lengths = active.astype(jnp.int32)
 
@@ -158,7 +175,8 @@ def _decode(params: Params, cache: KVCache, last_hidden: jax.Array, key_data: ja
         return (step < max_new) & ~jnp.all(done)
 
     def body(state):
-        step, cache, prev, done, lengths, stopped, out_tokens, out_logprobs = state
+        (step, cache, prev, done, lengths, stopped, out_tokens, out_logprobs,
+         text_state) = state
         position = (next_position + step - 1)[:, None]
         hidden, cache = forward(params, config, prev[:, None], position,
                                 jnp.ones((b, 1), bool), cache, start_slot + step - 1)
@@ -170,13 +188,17 @@ def _decode(params: Params, cache: KVCache, last_hidden: jax.Array, key_data: ja
         out_tokens = lax.dynamic_update_slice(out_tokens, tok[:, None], (zero, step))
         out_logprobs = lax.dynamic_update_slice(out_logprobs, lp[:, None], (zero, step))
         lengths = lengths + live.astype(jnp.int32)
-        hit = live & is_stop(tok)
+        text_state, text_hit = advance_text(text_state, tok, live)
+        hit = live & (is_stop(tok) | text_hit)
         stopped = stopped | hit
         done = done | hit | (step + 1 >= max_new)
-        return step + 1, cache, tok, done, lengths, stopped, out_tokens, out_logprobs
+        return (step + 1, cache, tok, done, lengths, stopped, out_tokens, out_logprobs,
+                text_state)
 
-    state = (jnp.int32(1), cache, tok0, done, lengths, stopped, out_tokens, out_logprobs)
-    _, cache, _, _, lengths, stopped, out_tokens, out_logprobs = lax.while_loop(cond, body, state)
+    state = (jnp.int32(1), cache, tok0, done, lengths, stopped, out_tokens, out_logprobs,
+             text_state)
+    _, cache, _, _, lengths, stopped, out_tokens, out_logprobs, _ = lax.while_loop(
+        cond, body, state)
     return out_tokens, out_logprobs, lengths, stopped, cache
 
 
@@ -222,6 +244,7 @@ class Sampler:
         self.new_tokens_floor = new_tokens_floor
         self.cache_dtype = None if cache_dtype is None else jnp.dtype(cache_dtype).name
         self._batch_multiple = 1
+        self._stop_tables: dict[Any, jax.Array] = {}  # StopText -> its device table (this vocab)
         if mesh is not None:
             self._batch_multiple = math.prod(
                 mesh.shape[a] for a in (shd.LOGICAL_RULES["batch"] or ()) if a in mesh.shape)
@@ -270,6 +293,25 @@ class Sampler:
                     f"cache length {self.max_cache_len} (max_cache_len): shorten the prompt, "
                     f"lower max_new_tokens or build the Sampler with a larger max_cache_len")
 
+    def _stop_table(self, stop_text: Any) -> jax.Array:
+        """The device copy of a stop-string table, widened to this model's vocabulary; uploaded
+        once per `StopText` (a few MB) and reused by every later call."""
+        if stop_text is None:
+            return self._dummy_stop_table()
+        table = self._stop_tables.get(stop_text)
+        if table is None:
+            if len(self._stop_tables) >= 8:
+                self._stop_tables.clear()
+            table = jnp.asarray(stop_text.table_for_vocab(self.config.vocab_size))
+            self._stop_tables[stop_text] = table
+        return table
+
+    def _dummy_stop_table(self) -> jax.Array:
+        table = self._stop_tables.get(None)
+        if table is None:
+            table = self._stop_tables[None] = jnp.zeros((1, 1), jnp.int16)
+        return table
+
     def _empty(self, n: int) -> GenerationBatch:
         return GenerationBatch(token_ids=np.zeros((n, 0), np.int32),
                                logprobs=np.zeros((n, 0), np.float32),
@@ -288,14 +330,19 @@ class Sampler:
         vocab = self.config.vocab_size
         use_top_k = (not sampling.is_greedy) and 0 < sampling.top_k < vocab
         use_top_p = (not sampling.is_greedy) and sampling.top_p < 1.0
+        use_stop_text = sampling.stop_text is not None
+        stop_table = self._stop_table(sampling.stop_text)
+        stop_accept = sampling.stop_text.accept if use_stop_text else -1
         key_data, next_position, active = self._put_rows(key_data, next_position, active)
         with self._mesh_context():
             out = _decode(params, cache, last_hidden, key_data, next_position, active,
                           jnp.int32(sampling.max_new_tokens), jnp.asarray(stop_ids),
                           jnp.float32(sampling.temperature if not sampling.is_greedy else 1.0),
                           jnp.float32(sampling.top_p), jnp.int32(max(sampling.top_k, 1)),
+                          stop_table, jnp.int32(stop_accept),
                           config=self.config, n_out=n_out, greedy=sampling.is_greedy,
-                          use_top_k=use_top_k, use_top_p=use_top_p, key_impl=key_impl)
+                          use_top_k=use_top_k, use_top_p=use_top_p,
+                          use_stop_text=use_stop_text, key_impl=key_impl)
         tokens, logprobs, lengths, stopped = jax.device_get(out[:4])
         del out  # frees the cache
         m = sampling.max_new_tokens

@@ -18,6 +18,27 @@ REMAT_POLICIES = ("none", "full", "dots")
 LR_SCHEDULES = ("constant", "cosine")
 
 
+def _default_norm_len(c: Any, loss: Any) -> dict:
+    """``{"norm_len": n}`` when ``loss.norm_len`` is unset (0 / absent), else ``{}``.
+
+    n is Dr.GRPO's constant: the longest response the rollout can generate, i.e.
+    ``rollout.max_action_tokens``, or with StraTA ``max(max_action_tokens,
+    max_strategy_tokens)`` (strategy rows are trained too). Without a rollout section nothing
+    is filled (`LossConfig.validate` then asks for it when the mode needs it).
+    """
+    if loss is not None:
+        cur = loss.get("norm_len", 0) if hasattr(loss, "get") else getattr(loss, "norm_len", 0)
+        if cur not in (0, None):
+            return {}  # set (a bad value is LossConfig.validate's to report)
+    r = c.get("rollout", None)
+    if r is None or "max_action_tokens" not in r:
+        return {}
+    n = int(r.max_action_tokens)
+    if c.get("algo", None) == "strata" and "max_strategy_tokens" in r:
+        n = max(n, int(r.max_strategy_tokens))
+    return {"norm_len": n}
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Everything the update step needs besides arrays; hashable so jit can treat it as static.
@@ -108,7 +129,8 @@ class TrainConfig:
     def from_config(cls, c: Any, **overrides) -> "TrainConfig":
         """Build from the experiment ConfigDict of ``configs/base.py`` (unknown keys ignored).
 
-        Reads c.algo, c.optim.*, c.loss.* (LossConfig), c.adv.* (EstimatorConfig), c.lora.*
+        Reads c.algo, c.optim.*, c.loss.* (LossConfig; loss.norm_len 0 = the rollout's
+        longest possible response, see `_default_norm_len`), c.adv.* (EstimatorConfig), c.lora.*
         (LoraConfig; lora.lr > 0 replaces optim.lr when rank > 0), c.rollout.temperature,
         c.model.remat (True -> "dots"), c.adv.stapo_dropout(_passes), and any field of this
         class under c.train (which wins).
@@ -131,7 +153,8 @@ class TrainConfig:
                 v["dropout_passes"] = int(adv.stapo_dropout_passes)
             if "stapo_dropout" in adv:
                 v["dropout"] = float(adv.stapo_dropout)
-        v["loss"] = LossConfig.from_config(c.get("loss", None))
+        loss = c.get("loss", None)
+        v["loss"] = LossConfig.from_config(loss, **_default_norm_len(c, loss))
         v["estimator"] = EstimatorConfig.from_config(adv)
         v["lora"] = LoraConfig.from_config(c)
         if v["lora"].enabled and v["lora"].lr > 0:

@@ -20,8 +20,10 @@ Data (one pass over the env, outside jit):
     prompt pieces are read from the live env after each step, as the thread-backend rollout does;
     history actions are the parsed actions (`envs_bridge.parse_action`), as in the rollout.
   * responses: ``<think>{think}</think><action>{a}</action>``, ``<strategy>{z}</strategy>`` and
-    ``<bad_steps>none</bad_steps>`` / ``<bad_steps>2, 5</bad_steps>``, each followed by
-    ``<|im_end|>`` (the stop token the sampler ends on).
+    ``<bad_steps>none</bad_steps>`` / ``<bad_steps>2, 5</bad_steps>``, as the rollout's sampler
+    produces them: ending on the token that completes the stage's stop string (the closing tag,
+    `prompts.ACTION_STOP` / `STRATEGY_STOP` / `JUDGE_STOP`), or with ``<|im_end|>`` when the
+    text never completes it.
 
 Training: cross-entropy on response tokens only (the prompt is context, never a target; method.md
 1), token-mean over the batch, AdamW with global-norm clipping (`make_optimizer`), one jitted
@@ -54,9 +56,10 @@ from envs_bridge.base import PromptPieces, Task
 from envs_bridge.parsing import parse_action
 from strata_jax.models import Qwen2Config, export_params, load_params
 from strata_jax.models.tokenizer import IM_END_ID
-from strata_jax.rollout.prompts import HistoryEntry, PromptBuilder, PromptIds
+from strata_jax.rollout.prompts import (ACTION_STOP, JUDGE_STOP, STRATEGY_STOP, HistoryEntry,
+                                        PromptBuilder, PromptIds)
 from strata_jax.rollout.strategy import check_strategy
-from strata_jax.sampling import bucket
+from strata_jax.sampling import bucket, build_stop_text
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.scoring import response_logprobs, response_states
 from strata_jax.training.state import make_optimizer
@@ -296,7 +299,8 @@ class SFTExample:
 
     Attributes:
       prompt: `PromptIds` from the PromptBuilder (the model sees ``prompt.ids``).
-      response_ids: target ids = encode(response_text) + [<|im_end|>] (the only trained tokens).
+      response_ids: target ids (the only trained tokens): encode(response_text) up to the token
+        that completes the kind's stop string, else + [<|im_end|>]; what the sampler emits.
       response_text: the target text. kind: "action" | "strategy" | "judge".
       with_strategy: StraTA form (z in the prompt / a strategy or judge row).
       step_index: 0-based step of action rows (-1 otherwise).
@@ -312,7 +316,11 @@ class SFTExample:
 
 def _example(builder: PromptBuilder, prompt: PromptIds, text: str, kind: str, strat: bool,
              t: int = -1) -> SFTExample:
-    return SFTExample(prompt, tuple(builder.encode(text)) + (IM_END_ID,), text, kind, strat, t)
+    ids = builder.encode(text)
+    stop = {"action": ACTION_STOP, "strategy": STRATEGY_STOP, "judge": JUDGE_STOP}[kind]
+    n = build_stop_text(builder.tokenizer, stop).scan(ids)
+    ids = ids[:n] if n else ids + [IM_END_ID]
+    return SFTExample(prompt, tuple(ids), text, kind, strat, t)
 
 
 def render_episode(builder: PromptBuilder, ep: ExpertEpisode, *, with_strategy: bool,
