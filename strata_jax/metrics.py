@@ -48,10 +48,10 @@ class MetricsWriter:
         self.workdir = workdir
         self.enabled = enabled
         self._tb = None
+        self.resumed_tags: set[str] = set()
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
-        self.resumed_tags: set[str] = set()
         for name in ("metrics.jsonl", "trajectories.jsonl"):
             kept = _truncate_after(os.path.join(workdir, name), resume_step)
             if name == "metrics.jsonl" and resume_step is not None:
