@@ -322,3 +322,29 @@ def test_full_disk_is_one_clear_error_without_a_second_save(setup, tmp_path, mon
     assert _step_snapshot(str(tmp_path / "ckpt" / "1")) == good
     monkeypatch.setattr(ckpt._mngr, "save", real_save)
     ckpt.close()
+
+
+def test_a_step_restore_skipped_as_corrupt_is_replaced_by_the_next_save(setup, tmp_path):
+    # resume falls back past a bit-flipped step 2 to step 1; redoing iteration 2 must save step 2
+    # again (a "step already on disk" skip would lose it on every rerun)
+    params, trainer, state0 = setup
+    with Checkpointer(str(tmp_path / "ckpt"), keep=3) as ckpt:
+        ckpt.save(state0.replace(step=state0.step + 1))
+        ckpt.save(state0.replace(step=state0.step + 2))
+    victim = _largest_data_file(str(tmp_path / "ckpt" / "2"))
+    with open(victim, "r+b") as f:
+        f.seek(7)
+        b = f.read(1)[0]
+        f.seek(7)
+        f.write(bytes([b ^ 1]))
+    redone = state0.replace(step=state0.step + 2,
+                            params=jax.tree.map(lambda x: x - 3.0, state0.params))
+    with Checkpointer(str(tmp_path / "ckpt"), keep=3) as ckpt:
+        with pytest.warns(RuntimeWarning, match="step 2"):
+            assert ckpt.restore(trainer.abstract_state())[1]["step"] == 1
+        ckpt.save(redone)
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        restored, meta = ckpt.restore(trainer.abstract_state())
+    assert meta["step"] == 2
+    np.testing.assert_array_equal(np.asarray(restored.params["embed"]),
+                                  np.asarray(state0.params["embed"]) - 3.0)

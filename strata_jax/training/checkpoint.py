@@ -112,12 +112,13 @@ def write_manifest(step_dir: str) -> dict:
     return manifest
 
 
-def verify_step(step_dir: str) -> bool:
+def verify_step(step_dir: str, contents: bool = True) -> bool:
     """Check a step directory against its checksum manifest.
 
-    Returns True when verified, False for a format-1 step (no manifest, written before
-    manifests existed). Raises CorruptCheckpointError naming the first bad file: a size or
-    sha256 mismatch, a missing file, or a format-2 step without a manifest (never committed).
+    contents=False checks presence and sizes only (no hashing: for a step this process has just
+    committed). Returns True when verified, False for a format-1 step (no manifest, written
+    before manifests existed). Raises CorruptCheckpointError naming the first bad file: a size
+    or sha256 mismatch, a missing file, or a format-2 step without a manifest (never committed).
     """
     path = os.path.join(step_dir, MANIFEST)
     if not os.path.exists(path):
@@ -139,6 +140,8 @@ def verify_step(step_dir: str) -> bool:
         if os.path.getsize(full) != size:
             raise CorruptCheckpointError(f"{full} has {os.path.getsize(full)} bytes, the "
                                          f"manifest says {size}")
+    if not contents:
+        return True
     got = _hash_files(step_dir, sorted(files))
     for rel, (_, digest) in files.items():
         if got[rel][1] != digest:
@@ -198,6 +201,7 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.every = int(every)
         self.keep = int(keep)
+        self._bad_steps: set[int] = set()   # steps `restore` skipped: a save replaces them
         # Retention is done here, after the manifest commits a step (orbax would delete the
         # old steps before that).
         opts = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
@@ -213,8 +217,9 @@ class Checkpointer:
 
         sampler_state: JSON-able dict (task-sampler position); config: JSON text, a dict, or an
         ml_collections ConfigDict (stored via to_json). A step already committed on disk is
-        kept as it is (not deleted, not rewritten; logged); a step on disk that fails
-        verification is replaced. `force` is kept for callers of the old API and ignored.
+        kept as it is (not deleted, not rewritten; logged; checked by manifest and file sizes,
+        not re-hashed); a step on disk without a valid manifest, or one that `restore` skipped
+        as corrupt, is replaced. `force` is kept for callers of the old API and ignored.
         Raises CheckpointWriteError on a full disk (one line: directory, bytes needed, free).
         """
         del force
@@ -222,7 +227,9 @@ class Checkpointer:
         step_dir = os.path.join(self.directory, str(step))
         if step in self._mngr.all_steps():
             try:
-                verify_step(step_dir)
+                if step in self._bad_steps:
+                    raise CorruptCheckpointError(f"{step_dir} failed to restore")
+                verify_step(step_dir, contents=False)   # committed, complete: keep it
                 log.info("checkpoint step %d is already on disk in %s; not saving it again",
                          step, self.directory)
                 return step
@@ -331,6 +338,7 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 — any failure means "unusable checkpoint"
                 if step is not None:
                     raise
+                self._bad_steps.add(s)
                 msg = (f"checkpoint step {s} in {self.directory} could not be restored "
                        f"({type(e).__name__}: {str(e)[:400]}); falling back to an older one")
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
