@@ -43,6 +43,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
 
     ex.validate(c)
     ex.resolve(c)
+    ex.check_env(c)   # e.g. the WebShop server answers
     split = split or c.eval.split
     mesh = ex.build_mesh(c)
     tokenizer = ex.build_tokenizer(c)

@@ -29,28 +29,46 @@ log = logging.getLogger("strata_jax.train")
 
 def run(c) -> dict:
     """Train with config `c` until c.iterations (or preemption). Returns a summary dict:
-    {"status": "done" | "preempted", "step": int, "workdir": str, "last_metrics": dict}."""
-    import jax
-    import numpy as np
-
+    {"status": "done" | "preempted", "step": int, "workdir": str, "last_metrics": dict}.
+    Raises ConfigError (bad config, another run on the workdir, a resume that would not
+    continue the stored run, an unreachable env server) before anything is built."""
     from strata_jax import experiment as ex
-    from strata_jax.evaluation import evaluate, spread_over_families, summarize
-    from strata_jax.metrics import CompileCounter, MetricsWriter, Progress
-    from strata_jax.rollout import RolloutConfig, SamplerPolicy, make_prompt_builder, rollout
-    from strata_jax.sampling import Sampler, compiled_program_count
-    from strata_jax.training import Checkpointer, PreemptionFlag, Trainer, TrainConfig, run_loop
+    from strata_jax.metrics import CompileCounter
 
     # Multi-host (issue 9): jax.distributed from c.distributed / the environment, before any
     # other JAX use; a no-op for one process. See strata_jax/distributed.py.
     from strata_jax import distributed
-    from strata_jax.rollout import collect_rollout
     distributed.initialize(c)
     ex.validate(c)
     distributed.check_config(c)
     ex.resolve(c)
+    ex.check_env(c)   # e.g. the WebShop server answers
     compiles = CompileCounter.install()
     workdir = ex.workdir(c)
-    mesh = ex.build_mesh(c)
+    # One run per workdir: a second one refuses to start (the lock dies with its holder).
+    lock = ex.WorkdirLock(workdir).acquire() if distributed.is_primary() else None
+    try:
+        ex.check_resume(c, ex.stored_config(os.path.join(workdir, "ckpt")))
+        return _train(c, workdir, compiles, mesh=ex.build_mesh(c))
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(c, workdir, compiles, mesh) -> dict:
+    """The run of `run` once the workdir is locked."""
+    import jax
+    import numpy as np
+
+    from strata_jax import distributed
+    from strata_jax import experiment as ex
+    from strata_jax.evaluation import evaluate, spread_over_families, summarize
+    from strata_jax.metrics import MetricsWriter, Progress
+    from strata_jax.rollout import RolloutConfig, SamplerPolicy, make_prompt_builder, rollout
+    from strata_jax.rollout import collect_rollout
+    from strata_jax.sampling import Sampler, compiled_program_count
+    from strata_jax.training import Checkpointer, PreemptionFlag, Trainer, TrainConfig, run_loop
+    from envs_bridge.pool import pool_metrics
     tokenizer = ex.build_tokenizer(c)
     model_cfg, init_params = ex.build_model(c, tokenizer, mesh)
     sampler_mesh = distributed.local_mesh(mesh)   # rollouts are per host: the sampler stays local
@@ -60,7 +78,6 @@ def run(c) -> dict:
     builder = make_prompt_builder(tokenizer, c)
     task_sampler = ex.TaskSampler(ex.task_list(c), seed=c.seed)
 
-    ex.check_resume(c, ex.stored_config(os.path.join(workdir, "ckpt")))
     ckpt = Checkpointer(os.path.join(workdir, "ckpt"), keep=c.ckpt.keep, every=c.ckpt.every)
     restored = ckpt.restore(trainer.abstract_state(init_params))
     if restored is None:
@@ -96,7 +113,11 @@ def run(c) -> dict:
                   if c.eval.every > 0 else [])
 
     def maybe_eval(it):
-        """Every eval.every iterations: the eval protocol on eval.split with the current params."""
+        """Every eval.every iterations: the eval protocol on eval.split with the current params.
+        Skipped at the resume step when its eval row was logged before the kill (same params,
+        same key: it would be the same row twice)."""
+        if it == start and "eval/success" in writer.resumed_tags:
+            return
         if c.eval.every > 0 and it > 0 and it % c.eval.every == 0 and distributed.is_primary():
             m, _ = evaluate(c, policy, pool, builder, eval_tasks, key=ex.seed_key(c, 2, it))
             writer.scalars(it, m)
@@ -108,6 +129,7 @@ def run(c) -> dict:
         policy.set_params(policy_params(state))
         maybe_eval(it)
         t0 = time.time()
+        counters = pool.stats()
         if jax.process_count() > 1:
             # Multi-host: every host draws the same global task list and rolls out its share
             # (task uids stay global, so row keys and group ids match a single-process run).
@@ -118,6 +140,7 @@ def run(c) -> dict:
             result = rollout(policy, pool, builder, task_sampler.sample,
                              key=ex.seed_key(c, 1, it), config=rollout_cfg)
         timing["time/rollout_s"] = time.time() - t0
+        timing.update(pool_metrics(counters, pool.stats()))   # env crashes, restarts, retries
         timing["_t_update"] = time.time()
         latest["rollout"] = result
         # Multi-host: the hosts' batches become one global batch for the sharded update.
@@ -166,7 +189,13 @@ def main(argv):
     del argv
     from strata_jax.metrics import quiet_logs
     quiet_logs()
-    summary = run(_CONFIG.value)
+    from strata_jax.experiment import ConfigError
+    from strata_jax.training import CheckpointWriteError
+    try:
+        summary = run(_CONFIG.value)
+    except (ConfigError, CheckpointWriteError) as e:   # one line, no traceback
+        print(f"train.py: {e}", file=sys.stderr)
+        return 1
     print(f"{summary['status']}: step {summary['step']}, outputs in {summary['workdir']}")
     return 0 if summary["status"] in ("done", "preempted") else 1
 

@@ -88,10 +88,20 @@ class AgentGymHTTPClient:
                 if isinstance(reason, (socket.timeout, TimeoutError)) and method != "GET":
                     raise EnvError(f"{method} {url} timed out after {self.timeout_s}s (not retried)") from e
                 last = e
-        raise EnvError(
+        err = EnvError(
             f"AgentGym server {self.base_url} did not answer {method} /{path.lstrip('/')} after "
             f"{self.retries} tries ({last!r}); is the server running (e.g. `webshop --port ...`) and the URL right?"
         )
+        err.last = last
+        raise err
+
+
+def _cause(e: EnvError) -> str:
+    """The innermost reason of a client error, e.g. "[Errno 111] Connection refused"."""
+    m = str(e)
+    last = getattr(e, "last", None)
+    reason = getattr(last, "reason", last)
+    return str(reason) if reason is not None else m
 
 
 class WebShopClient(AgentGymHTTPClient):
@@ -160,6 +170,20 @@ class WebShopEnv(TextEnv):
         self.env_idx: int | None = None
         self._desc = ""
         self._actions: list[str] = []
+
+    @staticmethod
+    def preflight(server_url: str = "http://127.0.0.1:36001", timeout_s: float = 5.0,
+                  **_: Any) -> None:
+        """Start-up check (called by the entry points before anything is built): one GET / to
+        the server. Raises EnvError naming the URL, the cause and how to start the server."""
+        try:
+            WebShopClient(server_url, timeout_s=timeout_s, retries=1).request("GET", "")
+        except EnvError as e:
+            raise EnvError(
+                f"the WebShop server at {server_url} does not answer ({_cause(e)}). Start "
+                "AgentGym's WebShop server (agentenv-webshop, with the WebShop product data): "
+                "`webshop --host 127.0.0.1 --port 36001`, then pass its address as "
+                "--config.env.server_url") from None
 
     @staticmethod
     def task_list(split: str) -> list[Task]:

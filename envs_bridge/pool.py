@@ -39,12 +39,18 @@ marks that episode `crashed` (outcome.done = True, outcome.crashed = True; metho
 section 3: the episode is kept for logging but masked out of the loss); the slot's env is
 closed and a fresh one is started in the background (stats["restarts"]), while the other
 episodes continue. Bad input (an unknown task: ValueError / KeyError) is re-raised.
+Every crash is logged once, as ONE warning line (env, task, reset/step, the error's first line);
+the counters crashes / timeouts / restarts / retries (resets re-submitted by the rollout,
+`note_retries`) are in `stats()` and logged per iteration as rollout/env_* metrics.
+`close()` cancels restarts not yet begun and waits for running ones before closing the envs,
+so no simulator (JVM) outlives the pool.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
 import itertools
+import logging
 import multiprocessing as mp
 import threading
 import time
@@ -53,6 +59,11 @@ from typing import Any, Callable, Sequence
 from envs_bridge.base import Env, Task
 
 _USER_ERRORS = (ValueError, KeyError, TypeError)
+log = logging.getLogger(__name__)
+
+
+class PoolClosedError(RuntimeError):
+    """An env call on a slot of a closed pool (a background restart that lost the race)."""
 
 
 @dataclasses.dataclass
@@ -126,17 +137,27 @@ class _ThreadSlot:
         self._factory = factory
         self.env: Env | None = None
         self.lock = threading.Lock()
+        self.closed = False
+
+    def _start(self) -> None:
+        if self.closed:
+            raise PoolClosedError("the env pool is closed")
+        env = self._factory()
+        if self.closed:   # the pool was closed while the env started: do not leak it
+            _close_quietly(env)
+            raise PoolClosedError("the env pool is closed")
+        self.env = env
 
     def call(self, method: str, *args: Any) -> Any:
         with self.lock:
             if self.env is None:
-                self.env = self._factory()
+                self._start()
             return getattr(self.env, method)(*args)
 
     def ensure_started(self) -> None:
         with self.lock:
             if self.env is None:
-                self.env = self._factory()
+                self._start()
 
     def discard(self) -> None:
         """Close the env (a hung call on it is unblocked when its simulator dies)."""
@@ -144,8 +165,16 @@ class _ThreadSlot:
         if env is not None:
             threading.Thread(target=_close_quietly, args=(env,), daemon=True).start()
 
-    def close(self) -> None:
-        env, self.env = self.env, None
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Close the env. A call in flight (a step, an env being started) is waited for up to
+        `timeout_s`; an env whose start finishes later closes itself (see `_start`)."""
+        self.closed = True
+        got = self.lock.acquire(timeout=timeout_s)
+        try:
+            env, self.env = self.env, None
+        finally:
+            if got:
+                self.lock.release()
         if env is not None:
             _close_quietly(env)
 
@@ -185,8 +214,11 @@ class _ProcessSlot:
         self.proc: mp.Process | None = None
         self.conn = None
         self.lock = threading.Lock()
+        self.closed = False
 
     def _start(self) -> None:
+        if self.closed:
+            raise PoolClosedError("the env pool is closed")
         ctx = mp.get_context("spawn")  # never fork a process that may hold JVM / XLA threads
         parent, child = ctx.Pipe()
         self.proc = ctx.Process(target=_process_worker, args=(child, self._name, self._kwargs), daemon=True)
@@ -194,6 +226,9 @@ class _ProcessSlot:
         child.close()
         self.conn = parent
         self._recv(max(self._timeout, 120.0))
+        if self.closed:   # the pool was closed while the worker started
+            self.discard()
+            raise PoolClosedError("the env pool is closed")
 
     def _recv(self, timeout: float) -> Any:
         from envs_bridge.base import EnvError
@@ -243,7 +278,11 @@ class _ProcessSlot:
         if conn is not None:
             conn.close()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        self.closed = True
+        got = self.lock.acquire(timeout=timeout_s)   # a worker being started: wait for it
+        if got:
+            self.lock.release()
         if self.conn is not None and self.proc is not None and self.proc.is_alive():
             try:
                 self.conn.send(("__close__", ()))
@@ -310,7 +349,9 @@ class EnvPool:
         self._ids = itertools.count()
         self._tickets = itertools.count()
         self._lock = threading.Lock()
-        self._stats = dict(steps=0, resets=0, crashes=0, timeouts=0, restarts=0, env_time_s=0.0, wait_time_s=0.0)
+        self._stats = dict(steps=0, resets=0, crashes=0, timeouts=0, restarts=0, retries=0,
+                           env_time_s=0.0, wait_time_s=0.0)
+        self._restarts: list[cf.Future] = []   # background env restarts (see close)
         self._t_first: float | None = None
         self._t_last = 0.0
 
@@ -322,9 +363,22 @@ class EnvPool:
             f.result()
 
     def close(self) -> None:
-        """Close every env and the worker threads."""
+        """Close every env and the worker threads.
+
+        Background restarts not yet begun are cancelled; running ones (an env being started,
+        e.g. a JVM) are waited for (up to `reset_timeout_s`) and their env is closed, so no
+        simulator process outlives the pool.
+        """
+        for f in self._restarts:
+            f.cancel()
+        for s in self._slots:
+            s.closed = True
+        pending = [f for f in self._restarts if not f.done()]
+        if pending:
+            cf.wait(pending, timeout=self.reset_timeout_s)
         for s in self._slots:
             s.close()
+        self._restarts.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "EnvPool":
@@ -437,13 +491,14 @@ class EnvPool:
                     out = StepOutcome(eid, obs, reward, done, info)
             except cf.TimeoutError:
                 self._stats["timeouts"] += 1
-                out = self._crash(ep, f"timeout: no answer within {ticket.timeout_s:.1f}s", hung=True)
+                out = self._crash(ep, f"timeout: no answer within {ticket.timeout_s:.1f}s",
+                                  hung=True, kind=ticket.kind)
             except _USER_ERRORS as e:
                 if ticket.kind == "reset":
                     user_error = user_error or e
-                out = self._crash(ep, f"{type(e).__name__}: {e}", restart=False)
+                out = self._crash(ep, f"{type(e).__name__}: {e}", restart=False, kind=ticket.kind)
             except Exception as e:
-                out = self._crash(ep, f"{type(e).__name__}: {e}")
+                out = self._crash(ep, f"{type(e).__name__}: {e}", kind=ticket.kind)
             ep.pending = False
             if out.done:
                 self._finish(ep)
@@ -462,8 +517,9 @@ class EnvPool:
             raise user_error
         return outcomes
 
-    def _crash(self, ep: _Episode, error: str, restart: bool = True, hung: bool = False) -> StepOutcome:
-        """Crashed outcome for `ep`; with `restart` the slot's env is replaced.
+    def _crash(self, ep: _Episode, error: str, restart: bool = True, hung: bool = False,
+               kind: str = "step") -> StepOutcome:
+        """Crashed outcome for `ep`; with `restart` the slot's env is replaced. Logs one line.
 
         `hung` (a timeout): the call may still be running and holds the thread slot's lock
         and an executor thread. Thread backend: abandon that slot object and executor (the
@@ -472,6 +528,10 @@ class EnvPool:
         queue behind the hung call. Process backend: `discard` kills the worker process.
         """
         self._stats["crashes"] += 1
+        first = error.strip().splitlines()[0][:300] if error.strip() else "(no message)"
+        log.warning("%s env crashed in %s of task %s (variation %s, slot %d): %s%s",
+                    self.env_name, kind, ep.task.task_id, ep.task.variation, ep.slot, first,
+                    "; restarting it" if restart else "")
         if restart:
             slot = self._slots[ep.slot]
             slot.discard()
@@ -482,8 +542,25 @@ class EnvPool:
                     max_workers=self._workers, thread_name_prefix="envpool")
                 old.shutdown(wait=False)  # queued / running calls of other tickets still finish
             self._stats["restarts"] += 1
-            self._executor.submit(slot.ensure_started)  # fresh env in the background
+            self._restarts = [f for f in self._restarts if not f.done()]
+            self._restarts.append(self._executor.submit(self._restart, slot))
         return StepOutcome(ep.episode_id, "", 0.0, True, {"crashed": True}, crashed=True, error=error)
+
+    @staticmethod
+    def _restart(slot: Any) -> None:
+        """Start a slot's fresh env in the background; a failure is logged once (the next
+        call on the slot tries again and crashes its episode with the cause)."""
+        try:
+            slot.ensure_started()
+        except PoolClosedError:
+            pass
+        except Exception as e:  # noqa: BLE001 — logged, retried by the next call
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            log.warning("restarting an env failed: %s: %s", type(e).__name__, first)
+
+    def note_retries(self, n: int) -> None:
+        """Count `n` crashed resets the caller submits again (stats()["retries"])."""
+        self._stats["retries"] += int(n)
 
     def _finish(self, ep: _Episode) -> None:
         with self._lock:
@@ -550,7 +627,8 @@ class EnvPool:
     # ---- stats
 
     def stats(self) -> dict[str, float]:
-        """Counters and timings: steps, resets, crashes, timeouts, restarts, env_time_s (sum of
+        """Counters and timings: steps, resets, crashes, timeouts, restarts, retries (resets
+        submitted again, see note_retries), env_time_s (sum of
         env call durations), wait_time_s (caller blocked in collect), wall_s (first submit to
         last collect), steps_per_s (steps / wall_s), live_envs."""
         out: dict[str, float] = dict(self._stats)
@@ -561,3 +639,12 @@ class EnvPool:
             1 for s in self._slots if (getattr(s, "env", None) is not None or getattr(s, "proc", None) is not None)
         )
         return out
+
+
+POOL_COUNTERS = ("crashes", "timeouts", "restarts", "retries")
+
+
+def pool_metrics(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The env failure counters of one iteration as metrics: ``rollout/env_<counter>`` =
+    after - before for crashes, timeouts, restarts, retries (two `EnvPool.stats()` snapshots)."""
+    return {f"rollout/env_{k}": float(after.get(k, 0) - before.get(k, 0)) for k in POOL_COUNTERS}

@@ -36,6 +36,10 @@ from typing import Any
 from envs_bridge.base import EnvError, PromptPieces, Task, TextEnv
 
 logger = logging.getLogger(__name__)
+# A dying JVM makes py4j log every failed call with a full traceback (30-40 lines per crash).
+# The adapter turns those errors into EnvError and the pool logs each crash as one line, so
+# py4j's own records stay quiet (set the "py4j" logger's level to see them again).
+logging.getLogger("py4j").setLevel(logging.CRITICAL)
 
 # AgentGym's exclusions: the tasks whose gold paths run 51-178 steps.
 EXCLUDED_TASK_IDS = ("5-1", "5-2", "9-1", "9-2", "9-3", "10-1", "10-2")

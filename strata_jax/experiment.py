@@ -84,19 +84,39 @@ def validate(c: Any) -> None:
                           "bfloat16") from None
 
 
-# Fields that must match between a run's stored config and a resuming one: changing any of them
-# makes the checkpoint mean something else (another algorithm, env, model or batch layout).
-RESUME_KEYS = ("algo", "env.name", "env.split", "model.path", "model.preset", "lora.rank",
-               "rollout.num_strategies", "rollout.episodes_per_strategy", "rollout.group_size",
-               "rollout.tasks_per_batch")
+# What a resume must match. A resumed run must continue the run its checkpoint holds, so EVERY
+# config field must be equal to the stored one, except these, which do not enter what the run
+# computes (where it writes, how long it goes on, how it is laid out on devices and hosts, env
+# parallelism and time-outs, checkpoint cadence, evaluation and logging). A field added later is
+# compared too (no entry needed); a field the stored config lacks (written by older code) is not.
+# The state itself is checked by the restore: a TrainState of another shape (e.g. another LoRA
+# rank) fails orbax's restore, and a task-sampler state of another task list fails
+# TaskSampler.set_state.
+RESUME_MAY_CHANGE = (
+    "workdir", "iterations",          # extending a run is a resume
+    "mesh.*", "distributed.*",        # restore reshards onto any mesh / process count
+    "env.num_workers",                # live envs: episodes run in waves, per-row keys are global
+    "env.step_timeout_s",             # only decides when a hung env counts as crashed
+    "ckpt.*", "eval.*", "log.*",      # cadence of saves, evals and trajectory dumps
+    "sft.cache_dir",                  # where the warm start is cached (its content is fingerprinted)
+)
 
 
-def _get(d: Any, dotted: str) -> Any:
-    for k in dotted.split("."):
-        if d is None or k not in d:
-            return None
-        d = d[k]
-    return d
+def resume_may_change(field: str) -> bool:
+    """Whether a resume may change the dotted config `field` (see RESUME_MAY_CHANGE)."""
+    return any(field == k or (k.endswith(".*") and field.startswith(k[:-1]))
+               for k in RESUME_MAY_CHANGE)
+
+
+def _leaves(d: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted field: value} of a nested config dict."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def stored_config(ckpt_dir: str) -> dict | None:
@@ -116,16 +136,26 @@ def stored_config(ckpt_dir: str) -> dict | None:
 
 
 def check_resume(c: Any, stored: dict | None) -> None:
-    """Raise ConfigError when the config of the checkpoint being resumed differs from `c` in a
-    field of RESUME_KEYS (the message names the fields and says to use a new workdir)."""
+    """Refuse to resume a run whose checkpoint was written with another config.
+
+    Compares every field of `c` (JSON-normalised: tuples as lists) with the config stored in the
+    checkpoint, except those of RESUME_MAY_CHANGE and fields the stored config lacks. Raises
+    ConfigError naming each differing field (stored -> now) and saying to use a new workdir.
+    `stored` None (fresh run, or a checkpoint without a config) passes.
+    """
+    import json
     if not stored:
         return
-    now = c.to_dict()
-    diff = [f"{k}: {_get(stored, k)!r} -> {_get(now, k)!r}" for k in RESUME_KEYS
-            if _get(stored, k) is not None and _get(stored, k) != _get(now, k)]
+    norm = lambda x: json.loads(json.dumps(x, default=list))  # noqa: E731
+    now = _leaves(norm(c.to_dict()))
+    old = _leaves(norm(stored))
+    diff = [f"{k}: {old[k]!r} -> {now.get(k)!r}" for k in sorted(old)
+            if k in now and not resume_may_change(k) and old[k] != now[k]]
     if diff:
-        raise ConfigError(f"{c.workdir} holds a run with a different config ({'; '.join(diff)}); "
-                          "use a new --config.workdir, or delete that folder to start over")
+        raise ConfigError(f"{c.workdir} holds a run with a different config ({'; '.join(diff)}): "
+                          "resuming would not continue that run. Set these back, or use a new "
+                          "--config.workdir (or delete that folder) to start over. A resume may "
+                          f"change only {', '.join(RESUME_MAY_CHANGE)}")
 
 
 def resolve(c: Any) -> Any:
@@ -275,6 +305,65 @@ def workdir(c: Any) -> str:
     return c.workdir
 
 
+class WorkdirLock:
+    """An exclusive lock on a run directory: ``<workdir>/.lock``, held with ``fcntl.flock`` for
+    the life of the run, so a second run on the same workdir refuses to start instead of mixing
+    its metrics, trajectories and checkpoints with the first one's. The kernel drops the lock
+    when the holder exits, however it dies (kill -9 included), so it is never left stuck. The
+    file holds the holder's pid and host, for the message. Not for workdirs on NFS without
+    lock support.
+
+    Raises ConfigError (from `acquire`) when another process holds the lock.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.join(path, ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> "WorkdirLock":
+        import fcntl
+        import socket
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError(f"{os.path.dirname(self.path)} is in use by another run ({holder}); "
+                              "wait for it to finish or stop it, or use another "
+                              "--config.workdir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Drop the lock (the file stays; its content is stale once unlocked)."""
+        if self._fd is not None:
+            os.close(self._fd)   # closing the descriptor releases the flock
+            self._fd = None
+
+    def __enter__(self) -> "WorkdirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def check_env(c: Any) -> None:
+    """Start-up check of the env's external dependencies, before anything is built: calls the
+    env class's ``preflight(**env_kwargs)`` when it has one (WebShop: the AgentGym server
+    answers). Raises ConfigError with the env's message (the URL and what to run)."""
+    from envs_bridge.base import EnvError
+    preflight = getattr(get_env_factory(c.env.name), "preflight", None)
+    if preflight is None:
+        return
+    try:
+        preflight(**env_kwargs(c))
+    except EnvError as e:
+        raise ConfigError(str(e)) from None
+
+
 def seed_key(c: Any, *ids: int) -> jax.Array:
     """A raw uint32 PRNG key from c.seed folded with `ids` (e.g. the iteration)."""
     key = jax.random.PRNGKey(int(c.seed))
@@ -283,6 +372,7 @@ def seed_key(c: Any, *ids: int) -> jax.Array:
     return key
 
 
-__all__ = ["ConfigError", "validate", "resolve", "build_mesh", "build_tokenizer", "build_model",
+__all__ = ["ConfigError", "WorkdirLock", "check_env", "check_resume", "RESUME_MAY_CHANGE",
+           "validate", "resolve", "build_mesh", "build_tokenizer", "build_model",
            "env_kwargs", "task_list", "build_pool", "max_cache_len", "workdir", "seed_key",
            "TaskSampler"]

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Any, Iterable, Mapping
 
 import numpy as np
@@ -35,7 +36,11 @@ class MetricsWriter:
       tensorboard: set False to skip tensorboardX (e.g. on images without it).
       resume_step: the step a run resumed from: JSONL rows with a larger step (written by
         iterations after the last checkpoint, which will be redone) are dropped, so a killed and
-        resumed run logs each step once.
+        resumed run logs each step once; the TensorBoard writer gets ``purge_step=resume_step+1``
+        (a SessionLog.START event: TensorBoard drops the older events of those steps, so its
+        curves match metrics.jsonl). `resumed_tags` holds the tags already logged AT resume_step
+        (e.g. an eval row written after that checkpoint), so the caller does not log them twice.
+        A torn last line (a write cut short by a kill or a full disk) is dropped with a warning.
     """
 
     def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
@@ -43,15 +48,23 @@ class MetricsWriter:
         self.workdir = workdir
         self.enabled = enabled
         self._tb = None
+        self.resumed_tags: set[str] = set()
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
-        if resume_step is not None:
-            for name in ("metrics.jsonl", "trajectories.jsonl"):
-                _truncate_after(os.path.join(workdir, name), resume_step)
+        for name in ("metrics.jsonl", "trajectories.jsonl"):
+            kept = _truncate_after(os.path.join(workdir, name), resume_step)
+            if name == "metrics.jsonl" and resume_step is not None:
+                self.resumed_tags = {k for r in kept if r.get("step") == resume_step
+                                     for k in r if k not in ("step", "time")}
         if tensorboard:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+            # A unique, time-ordered file name: tensorboardX names event files by the second
+            # and opens them "wb", so a writer reopened within the same second would erase the
+            # previous file; readers process the files in name order.
+            self._tb = SummaryWriter(
+                os.path.join(workdir, "tb"), filename_suffix=f".{time.time_ns():020d}",
+                purge_step=None if resume_step is None else int(resume_step) + 1)
         self._scalars = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
         self._trajs = open(os.path.join(workdir, "trajectories.jsonl"), "a", buffering=1)
 
@@ -92,25 +105,92 @@ class MetricsWriter:
         self._trajs.close()
 
 
-def _truncate_after(path: str, step: int) -> None:
-    """Rewrite a JSONL log keeping rows with "step" <= step (atomic replace)."""
+def _truncate_after(path: str, step: int | None) -> list[dict]:
+    """Rewrite a JSONL log keeping rows with "step" <= step (all rows when step is None) and
+    without a torn last line (atomic replace); returns the kept rows."""
     if not os.path.exists(path):
-        return
+        return []
     with open(path) as f:
         lines = [line for line in f if line.strip()]
-    keep = [line for line in lines if json.loads(line).get("step", 0) <= step]
-    if len(keep) == len(lines):
-        return
+    n_read = len(lines)
+    rows = _parse_lines(path, lines)   # drops a torn last line from `lines`
+    keep = [(line, r) for line, r in zip(lines, rows)
+            if step is None or r.get("step", 0) <= step]
+    if len(keep) == n_read and (not lines or lines[-1].endswith("\n")):
+        return rows
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        f.writelines(keep)
+        f.writelines(line if line.endswith("\n") else line + "\n" for line, _ in keep)
     os.replace(tmp, path)
+    return [r for _, r in keep]
+
+
+def _parse_lines(path: str, lines: list[str]) -> list[dict]:
+    """JSON rows of `lines`; a torn LAST line is dropped with a warning naming `path`.
+
+    Raises ValueError (naming the file and line) for an unparsable line before the last one:
+    that is not a cut-short append but a damaged file.
+    """
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                msg = (f"{path}: dropping a torn last line (line {i + 1}, {len(line)} chars: "
+                       f"{line[:60]!r}...), left by a write cut short (kill, full disk)")
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+                logging.getLogger(__name__).warning(msg)
+                lines.pop()
+                break
+            raise ValueError(f"{path}: line {i + 1} is not JSON ({e}); the file is damaged "
+                             "before its end: repair or remove that line") from None
+    return rows
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """All rows of a JSONL file (the metrics or trajectory log)."""
+    """All rows of a JSONL file (the metrics or trajectory log).
+
+    A torn last line (what a kill or a full disk leaves) is dropped with a RuntimeWarning that
+    names the file; an unparsable earlier line raises ValueError naming file and line.
+    """
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    return _parse_lines(path, lines)
+
+
+def read_tensorboard(logdir: str) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of a tensorboardX log dir as TensorBoard shows them: {tag: [(step, value)]}.
+
+    Event files are read in name order; a SessionLog.START event at step s (what a writer with
+    ``purge_step=s`` writes on resume) drops the values of steps >= s read so far, as
+    TensorBoard's event accumulator does (tensorboard/backend/event_processing/
+    event_accumulator.py, ``_CheckForRestartAndMaybePurge``). Points stay in the order they
+    were written, so a step logged twice without a purge shows up twice.
+    """
+    import glob
+    import struct
+
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.proto.event_pb2 import SessionLog
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+        with open(path, "rb") as f:
+            data = f.read()
+        i = 0
+        while i + 12 <= len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            if i + 12 + n > len(data):
+                break   # a record cut short by a kill: TensorBoard stops there too
+            ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            if ev.HasField("session_log") and ev.session_log.status == SessionLog.START:
+                for tag, series in out.items():
+                    out[tag] = [(s, v) for s, v in series if s < ev.step]
+            for v in ev.summary.value:
+                out.setdefault(v.tag, []).append((int(ev.step), float(v.simple_value)))
+    return out
 
 
 class Progress:

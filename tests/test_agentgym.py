@@ -91,3 +91,28 @@ def test_webshop_through_pool_and_splits(server):
     tr, dv, te = (set(t.variation for t in WebShopEnv.task_list(s)) for s in ("train", "dev", "test"))
     assert not (tr & dv or tr & te or dv & te) and len(te) == 500
     assert webshop_actions(True, ["search"]) == ["search[<keywords>]"]
+
+
+def test_unreachable_server_is_one_start_up_error_naming_url_and_command():
+    # nothing listens on port 9 (discard): the run must stop before anything is built
+    from configs import webshop
+    from strata_jax import experiment as ex
+    c = webshop.get_config()
+    c.env.server_url = "http://127.0.0.1:9"
+    with pytest.raises(ex.ConfigError) as err:
+        ex.check_env(c)
+    msg = str(err.value)
+    assert msg.startswith("the WebShop server at http://127.0.0.1:9 does not answer "
+                          "([Errno 111] Connection refused)")
+    assert "`webshop --host 127.0.0.1 --port 36001`" in msg and "--config.env.server_url" in msg
+
+
+def test_reachable_server_passes_the_start_up_check(server):
+    from configs import webshop
+    from strata_jax import experiment as ex
+    _, url = server
+    c = webshop.get_config()
+    c.env.server_url = url
+    ex.check_env(c)   # no error
+    c.env.name = "scienceworld"   # envs without external services have no check
+    ex.check_env(c)

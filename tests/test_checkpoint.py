@@ -151,3 +151,200 @@ def test_restore_8_device_checkpoint_into_1_device_process(setup, tmp_path):
     assert len(got.files) == len(want)
     for i, w in enumerate(want):
         np.testing.assert_array_equal(got[str(i)], w)
+
+
+# ---------------------------------------------------------------- exception-path saves (run_loop)
+
+
+class _InterruptAt:
+    """A Trainer whose update raises KeyboardInterrupt when called at iteration `at`."""
+
+    def __init__(self, trainer, at):
+        self.trainer, self.at, self.calls = trainer, at, 0
+
+    def update(self, state, batch, ref_params=None):
+        self.calls += 1
+        if int(state.step) == self.at:
+            raise KeyboardInterrupt
+        return self.trainer.update(state, batch, ref_params)
+
+
+def _ten_tasks():
+    from envs_bridge import Task
+    return [Task("memory_key", f"t{i}", i) for i in range(10)]
+
+
+def test_exception_path_saves_the_state_before_the_interrupted_iteration(setup, tmp_path):
+    # TaskSampler over 10 tasks (seed 0), 2 per iteration, checkpoint every 100 iterations;
+    # Ctrl-C in iteration 2: the checkpoint must hold sampler position 4 (iterations 0 and 1)
+    # and the state after iteration 1, so the resumed iteration 2 draws the same two tasks.
+    from envs_bridge import TaskSampler
+    from strata_jax.training import run_loop
+    params, trainer, state0 = setup
+    drawn = []
+
+    def next_batch(s, sampler):
+        drawn.append([t.task_id for t in sampler.sample(2)])
+        return iteration_batch(int(s.step))
+
+    sampler = TaskSampler(_ten_tasks(), seed=0)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2, every=100)
+    with pytest.raises(KeyboardInterrupt):
+        run_loop(_InterruptAt(trainer, 2), state0, lambda s: next_batch(s, sampler),
+                 iterations=5, checkpointer=ckpt, ref_params=params,
+                 sampler_state=sampler.get_state)
+    assert ckpt.all_steps() == [2]
+    restored, meta = ckpt.restore(trainer.abstract_state())
+    ckpt.close()
+    assert meta["sampler_state"]["position"] == 4 and int(restored.step) == 2
+    s = state0
+    for _ in range(2):
+        s, _ = trainer.update(s, iteration_batch(int(s.step)), ref_params=params)
+    for a, b in zip(_leaves(restored), _leaves(s)):   # params, optimizer, PRNG, step
+        np.testing.assert_array_equal(a, b)
+    # The resumed iteration 2 draws what the uninterrupted run's iteration 2 draws.
+    uninterrupted = TaskSampler(_ten_tasks(), seed=0)
+    want = [[t.task_id for t in uninterrupted.sample(2)] for _ in range(4)]
+    assert drawn == want[:3]     # iteration 2 had drawn its tasks when Ctrl-C came
+    resumed = TaskSampler(_ten_tasks(), seed=0)
+    resumed.set_state(meta["sampler_state"])
+    assert [t.task_id for t in resumed.sample(2)] == want[2] != want[3]
+
+
+def _step_snapshot(step_dir):
+    return {os.path.relpath(os.path.join(r, f), step_dir):
+            (os.stat(os.path.join(r, f)).st_ino, os.stat(os.path.join(r, f)).st_mtime_ns)
+            for r, _, fs in os.walk(step_dir) for f in fs}
+
+
+def test_a_committed_step_is_never_deleted_and_rewritten(setup, tmp_path, monkeypatch):
+    # A finished run's forced final save and the first Ctrl-C after a periodic save hit a step
+    # already on disk: it must stay as it is (no delete-then-rewrite window, keep=1).
+    from strata_jax.training import run_loop
+    params, trainer, state0 = setup
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=1, every=1)
+    state, status = run_loop(trainer, state0, lambda s: iteration_batch(int(s.step)),
+                             iterations=1, checkpointer=ckpt, ref_params=params)
+    assert status == "done" and ckpt.all_steps() == [1]
+    before = _step_snapshot(str(tmp_path / "ckpt" / "1"))
+    deleted = []
+    monkeypatch.setattr(ckpt._mngr, "delete", lambda s: deleted.append(s))
+    assert ckpt.save(state) == 1                      # the forced final save of a rerun
+    with pytest.raises(KeyboardInterrupt):            # Ctrl-C in the iteration after a save
+        run_loop(_InterruptAt(trainer, 1), state, lambda s: iteration_batch(int(s.step)),
+                 iterations=3, checkpointer=ckpt, ref_params=params)
+    assert deleted == [] and _step_snapshot(str(tmp_path / "ckpt" / "1")) == before
+    ckpt.close()
+
+
+def _largest_data_file(step_dir):
+    files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(step_dir, "state"))
+             for f in fs]
+    return max(files, key=os.path.getsize)
+
+
+def test_same_size_bit_flip_falls_back_with_a_warning_naming_the_file(setup, tmp_path):
+    params, trainer, state0 = setup
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3)
+    s1 = state0.replace(step=state0.step + 1)
+    s2 = state0.replace(step=state0.step + 2,
+                        params=jax.tree.map(lambda x: x + 1.0, state0.params))
+    ckpt.save(s1, sampler_state={"pos": 1})
+    ckpt.save(s2, sampler_state={"pos": 2})
+    ckpt.close()
+    victim = _largest_data_file(str(tmp_path / "ckpt" / "2"))
+    size = os.path.getsize(victim)
+    with open(victim, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)[0]
+        f.seek(size // 2)
+        f.write(bytes([byte ^ 0x10]))
+    assert os.path.getsize(victim) == size
+    with pytest.warns(RuntimeWarning, match=f"step 2 .*{os.path.basename(victim)}"), \
+            Checkpointer(str(tmp_path / "ckpt")) as fresh:
+        restored, meta = fresh.restore(trainer.abstract_state())
+    assert meta["step"] == 1 and meta["sampler_state"] == {"pos": 1}
+    for a, b in zip(_leaves(restored.params), _leaves(s1.params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_step_without_its_manifest_was_never_committed(setup, tmp_path):
+    # kill -9 between orbax's commit and the manifest: the step is skipped, and the next save
+    # of that step replaces it
+    params, trainer, state0 = setup
+    with Checkpointer(str(tmp_path / "ckpt"), keep=1) as ckpt:
+        ckpt.save(state0.replace(step=state0.step + 1))
+        ckpt.save(state0.replace(step=state0.step + 2))
+    os.remove(tmp_path / "ckpt" / "2" / "checksums.json")
+    # keep=1, yet step 1 was deleted only after step 2 was committed; now nothing verifies
+    with pytest.warns(RuntimeWarning, match="checksums.json is missing"), \
+            pytest.raises(RuntimeError, match="no restorable checkpoint"), \
+            Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.restore(trainer.abstract_state())
+    with Checkpointer(str(tmp_path / "ckpt"), keep=1) as ckpt:
+        ckpt.save(state0.replace(step=state0.step + 2, params=jax.tree.map(lambda x: x * 2,
+                                                                            state0.params)))
+        restored, meta = ckpt.restore(trainer.abstract_state())
+    assert meta["step"] == 2
+    np.testing.assert_array_equal(np.asarray(restored.params["embed"]),
+                                  2 * np.asarray(state0.params["embed"]))
+
+
+def test_full_disk_is_one_clear_error_without_a_second_save(setup, tmp_path, monkeypatch):
+    import errno
+
+    from strata_jax.training import CheckpointWriteError, run_loop
+    params, trainer, state0 = setup
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3, every=1)
+    run_loop(trainer, state0, lambda s: iteration_batch(int(s.step)), iterations=1,
+             checkpointer=ckpt, ref_params=params)
+    good = _step_snapshot(str(tmp_path / "ckpt" / "1"))
+    calls = []
+    real_save = ckpt._mngr.save
+
+    def full_disk(step, *a, **kw):
+        calls.append(step)
+        # orbax has created its tmp dir and begun writing when the disk fills
+        os.makedirs(tmp_path / "ckpt" / f"{step}.orbax-checkpoint-tmp-123" / "state")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt._mngr, "save", full_disk)
+    with pytest.raises(CheckpointWriteError) as err:
+        run_loop(trainer, ckpt.restore(trainer.abstract_state())[0],
+                 lambda s: iteration_batch(int(s.step)), iterations=3, checkpointer=ckpt,
+                 ref_params=params)
+    msg = str(err.value)
+    assert calls == [2]                                   # no second attempt
+    assert str(tmp_path / "ckpt") in msg and "no space left on device" in msg
+    need = sum(x.nbytes for x in _leaves(state0)) / 2**20
+    assert f"needs ~{need:.1f} MiB" in msg and "\n" not in msg
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]  # no tmp dir, step 1 intact
+    assert _step_snapshot(str(tmp_path / "ckpt" / "1")) == good
+    monkeypatch.setattr(ckpt._mngr, "save", real_save)
+    ckpt.close()
+
+
+def test_a_step_restore_skipped_as_corrupt_is_replaced_by_the_next_save(setup, tmp_path):
+    # resume falls back past a bit-flipped step 2 to step 1; redoing iteration 2 must save step 2
+    # again (a "step already on disk" skip would lose it on every rerun)
+    params, trainer, state0 = setup
+    with Checkpointer(str(tmp_path / "ckpt"), keep=3) as ckpt:
+        ckpt.save(state0.replace(step=state0.step + 1))
+        ckpt.save(state0.replace(step=state0.step + 2))
+    victim = _largest_data_file(str(tmp_path / "ckpt" / "2"))
+    with open(victim, "r+b") as f:
+        f.seek(7)
+        b = f.read(1)[0]
+        f.seek(7)
+        f.write(bytes([b ^ 1]))
+    redone = state0.replace(step=state0.step + 2,
+                            params=jax.tree.map(lambda x: x - 3.0, state0.params))
+    with Checkpointer(str(tmp_path / "ckpt"), keep=3) as ckpt:
+        with pytest.warns(RuntimeWarning, match="step 2"):
+            assert ckpt.restore(trainer.abstract_state())[1]["step"] == 1
+        ckpt.save(redone)
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        restored, meta = ckpt.restore(trainer.abstract_state())
+    assert meta["step"] == 2
+    np.testing.assert_array_equal(np.asarray(restored.params["embed"]),
+                                  np.asarray(state0.params["embed"]) - 3.0)

@@ -3,6 +3,7 @@ import glob
 import math
 
 import numpy as np
+import pytest
 
 from strata_jax.metrics import MetricsWriter, Progress, read_jsonl
 
@@ -72,3 +73,68 @@ def test_resume_drops_rows_of_lost_iterations(tmp_path):
     rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 20.0)]
     assert [t["step"] for t in read_jsonl(str(tmp_path / "trajectories.jsonl"))] == [1]
+
+
+def test_tensorboard_after_resume_matches_jsonl(tmp_path):
+    # steps 1..5, then a resume from the step-3 checkpoint logs steps 4 and 5 again (10 * step):
+    # TensorBoard must read one point per step, the resumed values, like metrics.jsonl
+    from strata_jax.metrics import read_tensorboard
+    w = MetricsWriter(str(tmp_path))
+    for step in range(1, 6):
+        w.scalars(step, {"v": float(step)})
+    w.close()
+    w = MetricsWriter(str(tmp_path), resume_step=3)
+    for step in (4, 5):
+        w.scalars(step, {"v": 10.0 * step})
+    w.close()
+    want = [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+    assert read_tensorboard(str(tmp_path / "tb"))["v"] == want
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [(r["step"], r["v"]) for r in rows] == want
+    assert len(glob.glob(str(tmp_path / "tb" / "events.*"))) == 2   # the first file kept
+
+
+def test_resumed_tags_name_what_was_logged_at_the_resume_step(tmp_path):
+    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    w.scalars(1, {"loss": 1.0})
+    w.scalars(2, {"loss": 2.0})
+    w.scalars(2, {"eval/success": 0.5})
+    w.scalars(3, {"loss": 3.0})
+    w.close()
+    w = MetricsWriter(str(tmp_path), tensorboard=False, resume_step=2)
+    w.close()
+    assert w.resumed_tags == {"loss", "eval/success"}
+    w = MetricsWriter(str(tmp_path), tensorboard=False, resume_step=1)
+    w.close()
+    assert w.resumed_tags == {"loss"}
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "trajectories.jsonl"])
+def test_torn_last_line_is_dropped_with_a_warning(tmp_path, name):
+    # what a full disk or a power cut leaves after the step-2 row
+    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    for step in (1, 2):
+        w.scalars(step, {"loss": float(step)})
+        w.trajectories(step, [{"a": step}])
+    w.close()
+    path = tmp_path / name
+    with open(path, "a") as f:
+        f.write('{"step": 3, "time": 1796078')
+    with pytest.warns(RuntimeWarning, match=f"{name}: dropping a torn last line"):
+        rows = read_jsonl(str(path))
+    assert [r["step"] for r in rows] == [1, 2]
+    # a resume (or a fresh writer) repairs the file, and appended rows stay parseable
+    with pytest.warns(RuntimeWarning, match=name):
+        w = MetricsWriter(str(tmp_path), tensorboard=False, resume_step=2)
+    w.scalars(3, {"loss": 30.0})
+    w.trajectories(3, [{"a": 3}])
+    w.close()
+    assert [r["step"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 2, 3]
+    assert [r["a"] for r in read_jsonl(str(tmp_path / "trajectories.jsonl"))] == [1, 2, 3]
+
+
+def test_damaged_middle_line_names_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "ti\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not JSON"):
+        read_jsonl(str(path))

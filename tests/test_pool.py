@@ -212,3 +212,103 @@ def test_reset_user_error_frees_the_other_episodes_slots():
         assert pool.num_free == 3  # was 1: the two good episodes' slots leaked
         outs = pool.reset([good] * 3)
         assert [o.crashed for o in outs] == [False] * 3
+
+
+class _ChildProcessEnv(GridNavEnv):
+    """grid_nav that owns a child process (as a ScienceWorld env owns its JVM), takes
+    `start_s` to start, and whose `crash` action raises a multi-line error (a dying JVM)."""
+
+    name = "child_grid"
+    start_s = 0.0
+
+    def __init__(self, **kw):
+        import subprocess
+        import sys
+        super().__init__(**kw)
+        self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        time.sleep(_ChildProcessEnv.start_s)
+
+    def close(self):
+        self.child.kill()
+        self.child.wait()
+
+    def _step(self, action):
+        if action == "crash":
+            raise RuntimeError("py4j.protocol.Py4JNetworkError: Answer from Java side is empty\n"
+                               + "\n".join(f'  File "x.py", line {i}' for i in range(30)))
+        return super()._step(action)
+
+
+register_env("child_grid", _ChildProcessEnv)
+
+
+def _children():
+    import psutil
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_close_waits_for_a_background_restart_no_child_outlives_the_pool(caplog):
+    # the crash's restart starts a new env (1 s) in the background; close() comes at once
+    baseline = len(_children())
+    task = Task("child_grid", "child_grid", 1)
+    _ChildProcessEnv.start_s = 0.0
+    pool = EnvPool("child_grid", max_live_envs=2)
+    ids = [o.episode_id for o in pool.reset([task, task])]
+    assert len(_children()) == baseline + 2
+    _ChildProcessEnv.start_s = 1.0
+    with caplog.at_level("WARNING", logger="envs_bridge.pool"):
+        out = pool.step(ids, ["crash", "go north"])
+    assert [o.crashed for o in out] == [True, False]
+    pool.close()
+    time.sleep(1.5)   # a restart that outlived close() would have started its child by now
+    assert len(_children()) == baseline
+    # the crash is one log line with the cause, and a counter
+    lines = [r.getMessage() for r in caplog.records if r.name == "envs_bridge.pool"]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "crashed in step of task child_grid" in lines[0] and "Py4JNetworkError" in lines[0]
+    st = pool.stats()
+    assert (st["crashes"], st["restarts"], st["timeouts"], st["retries"]) == (1, 1, 0, 0)
+
+
+def test_pool_metrics_are_per_iteration_deltas():
+    from envs_bridge.pool import pool_metrics
+    before = {"crashes": 2, "timeouts": 1, "restarts": 2, "retries": 0, "steps": 40}
+    after = {"crashes": 5, "timeouts": 1, "restarts": 4, "retries": 3, "steps": 90}
+    assert pool_metrics(before, after) == {"rollout/env_crashes": 3.0, "rollout/env_timeouts": 0.0,
+                                           "rollout/env_restarts": 2.0, "rollout/env_retries": 3.0}
+
+
+class _FlakyResetEnv(GridNavEnv):
+    """grid_nav whose first reset in the process crashes (a JVM killed during the strategy
+    stage's first reset)."""
+
+    name = "flaky_reset_grid"
+    failures_left = 0
+
+    def _reset(self, task):
+        if _FlakyResetEnv.failures_left > 0:
+            _FlakyResetEnv.failures_left -= 1
+            raise RuntimeError("JVM died")
+        return super()._reset(task)
+
+
+register_env("flaky_reset_grid", _FlakyResetEnv)
+
+
+def test_retried_first_reset_is_counted_and_logged_once(caplog):
+    from envs_bridge.pool import pool_metrics
+    from strata_jax.rollout.rollout import _first_observations
+    _FlakyResetEnv.failures_left = 1
+    tasks = [Task("flaky_reset_grid", "flaky_reset_grid", s) for s in (1, 2)]
+    with EnvPool("flaky_reset_grid", max_live_envs=2) as pool, \
+            caplog.at_level("WARNING", logger="envs_bridge.pool"):
+        before = pool.stats()
+        firsts = _first_observations(pool, tasks)
+        m = pool_metrics(before, pool.stats())
+    assert all(f is not None and f[0].startswith("You are at") for f in firsts)
+    assert m == {"rollout/env_crashes": 1.0, "rollout/env_timeouts": 0.0,
+                 "rollout/env_restarts": 1.0, "rollout/env_retries": 1.0}
+    lines = [r.getMessage() for r in caplog.records if r.name == "envs_bridge.pool"]
+    assert len(lines) == 1 and "crashed in reset of task flaky_reset_grid" in lines[0]
+    assert "RuntimeError: JVM died; restarting it" in lines[0]

@@ -191,3 +191,34 @@ def test_observations_do_not_depend_on_which_jvm_plays_them():
         seqs.append(seq)
     assert "wood cup (containing" in seqs[0][0]
     assert seqs[1] == seqs[0] and seqs[2] == seqs[0]
+
+
+def _java_children():
+    import psutil
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "java" in p.name()]
+
+
+def test_close_right_after_a_jvm_crash_leaves_no_jvm(gold, caplog):
+    # the killed JVM's replacement starts in the background (~1-3 s); close() comes at once and
+    # must wait for it (or cancel it): no JVM of this pool may outlive close()
+    import time
+    baseline = len(_java_children())
+    pair = GOLD_PAIRS[0]
+    pool = EnvPool("scienceworld", {"max_steps": 30}, max_live_envs=2, step_timeout_s=60)
+    ids = [o.episode_id for o in pool.reset([T(*pair)] * 2)]
+    assert len(_java_children()) == baseline + 2
+    jvm = pool.env_for(ids[1]).java_process
+    os.kill(jvm.pid, signal.SIGKILL)
+    jvm.wait(timeout=10)
+    with caplog.at_level("WARNING"):
+        outs = pool.step(ids, [gold[pair][0]] * 2)
+        assert [o.crashed for o in outs] == [False, True]
+        pool.close()
+    time.sleep(3.0)   # a replacement JVM that outlived close() would be up by now
+    assert len(_java_children()) == baseline
+    assert pool.stats()["restarts"] == 1
+    # the crash is one log line naming the cause; py4j's tracebacks do not reach the log
+    crash = [r for r in caplog.records if "crashed in step" in r.getMessage()]
+    assert len(crash) == 1 and "ScienceWorld JVM" in crash[0].getMessage()
+    assert not [r for r in caplog.records if r.name.startswith("py4j")]

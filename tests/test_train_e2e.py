@@ -20,7 +20,7 @@ import pytest
 
 from configs import sciworld
 from strata_jax import experiment as ex
-from strata_jax.metrics import read_jsonl
+from strata_jax.metrics import read_jsonl, read_tensorboard
 from strata_jax.training import Checkpointer, Trainer, TrainConfig
 
 pytestmark = pytest.mark.slow
@@ -38,15 +38,15 @@ def tiny_config(workdir, warm_start_cache, extra=""):
     return c
 
 
-def restore_params(c, step):
-    """Policy params of checkpoint `step` of run `c` (host numpy)."""
+def restore_state(c, step):
+    """The TrainState of checkpoint `step` of run `c` (host numpy leaves) and its meta."""
     tok = ex.build_tokenizer(c)
     model_cfg, params = ex.build_model(c, tok, None)
     trainer = Trainer(model_cfg, TrainConfig.from_config(c), None)
     ckpt = Checkpointer(os.path.join(c.workdir, "ckpt"))
     state, meta = ckpt.restore(trainer.abstract_state(params), step=step)
     ckpt.close()
-    return jax.tree.map(np.asarray, jax.device_get(state.params)), meta
+    return jax.tree.map(np.asarray, jax.device_get(state)), meta
 
 
 @pytest.fixture(scope="module")
@@ -130,16 +130,90 @@ def test_sigterm_then_restart_matches_uninterrupted_run(reference_run, tmp_path)
     assert "done: step 3" in out.stdout
     assert "resumed from step 2" in out.stderr
     c = tiny_config(workdir, c_ref.sft.cache_dir)
-    resumed, meta = restore_params(c, ITERS)
-    ref, _ = restore_params(c_ref, ITERS)
-    ref_prev, _ = restore_params(c_ref, ITERS - 1)
-    diff = max(float(np.max(np.abs(a - b))) for a, b in
+    resumed, meta = restore_state(c, ITERS)
+    ref, ref_meta = restore_state(c_ref, ITERS)
+    ref_prev, _ = restore_state(c_ref, ITERS - 1)
+    # the whole checkpointed state: params, optimizer moments, PRNG key, step
+    diff = max(float(np.max(np.abs(a.astype(np.float64) - b))) for a, b in
                zip(jax.tree.leaves(resumed), jax.tree.leaves(ref)))
     moved = max(float(np.max(np.abs(a - b))) for a, b in
-                zip(jax.tree.leaves(ref), jax.tree.leaves(ref_prev)))
+                zip(jax.tree.leaves(ref.params), jax.tree.leaves(ref_prev.params)))
     assert moved > 1e-4, "iteration 3 must move the params far more than the tolerance"
     assert diff <= 1e-6, diff
-    assert meta["sampler_state"] is not None
+    assert meta["sampler_state"] == ref_meta["sampler_state"] is not None
+    # the logs: metrics.jsonl and the TensorBoard events read back (with TensorBoard's purge on
+    # restart) hold one point per step, equal to the uninterrupted run's
+    want = _deterministic_rows(os.path.join(c_ref.workdir, "metrics.jsonl"))
+    got = _deterministic_rows(os.path.join(str(workdir), "metrics.jsonl"))
+    assert [s for s, _ in got] == [s for s, _ in want] == list(range(1, ITERS + 1))
+    for (_, g), (_, w) in zip(got, want):
+        assert g.keys() == w.keys()
+        for k in w:
+            assert g[k] == pytest.approx(w[k], rel=1e-4, abs=1e-6, nan_ok=True), k
+    tb_ref = read_tensorboard(os.path.join(c_ref.workdir, "tb"))
+    tb = read_tensorboard(os.path.join(str(workdir), "tb"))
+    assert tb.keys() == tb_ref.keys()
+    for tag, series in tb_ref.items():
+        assert [s for s, _ in tb[tag]] == [s for s, _ in series] == list(range(1, ITERS + 1)), tag
+        if _deterministic(tag):
+            np.testing.assert_allclose([v for _, v in tb[tag]], [v for _, v in series],
+                                       rtol=1e-4, atol=1e-6, err_msg=tag)
+
+
+def _deterministic(tag):
+    """Tags that replay exactly (not wall times, throughputs or compile counts)."""
+    return not tag.startswith(("time/", "perf/", "compile/"))
+
+
+def _deterministic_rows(path):
+    return [(r["step"], {k: (np.nan if v is None else v) for k, v in r.items()
+                         if k not in ("step", "time") and _deterministic(k)})
+            for r in read_jsonl(path)]
+
+
+def test_kill_9_after_an_eval_row_resumes_without_logging_it_twice(tmp_path):
+    # the warm start off, 3 iterations, a checkpoint every iteration, eval every 2: kill -9 as
+    # soon as the step-2 eval row is in metrics.jsonl, rerun the same command
+    workdir = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config=configs/sciworld.py:tiny",
+           f"--config.workdir={workdir}", "--config.iterations=3", "--config.model.warm_start=",
+           "--config.ckpt.every=1", "--config.eval.every=2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.time() + 600
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if metrics.exists() and any(r.get("step") == 2 and "eval/success" in r
+                                        for r in _rows(metrics)):
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before its step-2 eval row could be seen"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "resumed from step 2" in out.stderr and "done: step 3" in out.stdout
+    kinds = [(r["step"], "eval" if "eval/success" in r else "train") for r in _rows(metrics)]
+    assert kinds == [(1, "train"), (2, "train"), (2, "eval"), (3, "train")]
+    tb = read_tensorboard(str(workdir / "tb"))
+    assert [s for s, _ in tb["eval/success"]] == [2]
+    assert [s for s, _ in tb["rollout/success_rate"]] == [1, 2, 3]
+    for tag in ("rollout/env_crashes", "rollout/env_restarts", "rollout/env_retries"):
+        assert [r[tag] for r in _rows(metrics) if tag in r] == [0.0, 0.0, 0.0], tag
+
+
+def _rows(path):
+    """metrics.jsonl rows; a line being written (torn) is skipped without a warning here."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
 
 
 def test_hf_checkpoint_trains_and_eval_prints_families(tmp_path):

@@ -203,6 +203,8 @@ def _first_observations(pool: EnvPool, tasks: Sequence[Task]
     out: list[tuple[str, PromptPieces] | None] = [None] * len(tasks)
     todo = list(range(len(tasks)))
     for _attempt in range(2):
+        if _attempt and todo:
+            pool.note_retries(len(todo))   # logged as rollout/env_retries
         retry = []
         while todo:
             wave, todo = todo[: max(pool.num_free, 1)], todo[max(pool.num_free, 1):]

@@ -17,7 +17,9 @@ __all__ = [
     "response_states", "response_logprobs", "sequence_inputs", "score_batch", "advantages",
     "train_minibatch", "accumulate_grads", "micro_loss", "minibatch_plan", "pad_rows",
 ]
-from strata_jax.training.checkpoint import Checkpointer, PreemptionFlag, tree_to_numpy  # noqa: E402
+from strata_jax.training.checkpoint import (  # noqa: E402
+    Checkpointer, CheckpointWriteError, CorruptCheckpointError, PreemptionFlag, tree_to_numpy)
 from strata_jax.training.loop import run_loop  # noqa: E402
 
-__all__ += ["Checkpointer", "PreemptionFlag", "tree_to_numpy", "run_loop"]
+__all__ += ["Checkpointer", "CheckpointWriteError", "CorruptCheckpointError", "PreemptionFlag",
+            "tree_to_numpy", "run_loop"]

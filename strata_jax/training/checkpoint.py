@@ -9,8 +9,26 @@ Layout (one orbax CheckpointManager directory, async off, keep the last n):
                         placeholder so orbax never sees an empty node.
   <dir>/<step>/meta/    JSON: {"step": int, "sampler_state": <the caller's opaque JSON-able
                         dict, e.g. the task sampler's get_state()>, "config": <the experiment
-                        config as JSON text or a dict>, "format": 1}
+                        config as JSON text or a dict>, "format": 2}
+  <dir>/<step>/checksums.json   {"algorithm": "sha256", "files": {relative path: [bytes,
+                        hex digest]}} of every file under state/ and meta/, written (atomically)
+                        after orbax committed the step. A step is COMMITTED once this manifest
+                        exists; only then are steps beyond `keep` deleted, so a good checkpoint
+                        is never removed before its replacement is complete.
   <step> = TrainState.step (iterations completed).
+
+Integrity: restore re-hashes the step's files against its manifest; a mismatch (a bit flip of
+the same size, a truncated or missing file) or a format-2 step without a manifest (a save cut
+short) is skipped with a warning naming the file, in favour of the next older step. Steps
+written before manifests existed (format 1) restore unverified. Cost: one sha256 pass over
+the checkpoint bytes at save and at restore (measured on a Qwen2.5-0.5B-shape state, 5.5 GB: 16% of
+the save and 22% of the restore time on 2 loaded cores; benchmarks/checkpoint_integrity.py).
+
+Saving: a step already committed on disk is never deleted and written again (the forced final
+save of a finished run, the save on Ctrl-C right after a periodic one); a step on disk that is
+not committed (no or a wrong manifest) is replaced. A full disk (ENOSPC) raises
+`CheckpointWriteError` with one line naming the directory, the bytes needed and free; the
+partial step and orbax's tmp directory are removed, older steps are untouched.
 
 Restore: `Checkpointer.restore(abstract_state)` with `Trainer.abstract_state()` (ShapeDtypeStructs
 carrying the target NamedShardings) puts every array straight onto the target mesh, whatever
@@ -20,9 +38,13 @@ Source: orbax-checkpoint 0.12 CheckpointManager docs; issue 7.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
+import errno
+import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import threading
 import warnings
@@ -38,6 +60,106 @@ log = logging.getLogger(__name__)
 
 _EMPTY = "__empty__"
 _FIELDS = ("params", "opt_state", "critic_params", "critic_opt_state", "step", "rng")
+FORMAT = 2
+MANIFEST = "checksums.json"
+_HASHED = ("state", "meta")   # the step's items; orbax's own top-level files may be rewritten
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (e.g. no space left on device); the message names the
+    directory and the space needed. The partial step was removed; older steps are intact."""
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A step's files do not match its checksum manifest (or a committed-format step has none)."""
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _step_files(step_dir: str) -> list[str]:
+    """Relative paths of the files of a step's items (state/, meta/), sorted."""
+    out = []
+    for item in _HASHED:
+        for root, _, files in os.walk(os.path.join(step_dir, item)):
+            out += [os.path.relpath(os.path.join(root, f), step_dir) for f in files]
+    return sorted(out)
+
+
+def _hash_files(step_dir: str, rel: list[str]) -> dict[str, list]:
+    """{relative path: [size, sha256 hex]} computed on a few threads (hashlib frees the GIL)."""
+    workers = min(8, os.cpu_count() or 1, max(len(rel), 1))
+    with cf.ThreadPoolExecutor(workers) as ex:
+        digests = list(ex.map(lambda r: _sha256(os.path.join(step_dir, r)), rel))
+    return {r: [os.path.getsize(os.path.join(step_dir, r)), d] for r, d in zip(rel, digests)}
+
+
+def write_manifest(step_dir: str) -> dict:
+    """Hash every file of a step and write `<step_dir>/checksums.json` atomically (tmp + rename
+    + fsync). Returns the manifest dict."""
+    manifest = {"algorithm": "sha256", "files": _hash_files(step_dir, _step_files(step_dir))}
+    tmp = os.path.join(step_dir, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+    return manifest
+
+
+def verify_step(step_dir: str, contents: bool = True) -> bool:
+    """Check a step directory against its checksum manifest.
+
+    contents=False checks presence and sizes only (no hashing: for a step this process has just
+    committed). Returns True when verified, False for a format-1 step (no manifest, written
+    before manifests existed). Raises CorruptCheckpointError naming the first bad file: a size
+    or sha256 mismatch, a missing file, or a format-2 step without a manifest (never committed).
+    """
+    path = os.path.join(step_dir, MANIFEST)
+    if not os.path.exists(path):
+        try:
+            with open(os.path.join(step_dir, "meta", "metadata")) as f:
+                fmt = json.load(f).get("format", 1)
+        except (OSError, ValueError):
+            fmt = FORMAT
+        if fmt >= 2:
+            raise CorruptCheckpointError(f"{path} is missing: the save of this step did not "
+                                         "complete")
+        return False
+    with open(path) as f:
+        files = json.load(f)["files"]
+    for rel, (size, _) in files.items():
+        full = os.path.join(step_dir, rel)
+        if not os.path.exists(full):
+            raise CorruptCheckpointError(f"{full} is missing")
+        if os.path.getsize(full) != size:
+            raise CorruptCheckpointError(f"{full} has {os.path.getsize(full)} bytes, the "
+                                         f"manifest says {size}")
+    if not contents:
+        return True
+    got = _hash_files(step_dir, sorted(files))
+    for rel, (_, digest) in files.items():
+        if got[rel][1] != digest:
+            raise CorruptCheckpointError(f"{os.path.join(step_dir, rel)} does not match its "
+                                         "sha256 in the manifest (corrupted on disk)")
+    return True
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    """ENOSPC anywhere in the exception chain (orbax / tensorstore wrap the OSError)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or \
+                "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _encode(tree: Any) -> Any:
@@ -70,14 +192,19 @@ class Checkpointer:
 
     Args:
       directory: checkpoint root (created; absolute path used).
-      keep: number of most recent checkpoints kept (c.ckpt.keep).
+      keep: number of most recent committed checkpoints kept (c.ckpt.keep); older ones are
+        deleted only after a newer step's manifest is written.
       every: save period in iterations for `maybe_save` (c.ckpt.every; <= 0 = never periodic).
     """
 
     def __init__(self, directory: str, keep: int = 3, every: int = 10):
         self.directory = os.path.abspath(directory)
         self.every = int(every)
-        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+        self.keep = int(keep)
+        self._bad_steps: set[int] = set()   # steps `restore` skipped: a save replaces them
+        # Retention is done here, after the manifest commits a step (orbax would delete the
+        # old steps before that).
+        opts = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                             enable_async_checkpointing=False)
         self._mngr = ocp.CheckpointManager(self.directory, options=opts,
                                            item_names=("state", "meta"))
@@ -86,29 +213,83 @@ class Checkpointer:
 
     def save(self, state: TrainState, *, sampler_state: dict | None = None,
              config: Any = None, force: bool = True) -> int:
-        """Write a checkpoint at step int(state.step) and wait for it; returns the step.
+        """Write a checkpoint at step int(state.step), wait for it and commit it; returns the step.
 
         sampler_state: JSON-able dict (task-sampler position); config: JSON text, a dict, or an
-        ml_collections ConfigDict (stored via to_json). A step that already exists is replaced
-        only with force=True (the default) — resaving the same step after a resume is harmless.
+        ml_collections ConfigDict (stored via to_json). A step already committed on disk is
+        kept as it is (not deleted, not rewritten; logged; checked by manifest and file sizes,
+        not re-hashed); a step on disk without a valid manifest, or one that `restore` skipped
+        as corrupt, is replaced. `force` is kept for callers of the old API and ignored.
+        Raises CheckpointWriteError on a full disk (one line: directory, bytes needed, free).
         """
+        del force
         step = int(jax.device_get(state.step))
+        step_dir = os.path.join(self.directory, str(step))
+        if step in self._mngr.all_steps():
+            try:
+                if step in self._bad_steps:
+                    raise CorruptCheckpointError(f"{step_dir} failed to restore")
+                verify_step(step_dir, contents=False)   # committed, complete: keep it
+                log.info("checkpoint step %d is already on disk in %s; not saving it again",
+                         step, self.directory)
+                return step
+            except CorruptCheckpointError as e:
+                log.warning("replacing checkpoint step %d (%s)", step, e)
+                self._mngr.delete(step)
         if isinstance(config, str):
             cfg = json.loads(config)
         elif hasattr(config, "to_json"):
             cfg = json.loads(config.to_json())
         else:
             cfg = config
-        meta = {"format": 1, "step": step, "sampler_state": sampler_state, "config": cfg}
-        if step in self._mngr.all_steps():
-            if not force:
-                return step
-            self._mngr.delete(step)
-        self._mngr.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state_to_dict(state)),
-            meta=ocp.args.JsonSave(meta)), force=True)
-        self._mngr.wait_until_finished()
+        meta = {"format": FORMAT, "step": step, "sampler_state": sampler_state, "config": cfg}
+        try:
+            self._mngr.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state_to_dict(state)),
+                meta=ocp.args.JsonSave(meta)), force=True)
+            self._mngr.wait_until_finished()
+            write_manifest(step_dir)
+        except Exception as e:
+            if not _is_disk_full(e):
+                raise
+            self._remove_partial(step)
+            need = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                       for x in jax.tree.leaves(state_to_dict(state)))
+            free = shutil.disk_usage(self.directory).free
+            raise CheckpointWriteError(
+                errno.ENOSPC, f"no space left on device for checkpoint step {step} in "
+                f"{self.directory}: it needs ~{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB "
+                f"free; free space there or use another --config.workdir (earlier steps "
+                f"{self._committed_steps()} are intact)") from None
+        self._apply_retention()
         return step
+
+    def _committed_steps(self) -> list[int]:
+        return [s for s in sorted(self._mngr.all_steps())
+                if os.path.exists(os.path.join(self.directory, str(s), MANIFEST))]
+
+    def _apply_retention(self) -> None:
+        """Delete the oldest steps beyond `keep`, counting only committed steps."""
+        self._mngr.reload()
+        committed = self._committed_steps()
+        if len(committed) <= self.keep:
+            return
+        newest_kept = committed[-self.keep:]
+        for s in sorted(self._mngr.all_steps()):
+            if s < newest_kept[0]:
+                self._mngr.delete(s)
+
+    def _remove_partial(self, step: int) -> None:
+        """Remove what a failed save of `step` left: the uncommitted step dir, orbax tmp dirs."""
+        for name in os.listdir(self.directory):
+            full = os.path.join(self.directory, name)
+            partial_step = name == str(step) and not os.path.exists(os.path.join(full, MANIFEST))
+            if partial_step or (name.startswith(f"{step}.") and "tmp" in name):
+                shutil.rmtree(full, ignore_errors=True)
+        try:
+            self._mngr.reload()
+        except Exception:  # noqa: BLE001 — the manager is only used for listing afterwards
+            pass
 
     def maybe_save(self, state: TrainState, **kw) -> bool:
         """Save when state.step is a positive multiple of `every`; returns whether it saved."""
@@ -148,6 +329,7 @@ class Checkpointer:
         errors = []
         for s in steps:
             try:
+                verify_step(os.path.join(self.directory, str(s)))
                 out = self._mngr.restore(s, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
                 d = out["state"]
@@ -156,8 +338,9 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 — any failure means "unusable checkpoint"
                 if step is not None:
                     raise
+                self._bad_steps.add(s)
                 msg = (f"checkpoint step {s} in {self.directory} could not be restored "
-                       f"({type(e).__name__}: {str(e)[:200]}); falling back to an older one")
+                       f"({type(e).__name__}: {str(e)[:400]}); falling back to an older one")
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
                 log.warning(msg)
                 errors.append(s)
@@ -219,4 +402,5 @@ def tree_to_numpy(tree: Any) -> Any:
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
 
 
-__all__ = ["Checkpointer", "PreemptionFlag", "state_to_dict", "tree_to_numpy"]
+__all__ = ["Checkpointer", "CheckpointWriteError", "CorruptCheckpointError", "PreemptionFlag",
+           "state_to_dict", "tree_to_numpy", "verify_step", "write_manifest"]

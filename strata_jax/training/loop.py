@@ -2,11 +2,17 @@
 tests' driver; the entry-points issue owns the full rollout loop and may reuse it).
 
 Checkpoints: every `checkpointer.every` iterations, when SIGTERM arrived (after the iteration in
-flight finishes: the handler only sets a flag), and at exit — also when an exception escapes,
-in which case the last COMPLETED state is saved before the error propagates.
+flight finishes: the handler only sets a flag), and at exit — also when an exception escapes
+(Ctrl-C, an env or update error), in which case the state from BEFORE the interrupted iteration
+began is saved: params, optimizer, PRNG and the task sampler's position all as they were when
+that iteration started, so the resumed run redoes it exactly (the metrics writer drops the rows
+logged after the saved step on resume). A step already committed on disk is not saved again,
+and an exception raised by the checkpointer itself (a full disk) is not followed by a second
+save attempt.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import jax
@@ -15,6 +21,8 @@ from strata_jax.algos import SampleBatch
 from strata_jax.training.checkpoint import Checkpointer, PreemptionFlag
 from strata_jax.training.state import TrainState
 from strata_jax.training.update import Trainer
+
+log = logging.getLogger(__name__)
 
 
 def run_loop(trainer: Trainer, state: TrainState, next_batch: Callable[[TrainState], SampleBatch],
@@ -36,27 +44,40 @@ def run_loop(trainer: Trainer, state: TrainState, next_batch: Callable[[TrainSta
     """
     own = flag is None
     flag = flag or PreemptionFlag().install()
+    saving = [False]   # True while the checkpointer runs: its own errors are not retried
 
-    def save(s):
+    def save(s, sampler):
         if checkpointer is not None:
-            checkpointer.save(s, sampler_state=sampler_state(), config=config)
+            saving[0] = True
+            checkpointer.save(s, sampler_state=sampler, config=config)
+            saving[0] = False
 
+    # The state and task-sampler position at the start of the iteration in flight.
+    start_state, start_sampler = state, sampler_state()
     try:
         while int(jax.device_get(state.step)) < iterations:
+            start_state, start_sampler = state, sampler_state()
             batch = next_batch(state)
             state, metrics = trainer.update(state, batch, ref_params)
             step = int(jax.device_get(state.step))
             if on_metrics is not None:
                 on_metrics(step, metrics)
             if flag.requested:
-                save(state)
+                save(state, sampler_state())
                 return state, "preempted"
-            if checkpointer is not None:
-                checkpointer.maybe_save(state, sampler_state=sampler_state(), config=config)
-        save(state)
+            if checkpointer is not None and checkpointer.every > 0 and step > 0 \
+                    and step % checkpointer.every == 0:
+                save(state, sampler_state())
+            start_state, start_sampler = state, sampler_state()
+        save(state, sampler_state())
         return state, "done"
     except BaseException:
-        save(state)
+        if not saving[0]:
+            try:
+                save(start_state, start_sampler)
+            except Exception as e:  # noqa: BLE001 — the original error is the one to raise
+                log.error("could not checkpoint after the error below: %s: %s",
+                          type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         raise
     finally:
         if own:
