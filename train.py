@@ -35,7 +35,7 @@ def run(c) -> dict:
 
     from strata_jax import experiment as ex
     from strata_jax.evaluation import evaluate, spread_over_families, summarize
-    from strata_jax.metrics import CompileCounter, MetricsWriter, Progress
+    from strata_jax.metrics import CompileCounter, MetricsWriter, Progress, cpu_seconds
     from strata_jax.rollout import RolloutConfig, SamplerPolicy, make_prompt_builder, rollout
     from strata_jax.sampling import Sampler, compiled_program_count
     from strata_jax.training import Checkpointer, PreemptionFlag, Trainer, TrainConfig, run_loop
@@ -108,6 +108,7 @@ def run(c) -> dict:
         policy.set_params(policy_params(state))
         maybe_eval(it)
         t0 = time.time()
+        timing.setdefault("_t_iter", (t0, cpu_seconds()))
         if jax.process_count() > 1:
             # Multi-host: every host draws the same global task list and rolls out its share
             # (task uids stay global, so row keys and group ids match a single-process run).
@@ -127,6 +128,9 @@ def run(c) -> dict:
     def on_metrics(step, metrics):
         result = latest["rollout"]
         t_update = time.time() - timing.pop("_t_update")
+        t_iter, cpu_iter = timing.pop("_t_iter")
+        timing["time/iteration_s"] = time.time() - t_iter
+        timing["time/iteration_cpu_s"] = cpu_seconds() - cpu_iter   # this process + its JVMs
         m = {**result.stats, **metrics, **timing, "time/update_s": t_update,
              "compile/sampler_programs": float(compiled_program_count()),
              "compile/count": float(compiles.count), "compile/seconds": compiles.seconds}
