@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from strata_jax.rollout import RolloutConfig, collect_rollout
+from strata_jax.rollout import RolloutConfig, collect_rollout, dump_trajectories, rollout_stats
+from strata_jax.rollout.episodes import LoopStats
 
 # Score units: an episode return in [0,1]-scale units times this gives the env's own score.
 SCORE_SCALE = {"scienceworld": 100.0, "webshop": 100.0}
@@ -34,6 +35,30 @@ def spread_over_families(tasks: Sequence[Any], n: int) -> list[Any]:
             out.append(q[idx])
         i += 1
     return out
+
+
+def per_family(tasks: Sequence[Any], k: int) -> list[Any]:
+    """`k` tasks of every family (task id), round-robin over families: each family's tasks in
+    list order, cycled when it has fewer than `k` (a repeat is another episode of the same
+    variation, with its own sampling key)."""
+    by: dict[str, list[Any]] = {}
+    for t in tasks:
+        by.setdefault(str(t.task_id).split("/")[0], []).append(t)
+    return [q[i % len(q)] for i in range(k) for q in by.values()]
+
+
+def eval_tasks(c: Any, split: str) -> list[Any]:
+    """The episodes an eval plays: ``eval.episodes_per_family`` per task family of `split`
+    (`per_family`; 0 = every task of the split once), at most ``eval.max_tasks`` in all
+    (0 = no cap; the cap keeps the round-robin order, so it still covers every family it can).
+    An eval list file (``env.eval_list`` with split "test") is played as listed, capped."""
+    from strata_jax import experiment as ex
+    tasks = ex.task_list(c, split)
+    cap = int(c.eval.max_tasks)
+    k = int(c.eval.get("episodes_per_family", 0))
+    if not (split == "test" and c.env.eval_list):
+        tasks = per_family(tasks, k) if k > 0 else spread_over_families(tasks, len(tasks))
+    return list(tasks[:cap]) if cap > 0 else list(tasks)
 
 
 def eval_rollout_config(c: Any) -> RolloutConfig:
@@ -75,17 +100,26 @@ def summarize(trajectories: Sequence[Any], env_name: str, prefix: str = "eval"
 
 
 def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any], key: Any,
-             batch_tasks: int = 16) -> tuple[dict[str, float], list[Any]]:
-    """Play one episode per task with the eval protocol; returns (metrics, trajectories).
+             batch_tasks: int = 16) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Play one episode per task with the eval protocol.
 
+    Returns (metrics, episode records). Metrics: `summarize`'s (eval/success, eval/score,
+    per family, ...) plus what the rollout measured, renamed ``rollout/x`` -> ``eval/x``
+    (invalid_step_frac, env_rejected_frac, strategy_format_fail_frac, mean_episode_steps,
+    ...; `rollout_stats` over all episodes). Records: `dump_trajectories` of every episode.
     Tasks run in chunks of `batch_tasks` (one rollout call each, so the sampler batch stays
     bounded); each chunk's task uids continue the previous ones so row keys never repeat.
     """
     rc = eval_rollout_config(c)
-    trajs = []
+    trajs, groups, loop = [], [], LoopStats()
     for start in range(0, len(tasks), batch_tasks):
         chunk = list(tasks[start:start + batch_tasks])
         result = collect_rollout(policy, pool, builder, chunk, key=key, config=rc,
                                  task_uid_start=start)
         trajs.extend(result.trajectories)
-    return summarize(trajs, c.env.name), trajs
+        groups.extend(result.strategies)
+    stats = {"eval/" + k.split("/", 1)[1]: v
+             for k, v in rollout_stats(trajs, groups, loop).items()
+             if k.startswith("rollout/") and k not in ("rollout/episodes", "rollout/success_rate",
+                                                       "rollout/crashed_episodes")}
+    return {**summarize(trajs, c.env.name), **stats}, dump_trajectories(trajs, groups)

@@ -83,6 +83,12 @@ class MetricsWriter:
         for r in records:
             self._trajs.write(json.dumps({"step": int(step), **r}, default=str) + "\n")
 
+    def text(self, step: int, tag: str, text: str) -> None:
+        """Write `text` (markdown) under `tag` into TensorBoard's text tab at `step` (e.g. a
+        sample episode, `strata_jax.trajectories.format_episode`). No-op without TensorBoard."""
+        if self.enabled and self._tb is not None:
+            self._tb.add_text(tag, text, step)
+
     def close(self) -> None:
         if not self.enabled:
             return
