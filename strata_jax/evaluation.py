@@ -4,12 +4,16 @@ method.md 2.10: one strategy per task (no FPS, no judge), temperature 0.4; repor
 rate (ALFWorld won, WebShop, ScienceWorld score == 100), the mean score (WebShop score,
 ScienceWorld final score 0-100), overall and per task family. Baselines (flat rollout) are
 evaluated with one episode per task and no strategy.
+
+`run_eval` is eval.py's job (load a checkpoint, play `eval_tasks`, write JSON + episodes);
+`format_metrics` its printed report.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 from strata_jax.rollout import RolloutConfig, collect_rollout, dump_trajectories, rollout_stats
@@ -123,3 +127,103 @@ def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any],
              if k.startswith("rollout/") and k not in ("rollout/episodes", "rollout/success_rate",
                                                        "rollout/crashed_episodes")}
     return {**summarize(trajs, c.env.name), **stats}, dump_trajectories(trajs, groups)
+
+
+def run_eval(c, split: str | None = None, step: int | None = None,
+             use_checkpoint: bool = True) -> dict:
+    """Evaluate and return the metrics dict (see strata_jax.evaluation.evaluate) plus "step"
+    and "files" (the JSON and trajectory paths written, process 0 only).
+
+    Loads the run's checkpoint (``<workdir>/ckpt``, the newest restorable or `step`), or with
+    ``use_checkpoint=False`` the config's model (``model.path`` / ``model.preset`` plus a warm
+    start that is already cached), and nothing else: no warm start is ever trained here. Plays
+    `eval_tasks` with `evaluate` and writes ``<workdir>/eval_<split>_step<k>.json`` (metrics)
+    and ``..._trajectories.jsonl`` (every episode, `dump_trajectories` records).
+
+    Raises ConfigError (bad config; with use_checkpoint=False a warm start that is not cached)
+    and FileNotFoundError (no restorable checkpoint in the run folder).
+    """
+    import json
+    import os
+
+    from strata_jax import experiment as ex
+    from strata_jax.rollout import SamplerPolicy, make_prompt_builder
+    from strata_jax.sampling import Sampler
+    from strata_jax.training import Checkpointer, Trainer, TrainConfig
+
+    ex.validate(c)
+    ex.resolve(c)
+    split = split or c.eval.split
+    ckpt_dir = os.path.join(c.workdir, "ckpt")
+    if use_checkpoint and not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"no checkpoint in {ckpt_dir}; train first (python train.py "
+                                "with the same --config) or pass --no_checkpoint to evaluate "
+                                "config.model as is")
+    mesh = ex.build_mesh(c)
+    tokenizer = ex.build_tokenizer(c)
+    at = 0
+    if use_checkpoint:
+        trainer = Trainer(ex.model_config(c, tokenizer), TrainConfig.from_config(c), mesh)
+        model_cfg = trainer.model
+        # LoRA adapters need their frozen base (the run's initial params); full fine-tuning
+        # needs only the shapes: nothing is loaded or trained besides the checkpoint.
+        base = (ex.build_model(c, tokenizer, mesh, train_warm_start=False)[1] if trainer.lora
+                else ex.abstract_params(c, model_cfg))
+        ckpt = Checkpointer(ckpt_dir, keep=c.ckpt.keep)
+        restored = ckpt.restore(trainer.abstract_state(base), step=step)
+        ckpt.close()
+        if restored is None:
+            raise FileNotFoundError(f"no restorable checkpoint in {ckpt_dir}"
+                                    + (f" at step {step}" if step is not None else "")
+                                    + "; train first or pass --no_checkpoint")
+        state, meta = restored
+        # LoRA: the adapters merged into the base; otherwise the trained params themselves
+        params, at = trainer.policy_params(state, base), int(meta["step"])
+        print(f"evaluating checkpoint step {at} of {c.workdir}", flush=True)
+    else:
+        model_cfg, params = ex.build_model(c, tokenizer, mesh, train_warm_start=False)
+        print(f"evaluating the config's model as is ({c.model.path or 'preset ' + c.model.preset}"
+              + (f", warm start {c.model.warm_start}" if c.model.warm_start else "") + ")",
+              flush=True)
+    tasks = eval_tasks(c, split)
+    sampler = Sampler(model_cfg, mesh=mesh, max_cache_len=ex.max_cache_len(c, model_cfg))
+    policy = SamplerPolicy(sampler, ex.sampler_params(c, params))
+    builder = make_prompt_builder(tokenizer, c)
+    pool = ex.build_pool(c)
+    print(f"playing {len(tasks)} episodes on split {split!r} "
+          f"({int(c.eval.get('episodes_per_family', 0))} per family) ...", flush=True)
+    try:
+        metrics, episodes = evaluate(c, policy, pool, builder, tasks, key=ex.seed_key(c, 2, at))
+    finally:
+        pool.close()
+    metrics["step"] = at
+    metrics["files"] = []
+    if jax.process_index() == 0:   # multi-host: process 0 writes
+        os.makedirs(c.workdir, exist_ok=True)
+        stem = os.path.join(c.workdir, f"eval_{split}_step{at}")
+        with open(stem + ".json", "w") as f:
+            json.dump({k: v for k, v in metrics.items() if k != "files"}, f, indent=1)
+        with open(stem + "_trajectories.jsonl", "w") as f:
+            for rec in episodes:
+                f.write(json.dumps({"step": at, **rec}, default=str) + "\n")
+        metrics["files"] = [stem + ".json", stem + "_trajectories.jsonl"]
+    return metrics
+
+
+def format_metrics(metrics: dict) -> str:
+    """The eval's printed report: one line per family, the overall line, the step fractions
+    and the files written."""
+    lines = []
+    for k, v in sorted(metrics.items()):
+        if k.startswith("eval/family/") and k.endswith("/success"):
+            fam = k[len("eval/family/"):-len("/success")]
+            score = metrics.get(f"eval/family/{fam}/score", float("nan"))
+            lines.append(f"  {fam:<50s} success {v:6.3f}  score {score:8.2f}")
+    lines.append(f"overall: success {metrics['eval/success']:.3f}  score {metrics['eval/score']:.2f}"
+                 f"  episodes {int(metrics['eval/episodes'])}  (step {metrics['step']})")
+    lines.append(f"steps: invalid (format) {metrics.get('eval/invalid_step_frac', 0.0):.3f}  "
+                 f"rejected by the env {metrics.get('eval/env_rejected_frac', 0.0):.3f}  "
+                 f"strategy format failures {metrics.get('eval/strategy_format_fail_frac', 0.0):.3f}")
+    for path in metrics.get("files", []):
+        lines.append(f"wrote {path}")
+    return "\n".join(lines)

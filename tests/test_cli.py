@@ -220,13 +220,13 @@ def _run(script, *args, env=None):
     ("train.py", ["--config=configs/sciworld.py:grpo"],
      "train.py: error: --config.model.path=Qwen/Qwen2.5-1.5B-Instruct: could not download"),
     ("eval.py", ["--config=configs/sciworld.py:tiny", "--split=dev"],
-     "eval.py: no checkpoint in {workdir}/ckpt; train first (python train.py with the same "
-     "--config) or pass --no_checkpoint"),
+     "eval.py: error: no checkpoint in {workdir}/ckpt; train first (python train.py with the "
+     "same --config) or pass --no_checkpoint"),
 ])
 def test_user_mistakes_are_one_line_and_write_nothing(tmp_path, script, args, line):
     workdir = tmp_path / "run"
     out = _run(script, *args, f"--config.workdir={workdir}", env={"HF_HUB_OFFLINE": "1"})
-    assert out.returncode == 2 or (script == "eval.py" and out.returncode == 1), out.stderr
+    assert out.returncode == 2, out.stderr
     err = [ln for ln in out.stderr.strip().splitlines()
            if " strata_jax" not in ln and " envs_bridge" not in ln]   # log lines aside
     assert len(err) == 1, out.stderr

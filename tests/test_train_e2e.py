@@ -166,7 +166,7 @@ def test_hf_checkpoint_trains_and_eval_prints_families(tmp_path):
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert lines[0] == f"eval.py: checkpoint step 1 of {workdir}"   # nothing else is loaded
+    assert lines[0] == f"evaluating checkpoint step 1 of {workdir}"   # nothing else is loaded
     fams = [l.split()[0] for l in lines if "success" in l and not l.startswith("overall")]
     assert sorted(fams) == sorted(sciworld.TINY_TASKS)
     overall = [l for l in lines if l.startswith("overall: success")]
