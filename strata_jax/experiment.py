@@ -52,7 +52,7 @@ def validate(c: Any) -> None:
     sampling fields (rollout.temperature and eval.temperature finite and >= 0, top_p in (0, 1],
     top_k an integer >= -1 where 0 and -1 both mean "off", the vLLM / verl spelling); a
     non-finite or negative learning rate; an unknown dtype or remat policy (TrainConfig's own
-    checks); the warm start's settings (SFTConfig's checks, when model.warm_start=sft); and,
+    checks); the warm start's settings (SFTConfig's checks); and,
     for a preset, a KV cache that cannot hold a prompt plus its response (`max_cache_len`; a
     checkpoint's context is checked once its config.json is read).
     """
@@ -131,13 +131,12 @@ def validate(c: Any) -> None:
         TrainConfig.from_config(c)
     except ValueError as e:   # remat policy, lr, clip, schedule, ... (TrainConfig's checks)
         raise ConfigError(str(e)) from None
-    if str(c.model.get("warm_start", "")) == "sft":
-        from strata_jax.training.sft import SFTConfig
-        try:
-            SFTConfig.from_config(c)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        at_least("sft.log_every", 1)
+    from strata_jax.training.sft import SFTConfig   # sft.py runs it whatever model.warm_start says
+    try:
+        SFTConfig.from_config(c)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    at_least("sft.log_every", 1)
     if c.model.preset:
         max_cache_len(c, PRESETS[c.model.preset])
 
