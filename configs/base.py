@@ -3,7 +3,7 @@
 Each experiment file (``sciworld.py``, ``alfworld.py``, ``webshop.py``) starts from
 ``get_base_config()`` and overrides what differs; variants are selected with ``:name``
 (``--config=configs/sciworld.py:tiny``) and single fields with ``--config.x=y``.
-Every pinned value of ``../shared/docs/method.md`` lives here (sections 1-4 and 8 of it).
+Every pinned value of the method spec (method.md, sections 1-4 and 8) lives here.
 """
 import re
 
