@@ -249,3 +249,52 @@ def test_existing_run_of_another_config_is_refused_in_one_line(tmp_path):
         "'strata' -> 'grpo'); use a new --config.workdir, or delete that folder to start over")
     assert "Traceback" not in out.stderr
     assert sorted(os.listdir(tmp_path / "run")) == ["ckpt"]
+
+
+def test_ctrl_c_is_a_clean_stop_and_a_second_one_stops_at_once():
+    import signal
+
+    import train
+    flag = train._stop_flag().install()
+    try:
+        assert not flag.requested
+        os.kill(os.getpid(), signal.SIGINT)          # first Ctrl-C: finish the iteration, save
+        assert flag.requested
+        with pytest.raises(KeyboardInterrupt):       # second Ctrl-C: stop now
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        flag.uninstall()
+    flag = train._stop_flag().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)          # preemption: the same clean stop
+        assert flag.requested
+    finally:
+        flag.uninstall()
+
+
+def test_guarded_main_turns_ctrl_c_and_user_errors_into_one_line(capsys):
+    from strata_jax.cli import guarded
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    def bad_config(argv):
+        raise ex.ConfigError("rollout.top_p must be in (0, 1] (1 = off), got 0.0")
+
+    def bug(argv):
+        raise ZeroDivisionError("a bug keeps its traceback")
+
+    with pytest.raises(SystemExit) as e:
+        guarded(interrupted)([])
+    assert e.value.code == 130
+    prog = os.path.basename(sys.argv[0])
+    assert capsys.readouterr().err == (
+        f"{prog}: interrupted (Ctrl-C); a training run resumes from its newest checkpoint when "
+        "the same command is run again\n")
+    with pytest.raises(SystemExit) as e:
+        guarded(bad_config)([])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        f"{prog}: error: rollout.top_p must be in (0, 1] (1 = off), got 0.0\n")
+    with pytest.raises(ZeroDivisionError):
+        guarded(bug)([])
