@@ -135,8 +135,8 @@ def guarded(main: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
         try:
             return main(argv)
         except KeyboardInterrupt:
-            _fail(prog, "interrupted (Ctrl-C); a training run resumes from its newest "
-                        "checkpoint when the same command is run again", 130)
+            _fail(prog, "interrupted (Ctrl-C); the same command resumes a training run from "
+                        "its newest checkpoint (a warm start in progress starts over)", 130)
         except user_errors() as e:
             _fail(prog, f"error: {e}")
         return 1

@@ -289,8 +289,8 @@ def test_guarded_main_turns_ctrl_c_and_user_errors_into_one_line(capsys):
     assert e.value.code == 130
     prog = os.path.basename(sys.argv[0])
     assert capsys.readouterr().err == (
-        f"{prog}: interrupted (Ctrl-C); a training run resumes from its newest checkpoint when "
-        "the same command is run again\n")
+        f"{prog}: interrupted (Ctrl-C); the same command resumes a training run from its newest "
+        "checkpoint (a warm start in progress starts over)\n")
     with pytest.raises(SystemExit) as e:
         guarded(bad_config)([])
     assert e.value.code == 2
