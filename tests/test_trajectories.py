@@ -145,3 +145,19 @@ def test_cpu_seconds_counts_child_processes():
     finally:
         child.kill()
         child.wait()
+
+
+def test_rollout_stats_count_env_rejections_and_ambiguous_commands():
+    from strata_jax.rollout import EpisodeSpec, LoopStats, StepRecord, Trajectory, rollout_stats
+
+    def step(action, invalid, info):
+        return StepRecord(None, None, "", action, invalid, "", 0.0, info)
+
+    tr = Trajectory(EpisodeSpec(Task("scienceworld", "boil", 0), 0, 0, 0), steps=[
+        step("open door", False, {"invalid": False, "ambiguous_resolved": "open door to hallway"}),
+        step("fly", False, {"invalid": True, "ambiguous_resolved": None}),
+        step(None, True, {"invalid": False, "invalid_format": True}),
+        step("look around", False, {"invalid": False})])
+    s = rollout_stats([tr], [], LoopStats())
+    assert (s["rollout/env_rejected_frac"], s["rollout/ambiguous_resolved_frac"],
+            s["rollout/invalid_step_frac"]) == (0.25, 0.25, 0.25)
