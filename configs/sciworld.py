@@ -10,7 +10,9 @@ Variants (comma-separated, see configs/base.py:apply_variant):
                  tokenizer, behaviour-cloned on the gold paths of 2 ScienceWorld train tasks
                  (250 SFT steps, cached in runs/warm_start/<fingerprint>), then sigma=2, N=2, M=2, 4 env steps,
                  32 new tokens, 3 iterations (measured on a quiet 2-core box: SFT 4.5 min once,
-                 then ~65 s for the 3 iterations; 12.5% invalid steps at iteration 1).
+                 then ~65 s for the 3 iterations; at iteration 1 with seed 0: 21.9% format-
+                 invalid steps, 41% rejected by ScienceWorld, 50% strategy format failures;
+                 README "Quick start" has the ranges over seeds).
     :grpo / :gigpo / :rloo / :ppo / :dapo / :stapo    baselines (group_size 8 episodes / task)
     :matched     baselines with the StraTA episode budget (group_size = N*M = 32)
     :vanilla / :diverse / :judgment / :full    StraTA ablations;  :mean   top-delta -> mean
