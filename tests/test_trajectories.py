@@ -161,3 +161,33 @@ def test_rollout_stats_count_env_rejections_and_ambiguous_commands():
     s = rollout_stats([tr], [], LoopStats())
     assert (s["rollout/env_rejected_frac"], s["rollout/ambiguous_resolved_frac"],
             s["rollout/invalid_step_frac"]) == (0.25, 0.25, 0.25)
+
+
+def _tb_events(tb_dir):
+    """Every Event in the tensorboardX files of `tb_dir` (TFRecord framing, read by hand)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+    out = []
+    for name in sorted(os.listdir(tb_dir)):
+        data = open(os.path.join(tb_dir, name), "rb").read()
+        i = 0
+        while i + 12 <= len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            ev = event_pb2.Event()
+            ev.ParseFromString(data[i + 12:i + 12 + n])
+            out.append(ev)
+            i += 12 + n + 4
+    return out
+
+
+def test_sample_episodes_reach_tensorboards_text_tab(records, tmp_path):
+    from strata_jax.metrics import MetricsWriter
+    (rec,) = records.dump()
+    text = "```\n" + format_episode(rec) + "\n```"
+    w = MetricsWriter(str(tmp_path))
+    w.text(3, "episodes/0", text)
+    w.close()
+    found = [(ev.step, v.tag, v.tensor.string_val[0].decode()) for ev in _tb_events(tmp_path / "tb")
+             for v in ev.summary.value if v.tensor.string_val]
+    assert found == [(3, "episodes/0/text_summary", text)]
