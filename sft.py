@@ -53,7 +53,12 @@ def main(argv):
     print(f"{'cached' if res['cached'] else 'trained'}: {res['out']}  (episodes {m['episodes']}, "
           f"examples {m['examples']}, loss {m['first_loss']:.3f} -> {m['final_loss']:.3f}, "
           f"{m['wall_s']:.0f} s)")
-    print(f"use it: python train.py --config=<same config> --config.model.warm_start={res['out']}")
+    if _OUT.value:
+        print(f"use it: python train.py --config=<same config> "
+              f"--config.model.warm_start={res['out']}")
+    else:
+        print("train.py and eval.py with the same config find it there (sft.cache_dir); any other "
+              f"run can start from it with --config.model.warm_start={res['out']}")
     return 0
 
 
