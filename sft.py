@@ -8,8 +8,9 @@
 The initial params are the run's own (`experiment.build_model`: a random ``model.preset`` with
 the vocabulary widened to the tokenizer, or ``model.path``). The result is an HF checkpoint
 (config.json + model.safetensors, no tokenizer files) in ``--out`` or, by default, the cache dir
-that ``model.warm_start=sft`` reads (``<workdir>/warm_start/<fingerprint>``), so a later
-``train.py`` with the same config reuses it. To start any run from an export explicitly:
+that ``model.warm_start=sft`` reads (``<sft.cache_dir>/<fingerprint>``, default
+``runs/warm_start/<fingerprint>``), so every later ``train.py`` / ``eval.py`` of the same setting,
+whatever its variant or workdir, reuses it. To start any run from an export explicitly:
 
     python train.py --config=... --config.model.warm_start=<export dir>
     # or, without the warm-start hook: --config.model.path=<export dir> --config.model.preset=
@@ -27,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from strata_jax.cli import guarded, parse_flags  # noqa: E402
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/builtin.py:tiny", lock_config=False)
 _OUT = flags.DEFINE_string("out", "", "Export directory (default: the warm-start cache dir).")
@@ -40,6 +43,7 @@ def run(c, out: str = "", force: bool = False) -> dict:
     return sft.export_warm_start(c, out, force, log_fn=print)
 
 
+@guarded
 def main(argv):
     del argv
     from strata_jax.metrics import quiet_logs
@@ -49,10 +53,14 @@ def main(argv):
     print(f"{'cached' if res['cached'] else 'trained'}: {res['out']}  (episodes {m['episodes']}, "
           f"examples {m['examples']}, loss {m['first_loss']:.3f} -> {m['final_loss']:.3f}, "
           f"{m['wall_s']:.0f} s)")
-    print(f"use it: python train.py --config=<same config> --config.model.warm_start={res['out']}")
+    if _OUT.value:
+        print(f"use it: python train.py --config=<same config> "
+              f"--config.model.warm_start={res['out']}")
+    else:
+        print("train.py and eval.py with the same config find it there (sft.cache_dir); any other "
+              f"run can start from it with --config.model.warm_start={res['out']}")
     return 0
 
 
 if __name__ == "__main__":
-    from strata_jax.cli import parse_flags
     app.run(main, flags_parser=parse_flags)

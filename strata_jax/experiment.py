@@ -43,21 +43,72 @@ class ConfigError(ValueError):
 
 
 def validate(c: Any) -> None:
-    """Check a config before anything expensive starts.
+    """Check a config before anything is built or written (no model, env, folder or file).
 
-    Raises ConfigError for: an unknown algo; an unknown env; N, M, sigma or group sizes < 1;
-    neither model.path nor model.preset set; a sampler batch whose KV cache cannot hold one
-    prompt plus its response (env.max_prompt_tokens + max new tokens > the model's context).
+    Raises ConfigError, one line naming the field and what to do, for: an unknown algo or env;
+    neither or both of model.path and model.preset; an unknown preset; every size field below
+    its minimum (N, M, sigma, group size, tasks per batch, live envs, env steps, token budgets,
+    batch sizes, epochs, iterations, checkpoint keep / every, history window, cohorts); the
+    sampling fields (rollout.temperature and eval.temperature finite and >= 0, top_p in (0, 1],
+    top_k an integer >= -1 where 0 and -1 both mean "off", the vLLM / verl spelling); a
+    non-finite or negative learning rate; an unknown dtype or remat policy (TrainConfig's own
+    checks); the warm start's settings (SFTConfig's checks); and,
+    for a preset, a KV cache that cannot hold a prompt plus its response (`max_cache_len`; a
+    checkpoint's context is checked once its config.json is read).
     """
+    import math
+
     if c.algo not in ALGOS:
         raise ConfigError(f"unknown algo {c.algo!r}; use one of {ALGOS} (--config.algo=...)")
     if c.env.name not in list_envs():
         raise ConfigError(f"unknown env {c.env.name!r}; registered envs: {list_envs()}")
+
+    def at_least(field: str, lo: float) -> None:
+        v = _get(c, field)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= lo or \
+                (isinstance(v, float) and not v.is_integer()):
+            raise ConfigError(f"{field} must be an integer >= {lo:g}, got {v!r} "
+                              f"(--config.{field}=...)")
+
     r = c.rollout
     for name in ("num_strategies", "episodes_per_strategy", "oversample", "group_size",
-                 "tasks_per_batch"):
-        if int(r[name]) < 1:
-            raise ConfigError(f"rollout.{name} must be >= 1, got {r[name]}")
+                 "tasks_per_batch", "max_action_tokens", "max_strategy_tokens",
+                 "max_judge_tokens", "cohorts", "dapo_max_tries"):
+        at_least(f"rollout.{name}", 1)
+    for name in ("max_steps", "max_prompt_tokens", "num_workers"):
+        at_least(f"env.{name}", 1)
+    at_least("env.history_length", 0)
+    for name in ("mini_batch_size", "micro_batch_size", "ppo_epochs"):
+        at_least(f"optim.{name}", 1)
+    at_least("optim.warmup_steps", 0)
+    at_least("iterations", 0)
+    at_least("ckpt.every", 1)
+    at_least("eval.every", 0)
+    at_least("eval.max_tasks", 0)
+    if "episodes_per_family" in c.eval:
+        at_least("eval.episodes_per_family", 0)
+    at_least("log.dump_trajectories", 0)
+    at_least("lora.rank", 0)
+    for axis, n in dict(c.mesh).items():
+        if isinstance(n, bool) or not isinstance(n, int) or (n < 1 and n != -1):
+            raise ConfigError(f"mesh.{axis} must be a device count >= 1 or -1 (the rest), got {n!r}")
+    if int(c.ckpt.keep) < 1:
+        raise ConfigError(f"ckpt.keep must be >= 1 (orbax would delete every checkpoint and a "
+                          f"killed run could not resume), got {c.ckpt.keep}")
+    for field in ("rollout.temperature", "eval.temperature"):
+        v = _get(c, field)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) \
+                or v < 0:
+            raise ConfigError(f"{field} must be a finite number >= 0 (0 = greedy), got {v!r}")
+    if not isinstance(r.top_p, (int, float)) or not 0.0 < float(r.top_p) <= 1.0:
+        raise ConfigError(f"rollout.top_p must be in (0, 1] (1 = off), got {r.top_p!r}")
+    if isinstance(r.top_k, bool) or not isinstance(r.top_k, int) or r.top_k < -1:
+        raise ConfigError(f"rollout.top_k must be an integer >= 0, or -1 / 0 for off, "
+                          f"got {r.top_k!r}")
+    if c.adv.std_ddof is not None and (isinstance(c.adv.std_ddof, bool) or
+                                       c.adv.std_ddof not in (0, 1)):
+        raise ConfigError(f"adv.std_ddof must be 0, 1 or none (each estimator's pin), "
+                          f"got {c.adv.std_ddof!r}")
     if c.model.path and c.model.preset:
         raise ConfigError(f"both model.path ({c.model.path!r}) and model.preset "
                           f"({c.model.preset!r}) are set; pick one (e.g. --config.model.preset= "
@@ -67,21 +118,27 @@ def validate(c: Any) -> None:
                           "or --config.model.preset (random weights of a named shape)")
     if c.model.preset and c.model.preset not in PRESETS:
         raise ConfigError(f"unknown model.preset {c.model.preset!r}; use one of {sorted(PRESETS)}")
-    if c.env.num_workers < 1:
-        raise ConfigError("env.num_workers (live envs) must be >= 1; extra episodes run in waves")
-    for name in ("max_action_tokens", "max_strategy_tokens", "max_judge_tokens"):
-        if int(r[name]) < 1:
-            raise ConfigError(f"rollout.{name} must be >= 1, got {r[name]}")
-    if int(c.env.max_steps) < 1:
-        raise ConfigError(f"env.max_steps must be >= 1, got {c.env.max_steps}")
-    if int(c.ckpt.keep) < 1:
-        raise ConfigError(f"ckpt.keep must be >= 1 (orbax would delete every checkpoint and a "
-                          f"killed run could not resume), got {c.ckpt.keep}")
+    for field in ("model.dtype", "train.compute_dtype", "rollout.sampler_dtype"):
+        v = _get(c, field)
+        if field != "model.dtype" and not v:
+            continue
+        try:
+            jnp.dtype(v)
+        except TypeError:
+            raise ConfigError(f"{field} {v!r} is not a dtype; use float32 or bfloat16") from None
+    from strata_jax.training import TrainConfig
     try:
-        jnp.dtype(c.model.dtype)
-    except TypeError:
-        raise ConfigError(f"model.dtype {c.model.dtype!r} is not a dtype; use float32 or "
-                          "bfloat16") from None
+        TrainConfig.from_config(c)
+    except ValueError as e:   # remat policy, lr, clip, schedule, ... (TrainConfig's checks)
+        raise ConfigError(str(e)) from None
+    from strata_jax.training.sft import SFTConfig   # sft.py runs it whatever model.warm_start says
+    try:
+        SFTConfig.from_config(c)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    at_least("sft.log_every", 1)
+    if c.model.preset:
+        max_cache_len(c, PRESETS[c.model.preset])
 
 
 # What a resume must match. A resumed run must continue the run its checkpoint holds, so EVERY
@@ -162,8 +219,10 @@ def resolve(c: Any) -> Any:
     """Derived settings that follow from the algorithm (done once, logged).
 
     STAPO runs with cumulative prompts (method.md 4); DAPO uses clip-higher 0.28 unless the
-    config already raised clip_eps_high.
+    config already raised clip_eps_high; ``rollout.top_k=-1`` (off) becomes the sampler's 0.
     """
+    if c.rollout.top_k == -1:   # vLLM / verl's spelling of "no top-k"; the sampler's is 0
+        c.rollout.top_k = 0
     if c.algo == "stapo" and not c.rollout.cumulative_prompts:
         log.info("algo=stapo: turning on rollout.cumulative_prompts (method.md section 4)")
         c.rollout.cumulative_prompts = True
@@ -182,35 +241,64 @@ def build_tokenizer(c: Any):
     dir's tokenizer files or a GGUF file's tokenizer metadata); else a dir."""
     if c.model.tokenizer == "offline" or (not c.model.tokenizer and not c.model.path):
         return load_tokenizer(None)
-    path = c.model.tokenizer or resolve_checkpoint(c.model.path)
+    path = c.model.tokenizer or checkpoint_dir(c)
     return load_tokenizer(path)
 
 
-def build_model(c: Any, tokenizer: Any, mesh: jax.sharding.Mesh | None
-                ) -> tuple[Qwen2Config, Any]:
-    """Model config and the INITIAL policy params (also the frozen reference model).
+def checkpoint_dir(c: Any) -> str:
+    """``model.path`` as a local directory or GGUF file (`resolve_checkpoint`); a missing path,
+    a file that is not GGUF or a hub id / model name that cannot be downloaded is a ConfigError
+    that names ``--config.model.path``."""
+    try:
+        return resolve_checkpoint(c.model.path)
+    except (FileNotFoundError, RuntimeError, ValueError, KeyError) as e:
+        raise ConfigError(f"--config.model.path={c.model.path}: {e}") from None
 
-    model.preset: random weights of a named shape (seeded by c.seed), the vocabulary widened to
-    hold every tokenizer id. model.path: an HF checkpoint dir, a GGUF file or a hub id
-    (`load_params`; a clear error offline). Params are placed with the mesh's logical-axis shardings.
-    """
-    from strata_jax.training.sft import maybe_warm_start  # lazy: sft imports this module
 
-    dtype = jnp.dtype(c.model.dtype)
+def model_config(c: Any, tokenizer: Any) -> Qwen2Config:
+    """The model shape of the run, without building any params: ``model.preset`` (the
+    vocabulary widened to hold every tokenizer id) or the checkpoint's (config.json or GGUF
+    metadata: `checkpoint_config`)."""
     if c.model.preset:
         cfg = PRESETS[c.model.preset]
         if len(tokenizer) > cfg.vocab_size:
             cfg = dataclasses.replace(cfg, vocab_size=QWEN25_VOCAB)
+        return cfg
+    return checkpoint_config(checkpoint_dir(c))
+
+
+def abstract_params(c: Any, model_cfg: Qwen2Config) -> Any:
+    """``jax.ShapeDtypeStruct`` tree of the run's params (``model.dtype``): a restore target
+    that loads and computes nothing."""
+    dtype = jnp.dtype(c.model.dtype)
+    return jax.eval_shape(lambda k: init_params(model_cfg, k, dtype), jax.random.PRNGKey(0))
+
+
+def build_model(c: Any, tokenizer: Any, mesh: jax.sharding.Mesh | None,
+                train_warm_start: bool = True) -> tuple[Qwen2Config, Any]:
+    """Model config and the INITIAL policy params (also the frozen reference model).
+
+    model.preset: random weights of a named shape (seeded by c.seed), the vocabulary widened to
+    hold every tokenizer id. model.path: an HF checkpoint dir, a GGUF file, a model name of
+    `strata_jax.models.fetch` or a hub id (`load_params`; a ConfigError naming --config.model.path when it is missing or cannot be downloaded). Then
+    ``model.warm_start`` (`maybe_warm_start`; with ``train_warm_start=False`` a warm start that
+    is not cached yet is a ConfigError instead of being trained: eval.py). Params are placed
+    with the mesh's logical-axis shardings.
+    """
+    from strata_jax.training.sft import maybe_warm_start  # lazy: sft imports this module
+
+    dtype = jnp.dtype(c.model.dtype)
+    cfg = model_config(c, tokenizer)
+    if c.model.preset:
         params = init_params(cfg, jax.random.PRNGKey(c.seed), dtype)
         # model.warm_start: "" none; "sft" = behaviour cloning (cached); or an HF export dir
-        params = maybe_warm_start(c, cfg, params, tokenizer, workdir(c))
+        params = maybe_warm_start(c, cfg, params, tokenizer, c.workdir, train=train_warm_start)
         if mesh is not None:
             params = sharding.shard_params(params, cfg, mesh)
         return cfg, params
-    ckpt = resolve_checkpoint(c.model.path)
-    cfg = checkpoint_config(ckpt)
-    params = load_params(ckpt, cfg, dtype=dtype, mesh=mesh)
-    return cfg, maybe_warm_start(c, cfg, params, tokenizer, workdir(c), mesh=mesh)
+    params = load_params(checkpoint_dir(c), cfg, dtype=dtype, mesh=mesh)
+    return cfg, maybe_warm_start(c, cfg, params, tokenizer, c.workdir, mesh=mesh,
+                                 train=train_warm_start)
 
 
 def sampler_params(c: Any, params: Any) -> Any:
@@ -301,6 +389,7 @@ def max_cache_len(c: Any, model_cfg: Qwen2Config) -> int:
 
 
 def workdir(c: Any) -> str:
+    """Create the run folder ``c.workdir`` (call only after `validate`) and return it."""
     os.makedirs(c.workdir, exist_ok=True)
     return c.workdir
 
@@ -374,5 +463,6 @@ def seed_key(c: Any, *ids: int) -> jax.Array:
 
 __all__ = ["ConfigError", "WorkdirLock", "check_env", "check_resume", "RESUME_MAY_CHANGE",
            "validate", "resolve", "build_mesh", "build_tokenizer", "build_model",
+           "model_config", "abstract_params", "checkpoint_dir",
            "env_kwargs", "task_list", "build_pool", "max_cache_len", "workdir", "seed_key",
            "TaskSampler"]

@@ -96,6 +96,12 @@ class MetricsWriter:
         for r in records:
             self._trajs.write(json.dumps({"step": int(step), **r}, default=str) + "\n")
 
+    def text(self, step: int, tag: str, text: str) -> None:
+        """Write `text` (markdown) under `tag` into TensorBoard's text tab at `step` (e.g. a
+        sample episode, `strata_jax.trajectories.format_episode`). No-op without TensorBoard."""
+        if self.enabled and self._tb is not None:
+            self._tb.add_text(tag, text, step)
+
     def close(self) -> None:
         if not self.enabled:
             return
@@ -210,6 +216,44 @@ class Progress:
                 f"elapsed {elapsed:6.1f}s eta {eta:6.1f}s {info}")
         print(line, file=self.stream, flush=True)
         return line
+
+
+def cpu_seconds() -> float:
+    """CPU seconds (user + system, all threads) used so far by this process and its live
+    descendants (e.g. ScienceWorld's JVMs), for the per-iteration ``time/iteration_cpu_s``.
+
+    Linux: summed from ``/proc/<pid>/stat`` of this process and every descendant (clock ticks /
+    ``SC_CLK_TCK``); a descendant that exits between two calls takes its seconds with it.
+    Elsewhere: `os.times` (this process and its waited-for children only).
+    """
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        stats: dict[int, tuple[int, float]] = {}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            # fields after "(comm)": state ppid ... utime(12) stime(13), 0-based from state
+            stats[int(pid)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / tick)
+        mine, total, frontier = {os.getpid()}, 0.0, [os.getpid()]
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _) in stats.items():
+            children.setdefault(ppid, []).append(pid)
+        while frontier:
+            pid = frontier.pop()
+            total += stats.get(pid, (0, 0.0))[1]
+            for ch in children.get(pid, ()):
+                if ch not in mine:
+                    mine.add(ch)
+                    frontier.append(ch)
+        return total
+    except (OSError, ValueError, IndexError):
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
 
 
 def quiet_logs() -> None:

@@ -28,7 +28,9 @@ def test_missing_model_is_a_clear_error():
 def test_hub_id_offline_says_to_set_the_model_path(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     c = sciworld.get_config()  # the paper setting names a hub id
-    with pytest.raises(RuntimeError, match="set the model path to its local directory"):
+    # a ConfigError (one line from the entry points) that names the flag to set
+    with pytest.raises(ex.ConfigError, match=r"^--config.model.path=Qwen/Qwen2.5-1.5B-Instruct: "
+                       r"could not download .* set the model path to its local directory"):
         ex.build_model(c, tokenizer=None, mesh=None)
 
 

@@ -180,6 +180,7 @@ def test_sft_learns_and_sampler_reproduces_expert(tok, builder, episodes):
 
 def test_maybe_warm_start_caches(tmp_path, tok, monkeypatch):
     c = builtin.get_config("tiny")
+    c.sft.cache_dir = ""   # "" = per run, in <workdir>/warm_start (the default is runs/warm_start)
     c.sft.episodes, c.sft.steps, c.sft.batch_size = 1, 2, 4
     c.sft.strategy_mode, c.sft.judge = "flat", False
     cfg = Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_layers=1,

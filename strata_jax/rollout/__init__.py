@@ -9,7 +9,8 @@ Public API:
   policy:    Policy (protocol), SamplerPolicy;  scripted: ScriptedPolicy
   episodes:  EpisodeSpec, StepRecord, Trajectory, Interval, LoopStats, run_episodes, anchor_hash
   rollout:   RolloutConfig, RolloutResult, StrategyGroup, make_prompt_builder,
-             collect_rollout, dapo_rollout, rollout, rollout_stats
+             collect_rollout, dapo_rollout, rollout, rollout_stats, dump_trajectories,
+             env_rejected
 """
 from strata_jax.rollout.episodes import (EpisodeSpec, Interval, LoopStats, StepRecord,
                                          Trajectory, anchor_hash, run_episodes)
@@ -20,8 +21,9 @@ from strata_jax.rollout.policy import Policy, SamplerPolicy
 from strata_jax.rollout.prompts import (HistoryEntry, PromptBuilder, PromptIds,
                                         invalid_history_action)
 from strata_jax.rollout.rollout import (RolloutConfig, RolloutResult, StrategyGroup,
-                                        collect_rollout, dapo_rollout, make_prompt_builder,
-                                        rollout, rollout_stats)
+                                        collect_rollout, dapo_rollout, dump_trajectories,
+                                        env_rejected, make_prompt_builder, rollout,
+                                        rollout_stats)
 from strata_jax.rollout.scripted import ScriptedPolicy
 from strata_jax.rollout.strategy import (StrategyCheck, check_strategy,
                                          farthest_point_selection, select_strategies)
@@ -33,5 +35,5 @@ __all__ = [
     "SamplerPolicy", "ScriptedPolicy", "EpisodeSpec", "StepRecord", "Trajectory", "Interval",
     "LoopStats", "run_episodes", "anchor_hash", "RolloutConfig", "RolloutResult",
     "StrategyGroup", "make_prompt_builder", "collect_rollout", "dapo_rollout", "rollout",
-    "rollout_stats",
+    "rollout_stats", "dump_trajectories", "env_rejected",
 ]

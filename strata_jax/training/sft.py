@@ -33,7 +33,10 @@ chunked LM-head logprobs are the trainer's own (`response_states` / `response_lo
 model scores exactly the columns the RL update scores.
 
 Warm start of a run: `maybe_warm_start` (called by `experiment.build_model`) trains on the fly
-or loads the cached HF export from ``<workdir>/warm_start/<fingerprint>/``.
+or loads the cached HF export from ``<sft.cache_dir>/<fingerprint>/`` (default
+``runs/warm_start/<fingerprint>``: one folder beside the runs, shared by every variant, run
+folder and eval of the same setting, since the fingerprint covers all the warm start depends
+on; ``sft.cache_dir=""`` keeps it per run in ``<workdir>/warm_start``).
 """
 from __future__ import annotations
 
@@ -94,7 +97,8 @@ class SFTConfig:
         warmup then cosine decay to 0 at ``steps``).
       logprob_chunk: response positions per LM-head chunk.
       seed: data and batch order seed. log_every: steps between loss log lines.
-      cache_dir: where `maybe_warm_start` keeps exports ("" = ``<workdir>/warm_start``).
+      cache_dir: where `maybe_warm_start` keeps exports, one sub-folder per fingerprint
+        (configs/base.py: ``runs/warm_start``; "" = ``<workdir>/warm_start``).
     """
 
     episodes: int = 32
@@ -488,15 +492,40 @@ def train_sft(params: Any, model_cfg: Qwen2Config, examples: Sequence[SFTExample
     opt_state = trainer.init(params)
     rows = min(cfg.batch_size, len(examples))
     losses: list[float] = []
-    t0 = time.time()
+    t0 = last = time.time()
+    t1 = None   # end of step 1 (which includes compilation): the ETA uses the steps after it
+    if log_fn:
+        log_fn(f"sft: {cfg.steps} steps of {rows} examples; compiling the first step ...")
     for i, idx in enumerate(batch_order(len(examples), cfg.batch_size, cfg.steps, cfg.seed)):
         batch = make_sft_batch([examples[j] for j in idx], rows, pad_id)
         params, opt_state, loss = trainer.step(params, opt_state, batch)
         losses.append(float(loss))
-        if log_fn and (i % max(cfg.log_every, 1) == 0 or i == cfg.steps - 1):
-            log_fn(f"sft step {i + 1}/{cfg.steps}: loss {losses[-1]:.4f} "
-                   f"({time.time() - t0:.0f} s)")
+        now = time.time()
+        t1 = t1 or now
+        if log_fn and (i % max(cfg.log_every, 1) == 0 or i == cfg.steps - 1
+                       or now - last >= SFT_PROGRESS_S):
+            log_fn(sft_progress(i + 1, cfg.steps, losses[-1], now - t0,
+                                (now - t1) / i if i else None))
+            last = now
     return params, losses
+
+
+# Seconds between two progress lines of the warm start at most (besides every log_every steps).
+SFT_PROGRESS_S = 20.0
+
+
+def sft_progress(done: int, total: int, loss: float, elapsed_s: float,
+                 step_s: float | None) -> str:
+    """One progress line of `train_sft`: ``sft step 40/250 [###.....] loss 3.1 | 52 s, eta
+    4.1 min``. `step_s` (seconds per step after the first, which compiles) gives the ETA; None
+    (after step 1) prints "eta ?"."""
+    width = 20
+    bar = "#" * int(width * done / max(total, 1))
+    eta = "?" if step_s is None else (f"{step_s * (total - done):.0f} s"
+                                      if step_s * (total - done) < 120
+                                      else f"{step_s * (total - done) / 60:.1f} min")
+    return (f"sft step {done}/{total} [{bar:.<{width}}] loss {loss:.4f} | "
+            f"{elapsed_s:.0f} s, eta {eta}")
 
 
 # ---------------------------------------------------------------------------------- runs
@@ -590,7 +619,7 @@ def export_warm_start(c: Any, out: str = "", force: bool = False,
         model_cfg, params = ex.build_model(c, tokenizer, None)
     finally:
         c.model.warm_start = ws
-    out = out or warm_start_dir(c, model_cfg, ex.workdir(c))
+    out = out or warm_start_dir(c, model_cfg, c.workdir)
     meta_file = os.path.join(out, META_FILE)
     if os.path.isfile(meta_file) and not force:
         with open(meta_file) as f:
@@ -600,14 +629,15 @@ def export_warm_start(c: Any, out: str = "", force: bool = False,
 
 
 def warm_start_dir(c: Any, model_cfg: Qwen2Config, workdir: str) -> str:
-    """Cache dir of the run's warm start: ``<sft.cache_dir or workdir/warm_start>/<fingerprint>``."""
+    """Cache dir of the run's warm start: ``<sft.cache_dir or workdir/warm_start>/<fingerprint>``
+    (nothing is created here)."""
     cfg = SFTConfig.from_config(c)
     root = cfg.cache_dir or os.path.join(workdir, "warm_start")
     return os.path.join(root, fingerprint(c, model_cfg, cfg))
 
 
 def maybe_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any, workdir: str,
-                     mesh: jax.sharding.Mesh | None = None) -> Any:
+                     mesh: jax.sharding.Mesh | None = None, train: bool = True) -> Any:
     """The run's initial params after the warm start of ``c.model.warm_start``.
 
     "" (default): `params` unchanged. "sft": behaviour cloning from `params` (see `run_sft`),
@@ -615,7 +645,8 @@ def maybe_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any
     is written last, so a killed run retrains). Any other value: a directory with an HF export
     (e.g. from ``sft.py``) whose config.json must equal `model_cfg`.
     Returns params in ``c.model.dtype``, placed on `mesh` when given (as `load_params` places).
-    Raises ValueError when a given export has another shape.
+    Raises ValueError when a given export has another shape; with ``train=False`` (eval), an
+    "sft" warm start that is not cached is an `experiment.ConfigError` instead of being trained.
     """
     ws = str(c.model.get("warm_start", "") or "")
     if not ws:
@@ -631,7 +662,13 @@ def maybe_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any
     if os.path.isfile(os.path.join(out, META_FILE)):
         log.info("warm start: loading cached behaviour-cloning export %s", out)
         return load_params(out, model_cfg, dtype=dtype, mesh=mesh)
-    log.info("warm start: behaviour cloning into %s", out)
+    if not train:
+        from strata_jax.experiment import ConfigError
+        raise ConfigError(f"the warm start of this config is not cached in {out}; train it "
+                          "first (python sft.py with the same --config) or pass "
+                          "--config.model.warm_start= to use the initial params")
+    log.info("warm start: behaviour cloning into %s (once; every run of this setting reuses "
+             "it)", out)
     run_sft(c, model_cfg, params, tokenizer, out)
     return load_params(out, model_cfg, dtype=dtype, mesh=mesh)
 
