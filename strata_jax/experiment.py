@@ -165,6 +165,15 @@ def resume_may_change(field: str) -> bool:
                for k in RESUME_MAY_CHANGE)
 
 
+def _get(d: Any, dotted: str) -> Any:
+    """The value of a dotted config field (None when a level is missing)."""
+    for k in dotted.split("."):
+        if d is None or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
 def _leaves(d: Any, prefix: str = "") -> dict[str, Any]:
     """{dotted field: value} of a nested config dict."""
     out = {}
