@@ -150,6 +150,13 @@ def verify_step(step_dir: str, contents: bool = True) -> bool:
     return True
 
 
+def _sync_hosts(name: str) -> None:
+    """Barrier across processes (multi-host runs); a no-op for one process."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
 def _is_disk_full(e: BaseException) -> bool:
     """ENOSPC anywhere in the exception chain (orbax / tensorstore wrap the OSError)."""
     seen = set()
@@ -248,7 +255,9 @@ class Checkpointer:
                 state=ocp.args.StandardSave(state_to_dict(state)),
                 meta=ocp.args.JsonSave(meta)), force=True)
             self._mngr.wait_until_finished()
-            write_manifest(step_dir)
+            if jax.process_index() == 0:   # one writer; the other hosts wait for the commit
+                write_manifest(step_dir)
+            _sync_hosts(f"strata_ckpt_commit_{step}")
         except Exception as e:
             if not _is_disk_full(e):
                 raise
