@@ -556,11 +556,17 @@ def sft_examples(c: Any, tokenizer: Any, cfg: SFTConfig | None = None
     return build_examples(make_prompt_builder(tokenizer, c), eps, cfg), eps
 
 
+# Version of the examples' rendering: bump it when prompts or targets change shape, so that a
+# cached warm start trained on the old rendering is not reused (2: targets end at the closing
+# tag where the sampler's stop string ends generation, not at <|im_end|>).
+EXAMPLE_FORMAT = 2
+
+
 def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
     """A 12-hex id of everything the warm start depends on (data, prompts, model, init)."""
     from strata_jax import experiment as ex
 
-    d = dict(sft={k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"},
+    d = dict(format=EXAMPLE_FORMAT, sft={k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"},
              model=dataclasses.asdict(model_cfg), init=[c.model.path, c.model.preset, c.seed,
                                                         c.model.dtype, c.model.tokenizer],
              env=[c.env.name, list(c.env.tasks), c.env.max_prompt_tokens, c.env.history_length,
