@@ -58,13 +58,21 @@ class MetricsWriter:
                 self.resumed_tags = {k for r in kept if r.get("step") == resume_step
                                      for k in r if k not in ("step", "time")}
         if tensorboard:
-            from tensorboardX import SummaryWriter
-            # A unique, time-ordered file name: tensorboardX names event files by the second
-            # and opens them "wb", so a writer reopened within the same second would erase the
-            # previous file; readers process the files in name order.
-            self._tb = SummaryWriter(
-                os.path.join(workdir, "tb"), filename_suffix=f".{time.time_ns():020d}",
-                purge_step=None if resume_step is None else int(resume_step) + 1)
+            # tensorboardX's own event writer, used synchronously: its SummaryWriter queues
+            # events to a thread that writes them up to 120 s later, so a kill -9 lost points
+            # that metrics.jsonl already had. A unique, time-ordered file name: tensorboardX
+            # names event files by the second and opens them "wb", so a writer reopened within
+            # the same second would erase the previous file; readers take files in name order.
+            from tensorboardX.event_file_writer import EventsWriter
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
+            tb_dir = os.path.join(workdir, "tb")
+            os.makedirs(tb_dir, exist_ok=True)
+            self._tb = EventsWriter(os.path.join(tb_dir, "events"),
+                                    filename_suffix=f".{time.time_ns():020d}")
+            if resume_step is not None:   # what SummaryWriter(purge_step=...) writes
+                self._tb.write_event(Event(step=int(resume_step) + 1, wall_time=time.time(),
+                                           session_log=SessionLog(status=SessionLog.START)))
+            self._tb.flush()
         self._scalars = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
         self._trajs = open(os.path.join(workdir, "trajectories.jsonl"), "a", buffering=1)
 
@@ -80,9 +88,12 @@ class MetricsWriter:
                 clean[k] = f
         if not self.enabled:
             return clean
-        if self._tb is not None:
+        if self._tb is not None:   # TensorBoard first, on disk before the JSONL row
+            from tensorboardX.proto.event_pb2 import Event
+            from tensorboardX.summary import scalar
+            now = time.time()
             for k, f in clean.items():
-                self._tb.add_scalar(k, f, step)
+                self._tb.write_event(Event(wall_time=now, step=int(step), summary=scalar(k, f)))
             self._tb.flush()
         row = {"step": int(step), "time": time.time(),
                **{k: (None if not math.isfinite(f) else f) for k, f in clean.items()}}
