@@ -36,9 +36,10 @@ class MetricsWriter:
       tensorboard: set False to skip tensorboardX (e.g. on images without it).
       resume_step: the step a run resumed from: JSONL rows with a larger step (written by
         iterations after the last checkpoint, which will be redone) are dropped, so a killed and
-        resumed run logs each step once; the TensorBoard writer gets ``purge_step=resume_step+1``
-        (a SessionLog.START event: TensorBoard drops the older events of those steps, so its
-        curves match metrics.jsonl). `resumed_tags` holds the tags already logged AT resume_step
+        resumed run logs each step once; the TensorBoard file starts with a SessionLog.START event
+        at resume_step+1 (what tensorboardX's ``purge_step`` writes: TensorBoard drops the older
+        events of those steps, so its curves match metrics.jsonl). TensorBoard events are
+        written synchronously, before the JSONL row. `resumed_tags` holds the tags already logged AT resume_step
         (e.g. an eval row written after that checkpoint), so the caller does not log them twice.
         A torn last line (a write cut short by a kill or a full disk) is dropped with a warning.
     """
