@@ -36,9 +36,10 @@ class MetricsWriter:
       tensorboard: set False to skip tensorboardX (e.g. on images without it).
       resume_step: the step a run resumed from: JSONL rows with a larger step (written by
         iterations after the last checkpoint, which will be redone) are dropped, so a killed and
-        resumed run logs each step once; the TensorBoard writer gets ``purge_step=resume_step+1``
-        (a SessionLog.START event: TensorBoard drops the older events of those steps, so its
-        curves match metrics.jsonl). `resumed_tags` holds the tags already logged AT resume_step
+        resumed run logs each step once; the TensorBoard file starts with a SessionLog.START event
+        at resume_step+1 (what tensorboardX's ``purge_step`` writes: TensorBoard drops the older
+        events of those steps, so its curves match metrics.jsonl). TensorBoard events are
+        written synchronously, before the JSONL row. `resumed_tags` holds the tags already logged AT resume_step
         (e.g. an eval row written after that checkpoint), so the caller does not log them twice.
         A torn last line (a write cut short by a kill or a full disk) is dropped with a warning.
     """
@@ -58,13 +59,21 @@ class MetricsWriter:
                 self.resumed_tags = {k for r in kept if r.get("step") == resume_step
                                      for k in r if k not in ("step", "time")}
         if tensorboard:
-            from tensorboardX import SummaryWriter
-            # A unique, time-ordered file name: tensorboardX names event files by the second
-            # and opens them "wb", so a writer reopened within the same second would erase the
-            # previous file; readers process the files in name order.
-            self._tb = SummaryWriter(
-                os.path.join(workdir, "tb"), filename_suffix=f".{time.time_ns():020d}",
-                purge_step=None if resume_step is None else int(resume_step) + 1)
+            # tensorboardX's own event writer, used synchronously: its SummaryWriter queues
+            # events to a thread that writes them up to 120 s later, so a kill -9 lost points
+            # that metrics.jsonl already had. A unique, time-ordered file name: tensorboardX
+            # names event files by the second and opens them "wb", so a writer reopened within
+            # the same second would erase the previous file; readers take files in name order.
+            from tensorboardX.event_file_writer import EventsWriter
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
+            tb_dir = os.path.join(workdir, "tb")
+            os.makedirs(tb_dir, exist_ok=True)
+            self._tb = EventsWriter(os.path.join(tb_dir, "events"),
+                                    filename_suffix=f".{time.time_ns():020d}")
+            if resume_step is not None:   # what SummaryWriter(purge_step=...) writes
+                self._tb.write_event(Event(step=int(resume_step) + 1, wall_time=time.time(),
+                                           session_log=SessionLog(status=SessionLog.START)))
+            self._tb.flush()
         self._scalars = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
         self._trajs = open(os.path.join(workdir, "trajectories.jsonl"), "a", buffering=1)
 
@@ -80,9 +89,12 @@ class MetricsWriter:
                 clean[k] = f
         if not self.enabled:
             return clean
-        if self._tb is not None:
+        if self._tb is not None:   # TensorBoard first, on disk before the JSONL row
+            from tensorboardX.proto.event_pb2 import Event
+            from tensorboardX.summary import scalar
+            now = time.time()
             for k, f in clean.items():
-                self._tb.add_scalar(k, f, step)
+                self._tb.write_event(Event(wall_time=now, step=int(step), summary=scalar(k, f)))
             self._tb.flush()
         row = {"step": int(step), "time": time.time(),
                **{k: (None if not math.isfinite(f) else f) for k, f in clean.items()}}

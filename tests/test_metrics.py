@@ -138,3 +138,14 @@ def test_damaged_middle_line_names_file_and_line(tmp_path):
     path.write_text('{"step": 1}\n{"step": 2, "ti\n{"step": 3}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not JSON"):
         read_jsonl(str(path))
+
+
+def test_tensorboard_point_is_on_disk_when_scalars_returns(tmp_path):
+    # kill -9 right after a row is logged: TensorBoard must already hold it, like metrics.jsonl
+    # (tensorboardX's SummaryWriter queued it for a thread that writes within 120 s)
+    from strata_jax.metrics import read_tensorboard
+    w = MetricsWriter(str(tmp_path), resume_step=0)
+    w.scalars(1, {"eval/success": 0.5})
+    assert read_tensorboard(str(tmp_path / "tb")) == {"eval/success": [(1, 0.5)]}
+    assert [r["eval/success"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0.5]
+    w.close()
