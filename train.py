@@ -98,7 +98,7 @@ def _train(c, workdir, compiles, mesh) -> dict:
         if meta.get("sampler_state"):
             task_sampler.set_state(meta["sampler_state"])
         log.info("resumed from step %d in %s", meta["step"], workdir)
-    # The reference model is the initial policy, frozen (method.md 2.7). With LoRA the frozen
+    # The reference model is the initial policy, frozen (docs/method.md §8.2). With LoRA the frozen
     # base is both the reference and the model the adapters ride on (always passed).
     ref_params = init_params if c.loss.kl_coef or trainer.lora else None
 

@@ -1,4 +1,4 @@
-"""Does it learn? StraTA vs GRPO from the same behaviour-cloning warm start, on CPU (issue 10).
+"""Does it learn? StraTA vs GRPO from the same behaviour-cloning warm start, on CPU.
 
     python benchmarks/learning.py                      # full: (a) 3 seeds x 8 it, (b) 1 seed x 5 it
     python benchmarks/learning.py --iterations 3 --seeds 1 --sw-iterations 2   # short check
@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# ScienceWorld families with the shortest gold paths (docs: scienceworld_tasks.md): 5-7 steps.
+# ScienceWorld families with the shortest gold paths (docs/method.md §11.1): 5-7 steps.
 SW_TASKS = ("find-non-living-thing", "lifespan-longest-lived", "lifespan-shortest-lived")
 
 

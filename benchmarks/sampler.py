@@ -1,6 +1,6 @@
 """Decode throughput of the strata-jax sampler against transformers `generate`, with rooflines.
 
-Issue 3's benchmark (a script that prints numbers; nothing here asserts a timing).
+The sampler benchmark (a script that prints numbers; nothing here asserts a timing).
 
 CPU (default): the Qwen2.5-0.5B shape (random weights, fp32, tied), batch 1, 8 and 32, prompt
 128, exactly 64 new tokens, greedy. A parent process writes one random HF checkpoint; every

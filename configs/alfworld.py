@@ -1,4 +1,4 @@
-"""StraTA on ALFWorld (method.md section 2; needs the ALFWorld game data: set ALFWORLD_DATA).
+"""StraTA on ALFWorld (docs/method.md §5; needs the ALFWorld game data: set ALFWORLD_DATA).
 
 Command (Qwen2.5-1.5B/7B-Instruct on 8 GPUs or a TPU slice; 150 iterations):
     python train.py --config=configs/alfworld.py --config.model.path=/ckpt/Qwen2.5-7B-Instruct

@@ -1,9 +1,9 @@
-"""Shared defaults for every strata-jax experiment: the paper setting of method.md.
+"""Shared defaults for every strata-jax experiment: the paper setting of docs/method.md (§5.8).
 
 Each experiment file (``sciworld.py``, ``alfworld.py``, ``webshop.py``) starts from
 ``get_base_config()`` and overrides what differs; variants are selected with ``:name``
 (``--config=configs/sciworld.py:tiny``) and single fields with ``--config.x=y``.
-Every pinned value of the method spec (method.md, sections 1-4 and 8) lives here.
+Every pinned value of the method spec (docs/method.md) lives here.
 """
 import re
 
@@ -17,7 +17,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.seed = 0
     c.algo = "strata"              # one of ALGOS
     c.workdir = "runs/default"
-    c.iterations = 150             # one iteration = one rollout followed by its update (method.md 2.8)
+    c.iterations = 150             # one iteration = one rollout followed by its update (docs/method.md §5.8)
 
     # --- Model -----------------------------------------------------------------------------
     c.model = ml_collections.ConfigDict()
@@ -61,7 +61,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.env.tasks = ()               # () = every task of the env's list
     c.env.max_steps = 30
     c.env.max_prompt_tokens = 4096
-    c.env.history_length = 2       # non-cumulative prompts: last 2 (obs, action) pairs (method.md 1)
+    c.env.history_length = 2       # non-cumulative prompts: last 2 (obs, action) pairs (docs/method.md §3.1)
     c.env.num_workers = 16         # live envs; more episodes run in waves
     c.env.step_timeout_s = 60.0
     c.env.eval_list = ""           # optional file of (task, variation) pairs
@@ -82,11 +82,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rollout.max_action_tokens = 512
     c.rollout.max_strategy_tokens = 512
     c.rollout.max_judge_tokens = 256
-    c.rollout.cumulative_prompts = False  # STAPO turns this on (method.md 4)
+    c.rollout.cumulative_prompts = False  # STAPO turns this on (docs/method.md §7.1)
     c.rollout.cohorts = 2          # env stepping of one cohort overlaps decoding of the other
     c.rollout.dapo_max_tries = 10
 
-    # --- Advantages / losses (method.md 2-4) ---------------------------------------------
+    # --- Advantages / losses (docs/method.md §4-§8) --------------------------------------
     c.adv = ml_collections.ConfigDict()
     c.adv.eps = 1e-6
     c.adv.std_ddof = None          # None = each estimator's pin (strata 0; grpo/gigpo/dapo 1)
@@ -174,7 +174,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     return c
 
 
-# Ablations of method.md section 2.9, selectable as variants (`--config=configs/x.py:vanilla`).
+# Ablations of docs/method.md §5.8, selectable as variants (`--config=configs/x.py:vanilla`).
 ABLATIONS = {
     "full": dict(diverse_sampling=True, self_judgment=True),
     "vanilla": dict(diverse_sampling=False, self_judgment=False),   # plain hierarchy

@@ -1,5 +1,5 @@
 """StraTA on a built-in text env (default `memory_key`, whose vault code is shown ONLY in the first
-observation; envs_bridge/builtin.py). The CPU learning benchmark's setting (issue 10).
+observation; envs_bridge/builtin.py). The CPU learning benchmark's setting (benchmarks/learning.py).
 
 Command (CPU; behaviour cloning: 1500 steps at ~1.1 s each on 2 cores, once, then cached):
     python sft.py   --config=configs/builtin.py:tiny           # warm start only (cached)

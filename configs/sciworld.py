@@ -1,4 +1,4 @@
-"""StraTA on ScienceWorld (method.md section 2, paper setting).
+"""StraTA on ScienceWorld (docs/method.md §5, paper setting).
 
 Command (paper setting, Qwen2.5-1.5B-Instruct, 8 GPUs or a TPU v4-32 slice; ~150 iterations):
     python train.py --config=configs/sciworld.py --config.model.path=/ckpt/Qwen2.5-1.5B-Instruct
@@ -20,7 +20,7 @@ Variants (comma-separated, see configs/base.py:apply_variant):
 from configs import base
 
 # Tasks of the tiny run: the two shortest gold paths in the AgentGym list
-# (scienceworld_tasks.md): find-non-living-thing (5 steps) and lifespan-longest-lived (6).
+# (docs/method.md §11.1): find-non-living-thing (5 steps) and lifespan-longest-lived (6).
 TINY_TASKS = ("find-non-living-thing", "lifespan-longest-lived")
 
 

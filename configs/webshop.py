@@ -1,4 +1,4 @@
-"""StraTA on WebShop through an AgentGym WebShop server (method.md sections 2 and 5).
+"""StraTA on WebShop through an AgentGym WebShop server (docs/method.md §5 and §11.3).
 
 Start the AgentGym webshop server yourself (it needs the WebShop product data), then:
     python train.py --config=configs/webshop.py --config.env.server_url=http://127.0.0.1:36001

@@ -1,4 +1,4 @@
-"""envs_bridge: text environments stepped outside jit (design.md, method.md section 5).
+"""envs_bridge: text environments stepped outside jit (docs/design.md §8, docs/method.md §11).
 
 Public API: Task, Env, TextEnv, PromptPieces, EnvError (base); register_env, make_env,
 list_envs (registry); parse_action (parsing); TaskSampler (sampler); EnvPool, StepOutcome,

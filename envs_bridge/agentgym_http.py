@@ -1,4 +1,4 @@
-"""HTTP client for AgentGym env servers, WebShop first (method.md section 5).
+"""HTTP client for AgentGym env servers, WebShop first (docs/method.md §11.3).
 
 Protocol of the WooooDyy/AgentGym WebShop server (agentenv-webshop/agentenv_webshop/server.py
 and model.py; every AgentGym server names its fields differently, these are WebShop's):
@@ -140,7 +140,7 @@ class WebShopClient(AgentGymHTTPClient):
 
 
 def webshop_actions(has_search_bar: bool, clickables: list[str]) -> list[str]:
-    """Prompt action list (method.md section 7): `search[<keywords>]` when a search box
+    """Prompt action list (docs/method.md §3.1): `search[<keywords>]` when a search box
     exists, then one `click[...]` per clickable (AgentGym lists "search" as a clickable when
     the search button is shown; it is covered by the search action)."""
     out = ["search[<keywords>]"] if has_search_bar else []
@@ -168,7 +168,7 @@ class WebShopEnv(TextEnv):
 
     Args:
       server_url: AgentGym WebShop server root.
-      max_steps: step limit (method.md: 15).
+      max_steps: step limit (docs/method.md §11.3: 15).
       timeout_s, retries, backoff_s: HTTP client settings.
     Raises:
       EnvError when the server cannot be reached after the retries.

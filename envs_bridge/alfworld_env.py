@@ -1,4 +1,4 @@
-"""ALFWorld adapter on the `alfworld` package (TextWorld PDDL games; method.md section 5).
+"""ALFWorld adapter on the `alfworld` package (TextWorld PDDL games; docs/method.md §11.2).
 
 - Games: `game.tw-pddl` files under `$ALFWORLD_DATA/json_2.1.1/{train,valid_seen,valid_unseen}`
   (the user downloads them with `alfworld-download`); a clear `ALFWorldDataError` when
@@ -116,7 +116,7 @@ class ALFWorldEnv(TextEnv):
     """ALFWorld text game (TextWorld PDDL engine, one game at a time).
 
     Args:
-      max_steps: step limit (method.md: 50).
+      max_steps: step limit (docs/method.md §11.2: 50).
       data_dir: data root (default $ALFWORLD_DATA), used to resolve relative task ids.
       expert_plan: put the planner's remaining plan in info["expert_plan"] (slow; tests, BC).
     """
@@ -185,7 +185,7 @@ class ALFWorldEnv(TextEnv):
         return state.feedback, float(info["won"]), bool(done or info["won"]), info
 
     def admissible_actions(self) -> list[str]:
-        """Current admissible commands without `help` (method.md section 7)."""
+        """Current admissible commands without `help` (docs/method.md §3.1)."""
         return [a for a in self._admissible if a != "help"]
 
     def prompt_pieces(self) -> PromptPieces:

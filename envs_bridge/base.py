@@ -1,10 +1,10 @@
-"""Environment protocol shared by every adapter (method.md section 5).
+"""Environment protocol shared by every adapter (docs/design.md §8.1).
 
 A `Task` names one episode's start state; an `Env` is reset onto a task and stepped with
 action text. Adapters subclass `TextEnv`, which owns the bookkeeping every env needs the
-same way: the step counter and step limit, format-invalid steps (method.md section 3:
-"a format-invalid output is not sent to the env: the step counts toward the step limit and
-the next prompt shows the same observation"), and the `done` latch.
+same way: the step counter and step limit, format-invalid steps (nothing is sent to
+the simulator, the step counts toward the step limit and
+the observation repeats; docs/method.md §2.2), and the `done` latch.
 
 Info keys (all adapters):
   reset: task_description (str), admissible_actions (list[str] | None), score (float),
@@ -49,7 +49,7 @@ class Task:
 
 @dataclasses.dataclass(frozen=True)
 class PromptPieces:
-    """What an adapter gives the rollout's prompt builder (method.md section 7).
+    """What an adapter gives the rollout's prompt builder (docs/method.md §3).
 
     Attributes:
       environment: human name for the role line ("ScienceWorld", "ALFWorld", "WebShop").
@@ -116,7 +116,7 @@ class TextEnv(abc.ABC):
     """Base class with the shared step bookkeeping; subclasses implement `_reset`/`_step`.
 
     `step(None)` is a format-invalid step: nothing is sent to the simulator, reward 0, the
-    observation repeats, the step counts toward `max_steps` (method.md section 3).
+    observation repeats, the step counts toward `max_steps` (docs/method.md §2.2).
     Stepping after `done` raises RuntimeError (the rollout must start a new episode).
     """
 

@@ -1,4 +1,4 @@
-"""Action parsing: `<think>...</think><action>...</action>` (method.md section 5).
+"""Action parsing: `<think>...</think><action>...</action>` (docs/method.md §2.1).
 
 Rules [P]:
 

@@ -1,5 +1,5 @@
-"""Parallel env pool: steps many episodes between decode calls (method.md section 5,
-design.md "Env I/O stays outside jit").
+"""Parallel env pool: steps many episodes between decode calls (docs/design.md §8.3;
+the cohort overlap: docs/design.md §7.2).
 
 Model
 -----
@@ -35,8 +35,8 @@ backends are equal within noise; threads win on memory and simplicity, hence the
 Failures
 --------
 A step or reset that raises (a killed JVM, a dead server) or exceeds `step_timeout_s`
-marks that episode `crashed` (outcome.done = True, outcome.crashed = True; method.md
-section 3: the episode is kept for logging but masked out of the loss); the slot's env is
+marks that episode `crashed` (outcome.done = True, outcome.crashed = True; docs/method.md
+§1.2: the episode is kept for logging but masked out of the loss); the slot's env is
 closed and a fresh one is started in the background (stats["restarts"]), while the other
 episodes continue. Bad input (an unknown task: ValueError / KeyError) is re-raised.
 Every crash is logged once, as ONE warning line (env, task, reset/step, the error's first line);

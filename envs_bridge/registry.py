@@ -1,4 +1,4 @@
-"""Registry of envs by name (design.md "Registries by name").
+"""Registry of envs by name (docs/design.md §8.2).
 
 Adapters register a factory under a name; `make_env(name, **kwargs)` builds one. Heavy
 adapters (ScienceWorld, ALFWorld, WebShop) are registered lazily by module path so that

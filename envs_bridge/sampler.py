@@ -1,5 +1,5 @@
-"""Seeded task sampler per env and split, with exact save / restore (design.md "Checkpoint
-everything needed to resume exactly").
+"""Seeded task sampler per env and split, with exact save / restore
+(docs/design.md §8.2, §10).
 
 Sampling is epoch-wise without replacement: epoch e visits the tasks in the order of
 `numpy.random.default_rng([seed, e]).permutation(n)`. The whole state is three integers

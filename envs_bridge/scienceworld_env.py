@@ -1,5 +1,5 @@
-"""ScienceWorld adapter on the `scienceworld` package (Java simulator over py4j; method.md
-section 5, scienceworld_tasks.md).
+"""ScienceWorld adapter on the `scienceworld` package (Java simulator over py4j;
+docs/method.md §11.1).
 
 - Tasks: the package's 30 tasks minus AgentGym's exclusions (5-1, 5-2, 9-1, 9-2, 9-3,
   10-1, 10-2); the package's own train / dev / test variation splits (contiguous index
@@ -197,7 +197,7 @@ class ScienceWorldEnv(TextEnv):
     """ScienceWorld env (one JVM per instance).
 
     Args:
-      max_steps: step limit (method.md: 30).
+      max_steps: step limit (docs/method.md §11.1: 30).
       fetch_valid_actions: put the full valid-action list in every info (~60-180 ms/step).
       jvm_max_heap_mb: JVM heap cap (None = JVM default, ~660 MB resident).
       simplifications: the package's simplification string ("" = none, "easy", ...).
@@ -303,7 +303,7 @@ class ScienceWorldEnv(TextEnv):
         return list(self._call(self._env.server.getGoldActionSequence))
 
     def prompt_pieces(self) -> PromptPieces:
-        """Task description and action templates (not the full valid-action list; method.md s.7)."""
+        """Task description and action templates (not the full valid-action list; docs/method.md §3.1)."""
         return PromptPieces(self.environment, self._desc, self._templates,
                             tuple(self._last_info["admissible_actions"]) if self._last_info.get("admissible_actions") else None)
 

@@ -1,6 +1,6 @@
 """Evaluation: one strategy per task at the eval temperature, per-family success and score.
 
-method.md 2.10: one strategy per task (no FPS, no judge), temperature 0.4; report the success
+docs/method.md §10: one strategy per task (no FPS, no judge), temperature 0.4; report the success
 rate (ALFWorld won, WebShop, ScienceWorld score == 100), the mean score (WebShop score,
 ScienceWorld final score 0-100), overall and per task family. Baselines (flat rollout) are
 evaluated with one episode per task and no strategy.

@@ -7,8 +7,8 @@ same thing everywhere:
            -> task lists / TaskSampler -> EnvPool -> Sampler + SamplerPolicy -> PromptBuilder
            -> Trainer + Checkpointer
 
-Nothing here owns a loop; `train.py` runs the iterations. Source: design.md "The shape of the
-system"; issue 8.
+Nothing here owns a loop; `train.py` runs the iterations. Source: docs/design.md §2 and
+§3.
 """
 from __future__ import annotations
 
@@ -227,13 +227,13 @@ def check_resume(c: Any, stored: dict | None) -> None:
 def resolve(c: Any) -> Any:
     """Derived settings that follow from the algorithm (done once, logged).
 
-    STAPO runs with cumulative prompts (method.md 4); DAPO uses clip-higher 0.28 unless the
+    STAPO runs with cumulative prompts (docs/method.md §7.1, §6.5); DAPO uses clip-higher 0.28 unless the
     config already raised clip_eps_high; ``rollout.top_k=-1`` (off) becomes the sampler's 0.
     """
     if c.rollout.top_k == -1:   # vLLM / verl's spelling of "no top-k"; the sampler's is 0
         c.rollout.top_k = 0
     if c.algo == "stapo" and not c.rollout.cumulative_prompts:
-        log.info("algo=stapo: turning on rollout.cumulative_prompts (method.md section 4)")
+        log.info("algo=stapo: turning on rollout.cumulative_prompts (docs/method.md §7.1)")
         c.rollout.cumulative_prompts = True
     if c.algo == "dapo" and c.loss.clip_eps_high == c.loss.clip_eps_low:
         c.loss.clip_eps_high = 0.28

@@ -3,10 +3,10 @@
 Model code names the logical axes of every parameter and activation (``embed``, ``heads``,
 ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``batch``, ``length``, ``layers``, ``norm``);
 `LOGICAL_RULES` maps each to mesh axes (``data``, ``fsdp``, ``tensor``). This is the one place
-that decides how anything is sharded (maxtext-style logical axis rules; design.md "Principles").
+that decides how anything is sharded (maxtext-style logical axis rules; docs/design.md §5.2).
 
 The mesh uses Auto axis types (``jax.sharding.Mesh``), i.e. the familiar GSPMD semantics: jit
-propagates shardings from the inputs and from `constrain` hints (design.md "JAX version notes").
+propagates shardings from the inputs and from `constrain` hints (docs/design.md §5.1).
 Only jax and numpy are imported here so that ``strata_jax.models`` stays importable on
 accelerator images without the training dependencies.
 """

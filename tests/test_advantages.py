@@ -1,6 +1,6 @@
 """Advantage estimators against hand-computed numbers; each test is named after the pitfall it guards.
 
-Sources: method.md sections 2-4 and 6. Hand numbers are worked out in the comments.
+Sources: docs/method.md §4-§7. Hand numbers are worked out in the comments.
 """
 import math
 

@@ -1,4 +1,4 @@
-"""Config files load, validate and apply variants as documented (issue 8)."""
+"""Config files load, validate and apply variants as documented."""
 import importlib
 
 import pytest
@@ -10,7 +10,7 @@ from configs import base
 def test_each_config_loads_with_paper_values(name):
     c = importlib.import_module(f"configs.{name}").get_config()
     assert c.algo == "strata"
-    # method.md 2.8 pinned hyperparameters
+    # docs/method.md §5.8 pinned hyperparameters
     assert (c.rollout.num_strategies, c.rollout.episodes_per_strategy, c.rollout.oversample) == (4, 8, 8)
     assert c.adv.top_delta == 0.5 and c.loss.strategy_coef == 0.5 and c.adv.judge_kappa == 0.1
     assert c.optim.lr == 1e-6 and c.optim.weight_decay == 0.01 and c.optim.grad_clip == 1.0
@@ -29,7 +29,7 @@ def test_tiny_variant_matches_issue_8():
     assert c.env.max_steps == 4 and len(c.env.tasks) == 2 and c.iterations == 3
     assert r.max_action_tokens == r.max_strategy_tokens == r.max_judge_tokens == 32
     assert c.model.tokenizer == "offline" and c.model.path == ""
-    # issue 10: the tiny job starts from behaviour cloning on its own tasks' gold paths
+    # the tiny job starts from behaviour cloning on its own tasks' gold paths
     assert c.model.warm_start == "sft" and c.sft.steps == 250
 
 

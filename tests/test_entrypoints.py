@@ -47,7 +47,7 @@ def test_task_filter_and_unknown_task():
     c = sciworld.get_config("tiny")
     tasks = ex.task_list(c, "train")
     assert {t.task_id for t in tasks} == set(sciworld.TINY_TASKS)
-    # the package's train split sizes (scienceworld_tasks.md): 150 + 62
+    # the package's train split sizes (docs/method.md §11.1): 150 + 62
     assert len(tasks) == 150 + 62
     c.env.tasks = ("no-such-task",)
     with pytest.raises(ex.ConfigError, match="match no scienceworld task"):

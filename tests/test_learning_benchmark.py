@@ -1,4 +1,4 @@
-"""benchmarks/learning.py's aggregation (issue 10): per-iteration mean and min-max over seeds,
+"""benchmarks/learning.py's aggregation: per-iteration mean and min-max over seeds,
 ScienceWorld score = 100 x mean return, runs cut to the shortest; the plot is a real PNG."""
 import importlib.util
 import os

@@ -1,6 +1,6 @@
 """PPO-clip / KL / entropy / aggregation / two-level objective / value loss against hand numbers.
 
-Each test is named after the pitfall it guards (method.md sections 2.7, 3, 4, 6).
+Each test is named after the pitfall it guards (docs/method.md §8).
 """
 import math
 

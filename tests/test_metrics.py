@@ -1,4 +1,4 @@
-"""MetricsWriter writes the same scalars to tensorboardX and JSONL (issue 8)."""
+"""MetricsWriter writes the same scalars to tensorboardX and JSONL."""
 import glob
 import math
 

@@ -1,4 +1,4 @@
-"""Action parsing table (method.md section 5; issue 4 tests)."""
+"""Action parsing table (docs/method.md §2.1)."""
 import pytest
 
 from envs_bridge.parsing import contains_cjk, parse_action

@@ -12,7 +12,7 @@ from envs_bridge.scienceworld_env import (
 
 pytestmark = pytest.mark.slow
 
-# Short gold paths (scienceworld_tasks.md): 5-7 steps, well inside the 30-step limit.
+# Short gold paths (docs/method.md §11.1): 5-7 steps, well inside the 30-step limit.
 GOLD_PAIRS = [("find-non-living-thing", 0), ("lifespan-longest-lived", 0), ("find-living-thing", 3),
               ("lifespan-longest-lived-then-shortest-lived", 1)]
 

@@ -1,4 +1,4 @@
-"""Behaviour-cloning warm start (strata_jax/training/sft.py, issue 10).
+"""Behaviour-cloning warm start (strata_jax/training/sft.py).
 
 1. The SFT examples are the rollout's own prompts: a real `collect_rollout` (StraTA and flat) on
    memory_key, played by a scripted policy that answers ONLY prompts found among the SFT examples

@@ -3,9 +3,9 @@
 One row of a `SampleBatch` is one *sample* = one generation of the policy:
 either a strategy z (kind = STRATEGY) or one step's action a_t (kind = ACTION).
 Rows are padded to a static row count R and token axes to static lengths Tp / Tr
-(bucketed, so jit compiles once per bucket; design.md "Jit boundaries are few").
+(bucketed, so jit compiles once per bucket; docs/design.md §6.3).
 
-Conventions (method.md sections 1-4, 6):
+Conventions (docs/method.md §1.2, §1.3, §4):
 
 * ids are plain int32 labels, **not** row positions and **not** required to be dense:
   estimators group by *value* (a jit-safe dense remap, `segments.dense_group_ids`),
@@ -22,13 +22,13 @@ Conventions (method.md sections 1-4, 6):
 * `step_reward` is the per-step env reward r_t (GiGPO's discounted step returns and
   GAE are computed from it inside the estimator).
 * `valid` excludes padding rows and rows of crashed episodes from all group
-  statistics and the loss (method.md section 3).
+  statistics and the loss (docs/method.md §1.2).
 * `response_mask` marks generated tokens only: EOS included, nothing after it, no
-  prompt / observation / judge tokens (method.md section 6).
+  prompt / observation / judge tokens (docs/method.md §1.3).
 * The last step of a trajectory present in the batch is terminal for GAE (next value 0):
   the estimator runs on the whole rollout batch, before mini-batching.
 
-Source: issue 5, method.md sections 2-4; verl-agent's DataProto fields
+Source: docs/method.md §1.2; verl-agent's DataProto fields
 (uid / traj_uid / anchor_obs / step_rewards) for the naming of the ids.
 """
 from __future__ import annotations
@@ -137,7 +137,7 @@ def bucket_size(n: int, buckets: Sequence[int] | None, multiple: int = 1) -> int
 
     These sizes (at most 1.5x padding waste, two shapes per octave) bound the number of shapes a run ever compiles (log2 of the largest size),
     where rounding to a multiple of 8 recompiled the update for nearly every iteration as prompt
-    lengths drift (design.md "Each extra compilation costs seconds: buckets, not exact shapes").
+    lengths drift (docs/design.md §6.3).
     Raises ValueError when n exceeds the largest bucket (say which config to raise).
     """
     if buckets:

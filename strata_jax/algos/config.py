@@ -2,7 +2,7 @@
 
 Field names match `configs/base.py` (`c.adv.*`, `c.loss.*`) so `EstimatorConfig.from_config(c.adv)`
 and `LossConfig.from_config(c.loss)` read an ml_collections ConfigDict directly; fields the
-ConfigDict lacks keep the defaults below, which are method.md's pinned values.
+ConfigDict lacks keep the defaults below, which are the pinned values of docs/method.md.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _from_mapping(cls, cfg: Any, **overrides):
 
 @dataclasses.dataclass(frozen=True)
 class EstimatorConfig:
-    """Advantage-estimator options (method.md sections 2-4; defaults = the pinned values).
+    """Advantage-estimator options (docs/method.md §4-§7; defaults = the pinned values).
 
     Group normalisation:
         eps = 1e-6             added to the group std.
@@ -36,16 +36,16 @@ class EstimatorConfig:
         norm_by_std = True     False + loss agg `seq-mean-token-sum-norm` = Dr.GRPO.
         invalid_penalty = 0.1  subtracted from a format-invalid step's score (strata: from its
                                advantage in judge_mode "advantage").
-    StraTA (method.md 2.4-2.6):
+    StraTA (docs/method.md §5.5-§5.6):
         top_delta = 0.5        R(z) uses the mean of the ceil(delta*M) largest returns; 1.0 = plain mean.
         len_penalty = 0.5      beta_len;  len_max = 256  L_max (strategy tokens).
         judge_kappa = 0.1;     judge_mode = "advantage" | "reward".
-    GiGPO (method.md 3):
+    GiGPO (docs/method.md §6.3):
         gigpo_omega = 1.0;  gigpo_gamma = 0.95;  gigpo_step_norm = "mean_norm" | "mean_std_norm"
         (the episode term uses the same mode, as verl-agent does).
     GAE / PPO:
         gae_gamma = 1.0;  gae_lambda = 1.0;  gae_whiten = True  (whiten over valid step samples).
-    STAPO (method.md 4):
+    STAPO (docs/method.md §7):
         stapo_weighting = False        the selective weights as a modifier on any estimator.
         stapo_eta = 0.5                fixed threshold on A.
         stapo_eta_quantile = -1.0      >= 0: eta = this quantile of |A| over the batch ...
@@ -122,7 +122,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """PPO-clip loss options (method.md 2.7, 3; verl's actor conventions).
+    """PPO-clip loss options (docs/method.md §8; verl's actor conventions).
 
         clip_eps_low = 0.2; clip_eps_high = 0.2 (DAPO clip-higher: 0.28).
         dual_clip = 3.0        c for negative advantages (<= 1 turns it off).

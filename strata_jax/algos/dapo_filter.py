@@ -2,7 +2,7 @@
 
 The rollout calls `keep_informative_groups` after each try, rolls out more tasks to refill
 the dropped ones, and stops after `max_tries` (10); the last try keeps every group
-(method.md section 3). Pure numpy: it runs between rollouts, outside jit.
+(docs/method.md §6.5). Pure numpy: it runs between rollouts, outside jit.
 """
 from __future__ import annotations
 

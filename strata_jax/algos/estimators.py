@@ -16,7 +16,7 @@ Every estimator has ONE signature:
 Use `compute_advantages(name, batch, config, step)`: it looks the estimator up and applies the
 `stapo_weighting` modifier when the config asks for it.
 
-Names: grpo, rloo, gigpo, gae (alias ppo), strata, dapo, stapo. Source: method.md 2-4.
+Names: grpo, rloo, gigpo, gae (alias ppo), strata, dapo, stapo. Source: docs/method.md §4-§7.
 """
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def grpo(b: SampleBatch, c: EstimatorConfig, step=0):
     """GRPO over all step samples of a task group (each step counts once; ddof pinned 1).
 
     A = (S - mean_g) / (std_g + eps), S = episode return - 0.1 * invalid; size-1 group:
-    mean 0, std 1; zero-variance group: 0. Source: method.md 3 (verl-agent GRPO).
+    mean 0, std 1; zero-variance group: 0. Source: docs/method.md §6.1 (verl-agent GRPO).
     """
     mask = _action_mask(b)
     seg = dense_group_ids([b.task_id], mask)
@@ -139,7 +139,7 @@ def grpo(b: SampleBatch, c: EstimatorConfig, step=0):
 @register_estimator("dapo")
 def dapo(b: SampleBatch, c: EstimatorConfig, step=0):
     """DAPO advantages = GRPO's; clip-higher lives in the loss (LossConfig.clip_eps_high = 0.28)
-    and dynamic sampling in `dapo_filter.keep_informative_groups` (host side). Source: method.md 3."""
+    and dynamic sampling in `dapo_filter.keep_informative_groups` (host side). Source: docs/method.md §6.5."""
     return grpo(b, c, step)
 
 
@@ -147,7 +147,7 @@ def dapo(b: SampleBatch, c: EstimatorConfig, step=0):
 def rloo(b: SampleBatch, c: EstimatorConfig, step=0):
     """RLOO: A = n/(n-1) * (S - mean_g) over the step samples of a task group; size-1 group: 0.
 
-    Source: method.md 3 (equals S minus the mean of the other n-1 samples).
+    Source: docs/method.md §6.2 (equals S minus the mean of the other n-1 samples).
     """
     mask = _action_mask(b)
     seg = dense_group_ids([b.task_id], mask)
@@ -160,7 +160,7 @@ def rloo(b: SampleBatch, c: EstimatorConfig, step=0):
 
 @register_estimator("gigpo")
 def gigpo(b: SampleBatch, c: EstimatorConfig, step=0):
-    """GiGPO: A = A_episode + omega * A_step (method.md 3; verl-agent compute_gigpo_outcome_advantage).
+    """GiGPO: A = A_episode + omega * A_step (docs/method.md §6.3; verl-agent compute_gigpo_outcome_advantage).
 
     Episode term: group-relative over the step samples of the task group (GRPO conventions,
     ddof 1, size-1 group mean 0 std 1), S = return - 0.1 * invalid.
@@ -214,7 +214,7 @@ def gae(b: SampleBatch, c: EstimatorConfig, step=0):
 
     delta_t = r_t + gamma * V_{t+1} - V_t with V after the last step of a trajectory = 0;
     A_t = delta_t + gamma * lambda * A_{t+1}. Metric row/value_targets = A_raw + V (critic).
-    Source: method.md 3 (verl compute_gae_advantage_return, per step sample instead of per token).
+    Source: docs/method.md §6.4 (verl compute_gae_advantage_return, per step sample instead of per token).
     """
     adv, targets, mask = _gae(b, c, c.gae_lambda, c.gae_whiten)
     m = advantage_metrics(adv, b, [])
@@ -225,9 +225,9 @@ def gae(b: SampleBatch, c: EstimatorConfig, step=0):
 @register_estimator("stapo")
 def stapo(b: SampleBatch, c: EstimatorConfig, step=0):
     """STAPO: GAE (gamma 1, lambda 0.95) over the trajectory-aware critic's values, whitened,
-    then selective weights with the dropout-uncertainty bonus c_u * std(V) (method.md 4).
+    then selective weights with the dropout-uncertainty bonus c_u * std(V) (docs/method.md §7.2-§7.3).
     Metric row/value_targets = A_raw + V for the weighted value loss. Only step samples carry
-    a value, so strategy rows (if any) get advantage and weight 0. Out of scope (method.md 4):
+    a value, so strategy rows (if any) get advantage and weight 0. Out of scope (docs/method.md §7.5):
     the source's prioritised replay pool and weight-stratified batch sampling.
     """
     adv, targets, mask = _gae(b, c, c.stapo_gae_lambda, c.stapo_whiten)
@@ -245,7 +245,7 @@ def strategy_rewards(b: SampleBatch, c: EstimatorConfig):
     strategy's valid episodes; P_len = beta_len * max(0, |z| - L_max) / L_max; P_fmt = format_fail.
     An episode is counted once (its first valid step row carries its return).
     Returns (R(z) [R] f32 on strategy rows (0 elsewhere), has_episodes [R] bool on strategy rows).
-    Source: method.md 2.4.
+    Source: docs/method.md §5.5.
     """
     R = b.num_rows
     act = _action_mask(b)
@@ -278,7 +278,7 @@ def strategy_rewards(b: SampleBatch, c: EstimatorConfig):
 
 @register_estimator("strata")
 def strata(b: SampleBatch, c: EstimatorConfig, step=0):
-    """StraTA's two-level advantages (method.md 2.4-2.6), ddof pinned 0, eps 1e-6.
+    """StraTA's two-level advantages (docs/method.md §5.5-§5.6), ddof pinned 0, eps 1e-6.
 
     Strategy level: GRPO over the N strategy rewards R(z) of a task (`strategy_rewards`);
     a strategy with no valid episode gets 0 and stays out of the statistics.

@@ -2,7 +2,7 @@
 two-level StraTA objective, and STAPO's weighted value loss, as pure functions of arrays.
 
 The loss never calls the model: the trainer computes per-token logprobs / entropies and passes
-them in, so every number here is checkable by hand. Source: method.md 2.7, 3, 4; verl's
+them in, so every number here is checkable by hand. Source: docs/method.md §8; verl's
 core_algos (compute_policy_loss with dual clip, kl_penalty "low_var_kl", agg_loss).
 
 Normalisation contract (micro-batch accumulation is exact): every level's aggregate divides by a
@@ -229,7 +229,7 @@ def value_loss(
     sample_weights [R] f32 (default ones; STAPO passes its weights); num_samples: the whole
     mini-batch's count of masked samples (default: this mask's), 0 gives loss 0.
     Returns (scalar loss, metrics: vf_loss, vf_clip_frac, value_mean, value_error = mean (V - T)^2).
-    Source: method.md 3 (value clip 0.5), 4 (L_vf = c1 * mean(w * (V - V_target)^2)).
+    Source: docs/method.md §8.6 (value clip 0.5), §7.4 (L_vf = c1 * mean(w * (V - V_target)^2)).
     """
     mask = mask.astype(bool)
     w = jnp.ones_like(values) if sample_weights is None else sample_weights

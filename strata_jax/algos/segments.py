@@ -3,7 +3,7 @@
 All functions take [R] arrays and a boolean mask of the rows that take part, and use static
 segment counts (R + 1: R possible groups plus one trash bucket for masked-out rows), so a
 batch compiles once per row bucket and no Python loop runs over samples.
-Source: method.md sections 3 and 6 (group by id, not position; size-1 and zero-variance
+Source: docs/method.md §4 (group by id, not position; size-1 and zero-variance
 groups; ddof; fp32 one-pass variance residue).
 """
 from __future__ import annotations
@@ -93,7 +93,7 @@ def group_normalize(
     Returns:
         ([R] f32 advantages, 0 on masked-out rows and exactly 0 in zero-variance groups of
         size >= 2; stats dict from `segment_stats`).
-    Source: method.md 2.6 / 3 (GRPO, zero-variance groups give exactly 0 and are kept).
+    Source: docs/method.md §4.1 (GRPO, zero-variance groups give exactly 0 and are kept).
     """
     if singleton not in ("grpo", "zero"):
         raise ValueError(f"singleton must be 'grpo' or 'zero', got {singleton!r}")

@@ -1,4 +1,4 @@
-"""STAPO's selective sample weights (method.md section 4; seeds/004_4b40cc148cf4d90c.txt sec. 2.1, 3 step 4).
+"""STAPO's selective sample weights (docs/method.md §7.3; the STAPO write-up sec. 2.1, 3 step 4).
 
 Given per-sample advantages A (GAE over the trajectory-aware critic for `algo = stapo`, or any
 estimator's advantages for the `stapo_weighting` modifier):

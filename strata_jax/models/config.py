@@ -3,7 +3,7 @@
 `Qwen2Config` is a frozen (hashable) dataclass so it can be a static argument of jitted
 functions. It is parsed from a checkpoint's ``config.json`` in both forms transformers writes:
 rope_theta at the top level (transformers 4.x) or inside ``rope_parameters`` (transformers 5.x).
-Source: transformers ``Qwen2Config`` / ``modeling_qwen2.py``; method.md section 6 (Qwen2 pitfalls).
+Source: transformers ``Qwen2Config`` / ``modeling_qwen2.py``; docs/design.md §11.1.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """LM head: logits from hidden states, and chunked token logprobs + entropy.
 
 The sampler and the trainer both score tokens through `token_logprobs_and_entropy`, so
-temperature is applied the same way in both (method.md section 6: "temperature applied
-differently in the sampler and the trainer logprobs"). Logits are fp32 whatever the param dtype,
+temperature is applied the same way in both (docs/method.md §9.1).
+Logits are fp32 whatever the param dtype,
 and are computed in chunks over the sequence so that B x T x V logits never exist at once
-(design.md performance notes: full-vocabulary logits memory).
+(docs/design.md §12).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 bias (no o_proj bias), HF rotate-half RoPE, SwiGLU MLP, tied or untied LM head.
 
 Source: transformers ``modeling_qwen2.py`` (Qwen2ForCausalLM), the parity reference in tests;
-method.md section 6 (Qwen2 pitfalls); the pinned interface in notes/model_interface.md.
+the conventions and the interface in docs/design.md §11.1.
 
 Params layout (plain nested dict of jnp arrays; matrices keep the HF ``[out, in]`` layout so that
 loading needs no transpose and every projection is ``x @ W.T``):
@@ -17,7 +17,7 @@ loading needs no transpose and every projection is ``x @ W.T``):
      "lm_head":    [V, D]   (absent when config.tie_word_embeddings)}
 
 Layers are a Python list walked by an unrolled loop: on CPU this was faster than ``lax.scan``
-over stacked weights (design.md performance notes), and slicing a stacked weight per layer would
+over stacked weights (docs/design.md §12), and slicing a stacked weight per layer would
 copy it. Code outside this package must not depend on the per-layer layout; use
 `param_logical_axes`, `init_params` and the loading functions instead.
 

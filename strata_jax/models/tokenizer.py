@@ -6,7 +6,7 @@ vocabulary and merges as Qwen2.5, ids up to 151664 identical). That release is Q
 which Qwen2.5 does not have (it encodes ``<think>`` as ordinary BPE pieces), so they are dropped.
 The Qwen2.5-Instruct chat template is shipped here (`QWEN25_CHAT_TEMPLATE`): it inserts the
 default system prompt when the conversation has none.
-Source: design.md "Model weights and tokenizer on a machine with no hub"; method.md section 6.
+Source: docs/design.md §11.3.
 transformers is imported lazily so that ``strata_jax.models`` imports without it.
 """
 from __future__ import annotations

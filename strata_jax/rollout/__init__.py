@@ -1,5 +1,5 @@
 """Rollout orchestration: prompts, strategies (format check, FPS), the step loop with env
-overlap, self-judgment, and the rollout modes that fill a `SampleBatch` (issue 6).
+overlap, self-judgment, and the rollout modes that fill a `SampleBatch`.
 
 Public API:
   prompts:   PromptBuilder, PromptIds, HistoryEntry, invalid_history_action

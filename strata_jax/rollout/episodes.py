@@ -1,6 +1,6 @@
 """The step loop: episodes of many tasks played on the env pool, decoding overlapped with env
-stepping (method.md sections 1, 3 and 7; design.md "Envs step in parallel workers while the
-device decodes").
+stepping (docs/method.md §2-§3;
+docs/design.md §7.2).
 
 Cohorts. The live episodes are split into ``cohorts`` groups (default 2) that take turns:
 a cohort's turn is (1) collect its outstanding env tickets, (2) one batched policy call over
@@ -154,7 +154,7 @@ class Trajectory:
 
     @property
     def episode_return(self) -> float:
-        """Sum of the step rewards ([0,1]-scale units, method.md 2.4)."""
+        """Sum of the step rewards ([0,1]-scale units, docs/method.md §1.1)."""
         return float(sum(s.reward for s in self.steps))
 
 

@@ -1,4 +1,4 @@
-"""Self-judgment verdicts -> per-step judge flags (method.md section 2.5).
+"""Self-judgment verdicts -> per-step judge flags (docs/method.md §5.4).
 
 The judge answers ``<bad_steps>1, 4</bad_steps>`` or ``<bad_steps>none</bad_steps>``. Rules
 [P]: the first block counts; its body is ``none`` (any case) or a list of integers (optionally

@@ -1,4 +1,4 @@
-"""Per-row PRNG keys from global ids, never from row positions (issue 6, item 3).
+"""Per-row PRNG keys from global ids, never from row positions (docs/method.md §1.4).
 
 A row's key is a `jax.random.fold_in` chain over its global ids:
 ``fold_in(...fold_in(fold_in(base, purpose), task_uid)..., step)``. The ids are the same on

@@ -1,7 +1,7 @@
 """The policy side of the rollout: a small protocol and its implementation on the Sampler.
 
 The rollout needs two things from the policy: batched generation over shared-prefix rows and
-strategy embeddings for farthest-point selection (method.md 2.3). `Policy` is that protocol;
+strategy embeddings for farthest-point selection (docs/method.md §5.2). `Policy` is that protocol;
 `SamplerPolicy` implements it on `strata_jax.sampling.Sampler` + params;
 `strata_jax.rollout.scripted.ScriptedPolicy` is the scripted test double.
 """
@@ -51,7 +51,7 @@ class SamplerPolicy:
       params: the policy params (placed for the sampler's mesh); replace with `set_params`
         after each update.
       embed_batch: rows per embedding forward (bounds memory; lengths are bucketed).
-    The embedding is the default of method.md 2.3: the policy's final hidden states (after the
+    The embedding is the default of docs/method.md §5.2: the policy's final hidden states (after the
     final RMSNorm) mean-pooled over the given tokens (the strategy's generated tokens without
     a final stop id, run without the prompt).
     """

@@ -1,4 +1,4 @@
-"""Step, strategy and judge prompts (method.md sections 1, 2.1, 2.5 and 7).
+"""Step, strategy and judge prompts (docs/method.md §3).
 
 Every prompt is ONE user message rendered through the tokenizer's Qwen2.5 chat template with
 no custom system message (the template then inserts Qwen's default system prompt, as the
@@ -110,7 +110,7 @@ class PromptIds:
 
 @dataclasses.dataclass(frozen=True)
 class HistoryEntry:
-    """One past step as the history window shows it (method.md section 7).
+    """One past step as the history window shows it (docs/method.md §3.1).
 
     Attributes:
       observation: the raw env observation the step acted on.
@@ -134,7 +134,7 @@ class PromptBuilder:
     Args:
       tokenizer: a transformers tokenizer with the Qwen2.5 chat template
         (``strata_jax.models.load_tokenizer``).
-      max_prompt_tokens: budget per prompt (method.md 2.8: ALFWorld 2048, WebShop /
+      max_prompt_tokens: budget per prompt (docs/method.md §3.4: ALFWorld 2048, WebShop /
         ScienceWorld 4096).
       history_length: (obs, action) pairs shown (pinned 2); None = the whole trajectory
         (cumulative prompts, STAPO).
@@ -244,7 +244,7 @@ class PromptBuilder:
 
     def step_prompt(self, pieces: PromptPieces, observation: str, history: Sequence[HistoryEntry],
                     strategy: str | None = None, invalid_notice: bool = False) -> PromptIds:
-        """The prompt of the next step (method.md section 7).
+        """The prompt of the next step (docs/method.md §3.1).
 
         Args:
           pieces: the env's prompt pieces now (admissible actions of this state).
@@ -281,7 +281,7 @@ class PromptBuilder:
         return self._fit(render, observation, window)
 
     def strategy_prompt(self, pieces: PromptPieces, observation: str) -> PromptIds:
-        """Strategy prompt (method.md 2.1): role, task, first observation, actions, and the
+        """Strategy prompt (docs/method.md §3.2): role, task, first observation, actions, and the
         request for an ordered plan inside <strategy></strategy>, no action."""
         prefix = self.prefix_text(pieces)
 
@@ -293,7 +293,7 @@ class PromptBuilder:
 
     def judge_prompt(self, pieces: PromptPieces, strategy: str | None,
                      steps: Sequence[HistoryEntry]) -> PromptIds:
-        """Self-judgment prompt (method.md 2.5): task, strategy, the numbered (observation,
+        """Self-judgment prompt (docs/method.md §3.3): task, strategy, the numbered (observation,
         action) steps, each observation cut to ``judge_obs_chars`` (halved until the budget
         holds), the two questions and the answer format. The final reward is not shown.
 

@@ -1,7 +1,7 @@
 """Rollout modes -> `SampleBatch`: StraTA's hierarchical rollout, the flat rollout of the
-baselines, cumulative prompts (STAPO) and DAPO's refill (issue 6; method.md sections 2-4).
+baselines, cumulative prompts (STAPO) and DAPO's refill (docs/method.md §5-§7).
 
-StraTA (`mode="strata"`), per task (method.md 2.1-2.5):
+StraTA (`mode="strata"`), per task (docs/method.md §5.1-§5.4):
   1. reset one env on the task for its first observation (then release it);
   2. sample sigma*N strategy candidates from the strategy prompt (one batched call over all
      tasks, keys (PURPOSE_STRATEGY, task_uid, candidate));
@@ -61,7 +61,7 @@ from strata_jax.sampling.stops import StopText, build_stop_text
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """Rollout settings (defaults = method.md's paper setting; see `from_config`).
+    """Rollout settings (defaults = the paper setting, docs/method.md §5.8; see `from_config`).
 
     mode: "strata" or "flat". num_strategies N, episodes_per_strategy M, oversample sigma,
     diverse_sampling (FPS), self_judgment; group_size (flat); temperature / top_p / top_k;
@@ -515,7 +515,7 @@ def _select_groups(part: _Part, groups_wanted: int, keep_all: bool) -> tuple[_Pa
 def dapo_rollout(policy: Policy, pool: EnvPool, builder: PromptBuilder,
                  sample_tasks: Callable[[int], Sequence[Task]], *, key: Any,
                  config: RolloutConfig) -> RolloutResult:
-    """DAPO dynamic sampling with refill (method.md section 3).
+    """DAPO dynamic sampling with refill (docs/method.md §6.5).
 
     Try k rolls out as many new tasks as groups are still missing (``sample_tasks(n)``, e.g.
     `TaskSampler.sample`), keeps the groups whose valid episode returns are not all equal and

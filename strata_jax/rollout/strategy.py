@@ -1,6 +1,6 @@
 """StraTA strategies: the format check (P_fmt, |z|) and farthest-point selection (FPS).
 
-Source: method.md section 2.3-2.4 (the strategy body, P_fmt, |z|, greedy max-min cosine FPS,
+Source: docs/method.md §5.1-§5.2 (the strategy body, P_fmt, |z|, greedy max-min cosine FPS,
 format failures dropped first and used only as fill).
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ class StrategyCheck:
 
 def check_strategy(output: str, truncated: bool,
                    count_tokens: Callable[[str], int]) -> StrategyCheck:
-    """Check one strategy candidate (method.md 2.4).
+    """Check one strategy candidate (docs/method.md §5.1).
 
     Args:
       output: the decoded generation (stop token removed).
@@ -129,7 +129,7 @@ def farthest_point_selection(embeddings: np.ndarray, k: int, *,
 def select_strategies(embeddings: np.ndarray, format_fail: Sequence[bool], k: int, *,
                       diverse: bool = True, first: int | None = None,
                       rng: np.random.Generator | None = None) -> list[int]:
-    """Pick the k strategies of one task from its candidates (method.md 2.3).
+    """Pick the k strategies of one task from its candidates (docs/method.md §5.2).
 
     Format failures are dropped first; FPS runs over the passing candidates; if fewer than k
     pass, all passing ones are kept and the rest is filled with failed candidates, continuing

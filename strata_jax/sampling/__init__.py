@@ -1,4 +1,4 @@
-"""Batched KV-cache sampler: jitted prefill + one ``lax.while_loop`` decode (issue 3).
+"""Batched KV-cache sampler: jitted prefill + one ``lax.while_loop`` decode (docs/design.md §6).
 
 Public API:
   ``Sampler(config, mesh=None, max_cache_len=None, ...)`` with ``generate``,

@@ -1,6 +1,6 @@
 """Shape buckets: pad batch and lengths to a small set of sizes so compilations stay bounded.
 
-design.md ("Jit boundaries are few and shapes are static"): each extra compilation costs
+docs/design.md §6.3: each extra compilation costs
 seconds, so the sampler pads the batch, the prompt length and the generation length up to
 powers of two with a floor; a rollout with varying prompt lengths then compiles a handful of
 programs instead of one per shape.

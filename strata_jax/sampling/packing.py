@@ -3,8 +3,8 @@
 Prompts are LEFT padded: every row's last real token sits in the last column, so one
 ``hidden[:, -1]`` gives every row's next-token state and decode slot ``T + step`` is the same
 for all rows. RoPE positions are explicit per token (``start + cumsum(mask) - 1``), as the
-pinned model interface requires (method.md section 6: "Left padding with KV cache needs
-per-row positions").
+pinned model interface requires (docs/design.md
+§6.1, §11.1).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sampling parameters of one sampler call (issue 3, method.md section 6).
+"""Sampling parameters of one sampler call (docs/design.md §6.2).
 
 One ``SamplingParams`` applies to every row of a call. The rollout runs greedy evaluation and
 sampled training rollouts as separate calls, so per-row parameters are not needed; per-row
@@ -22,8 +22,8 @@ class SamplingParams:
     Attributes:
       temperature: softmax temperature (> 0), or 0 meaning greedy. Logprobs are reported as
         ``log_softmax(logits / temperature)`` of the chosen token, BEFORE top-k / top-p
-        renormalisation, so that the trainer's recomputation of pi_old matches (method.md
-        section 6, "Temperature / top-p applied differently in the sampler and the trainer").
+        renormalisation, so that the trainer's recomputation of pi_old matches (docs/method.md
+        §9.1).
       top_p: nucleus mass in (0, 1]; 1 disables it. Keeps the smallest set of most likely
         tokens whose mass (after temperature and top-k) reaches ``top_p``; ties at the
         threshold are all kept.

@@ -1,6 +1,6 @@
 """Batched KV-cache sampler: one jitted prefill, then one jitted ``lax.while_loop`` decode.
 
-Source: issue 3; design.md "Principles" and "Performance notes"; method.md section 6.
+Source: docs/design.md §6 and §12.
 
 Flow of `Sampler.generate` (and of `Sampler.generate_with_prefixes`):
 

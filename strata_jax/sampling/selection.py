@@ -15,7 +15,7 @@ more than the model's whole decode step. Instead
 
 Ordering follows transformers' logits processors: temperature, then top-k, then top-p (mass
 measured after the top-k cut). Reported logprobs are ``log_softmax(logits / T)`` of the chosen
-id over the FULL vocabulary (before the cuts), T = 1 for greedy (method.md section 6).
+id over the FULL vocabulary (before the cuts), T = 1 for greedy (docs/method.md §9.1).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Trainer: train state, scoring passes, critic, mini-batched PPO update, checkpoints.
 
-See update.py for the update flow (method.md 2.7-2.8, 3, 4) and checkpoint.py for the orbax
+See update.py for the update flow (docs/method.md §9) and checkpoint.py for the orbax
 checkpoint layout and resume rules.
 """
 from strata_jax.training.config import TrainConfig

@@ -32,9 +32,9 @@ partial step and orbax's tmp directory are removed, older steps are untouched.
 
 Restore: `Checkpointer.restore(abstract_state)` with `Trainer.abstract_state()` (ShapeDtypeStructs
 carrying the target NamedShardings) puts every array straight onto the target mesh, whatever
-mesh wrote it (design.md "JAX version notes"). A step that fails to restore (truncated file,
+mesh wrote it (docs/design.md §10). A step that fails to restore (truncated file,
 missing metadata) is skipped with a warning in favour of the next older one.
-Source: orbax-checkpoint 0.12 CheckpointManager docs; issue 7.
+Source: orbax-checkpoint 0.12 CheckpointManager docs; docs/design.md §10.
 """
 from __future__ import annotations
 

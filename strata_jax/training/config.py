@@ -2,8 +2,8 @@
 
 `TrainConfig.from_config(c)` reads `c.optim`, `c.loss`, `c.adv`, `c.rollout.temperature`,
 `c.model.remat`, `c.algo` and the optional `c.train` sub-dict of ``configs/base.py``; fields the
-ConfigDict lacks keep the defaults below (method.md 2.8 / 3 / 4 pinned values).
-Source: method.md sections 2.7-2.8 (objective, optimiser), 3 (PPO critic), 4 (STAPO critic).
+ConfigDict lacks keep the defaults below (docs/method.md §5.8, §6.4, §7 pinned values).
+Source: docs/method.md §8-§9 (objective, optimiser), §6.4 (PPO critic), §7.1 (STAPO critic).
 """
 from __future__ import annotations
 
@@ -51,12 +51,12 @@ class TrainConfig:
     Model execution: remat ("none" | "full" | "dots": jax.checkpoint policy over the forward),
       compute_dtype ("float32" | "bfloat16": params are cast for the forward, the optimizer keeps
       the stored dtype), logprob_chunk (positions per LM-head chunk), temperature (train
-      temperature of pi_old / pi_theta, method.md 2.8), score_rows (rows per chunk of the
+      temperature of pi_old / pi_theta, docs/method.md §9.1), score_rows (rows per chunk of the
       no-grad scoring passes; 0 = micro_batch_size).
     Critic: critic ("auto": separate model for ppo/gae, value head on the policy trunk for stapo,
       none otherwise), value_trunk_coef (STAPO: gradient of the value loss into the shared trunk
       is scaled by this; 0 = head only), value_head_init_std (head weights ~ N(0, std^2 / D)),
-      dropout_passes K and dropout p (value uncertainty, method.md 4).
+      dropout_passes K and dropout p (value uncertainty, docs/method.md §7.3).
     Sub-configs: loss (LossConfig), estimator (EstimatorConfig), algo (estimator registry name),
       lora (LoraConfig; rank > 0: the trainable params are LoRA adapters over the frozen base,
       which is also the KL reference, and lr = lora.lr when that is > 0).

@@ -1,4 +1,4 @@
-"""Value heads and critic params (method.md 3 PPO critic, 4 STAPO trajectory-aware critic).
+"""Value heads and critic params (docs/method.md §6.4 PPO critic, §7.1 STAPO trajectory-aware critic).
 
 Critic params (a plain dict pytree, stored in `TrainState.critic_params`):
 
@@ -9,7 +9,7 @@ Critic params (a plain dict pytree, stored in `TrainState.critic_params`):
   kind "none": {} (no critic).
 
 V(h_t) = h_t . w + b, h_t = the final hidden state at the last response token. The value
-uncertainty is the std over K passes with (inverted) dropout p on h_t (method.md 4: K = 4,
+uncertainty is the std over K passes with (inverted) dropout p on h_t (docs/method.md §7.3: K = 4,
 p = 0.1); V itself is the dropout-free value.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ def init_critic(kind: str, policy_params: Params, key: jax.Array, hidden_size: i
                 init_std: float = 0.1) -> Params:
     """Critic params for `kind` ("separate" | "head" | "none"); see the module docstring.
 
-    "separate" copies the policy params (same checkpoint, method.md 3) into its own buffers.
+    "separate" copies the policy params (same checkpoint, docs/method.md §6.4) into its own buffers.
     Raises ValueError on an unknown kind.
     """
     if kind == "none":

@@ -5,7 +5,7 @@ concatenation has pads only at both ends, so RoPE positions are ``cumsum(mask) -
 state at concatenated column Tp - 1 + j predicts response token j. Logprobs / entropies are
 computed by ``token_logprobs_and_entropy`` on the response span only, in chunks (never
 B x T x V logits). Used by the old-logprob pass (pi_old is the trainer's own recomputation at the
-train temperature, method.md 3), the reference pass and the loss.
+train temperature, docs/method.md §9.1), the reference pass and the loss.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def sequence_inputs(prompt_ids: jax.Array, prompt_mask: jax.Array, response_ids:
     """tokens, mask, positions [B, Tp + Tr] (int32, bool, int32) of prompt ++ response.
 
     Positions count real tokens only (cumsum(mask) - 1, clipped at 0), so left padding and the
-    response's right padding take no RoPE positions (method.md 6: per-row positions).
+    response's right padding take no RoPE positions (per-row positions, docs/design.md §11.1).
     """
     tokens = jnp.concatenate([prompt_ids, response_ids], axis=1).astype(jnp.int32)
     mask = jnp.concatenate([prompt_mask, response_mask], axis=1).astype(bool)
@@ -64,7 +64,7 @@ def response_states(params: Params, model: Qwen2Config, prompt_ids: jax.Array,
         response token j (concatenated column Tp - 1 + j).
       last [B, D] f32: h_t = final hidden state at the last response token (column
         Tp - 1 + n_b, n_b = response length of row b; the last prompt token when n_b = 0).
-        This is where the value head reads (method.md 4).
+        This is where the value head reads (docs/method.md §7.1).
     """
     p = cast_params(params, compute_dtype)
     tokens, mask, positions = sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
@@ -83,7 +83,7 @@ def response_logprobs(params: Params, model: Qwen2Config, hidden: jax.Array,
     """Per-token logprob and entropy [B, Tr] f32 of the response tokens (0 off the mask).
 
     logprob = log_softmax(logits / temperature)[token] (no top-p / top-k renormalisation,
-    method.md 3); chunked over Tr by `token_logprobs_and_entropy`.
+    docs/method.md §9.1); chunked over Tr by `token_logprobs_and_entropy`.
     """
     p = cast_params(params, compute_dtype)
     lp, ent = token_logprobs_and_entropy(p, model, hidden, response_ids.astype(jnp.int32),

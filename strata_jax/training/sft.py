@@ -2,7 +2,7 @@
 
 Why: a randomly initialised tiny model never emits a parsable ``<action>``, so RL from scratch
 on CPU has no signal. Cloning an expert first gives a policy whose actions reach the env from
-the first iteration, with room left for RL (the data holds a little noise; issue 10).
+the first iteration, with room left for RL (the data holds a little noise).
 
 Data (one pass over the env, outside jit):
   * experts: the built-in envs' ``expert_action()`` (optimal policies) and ScienceWorld's gold
@@ -15,7 +15,7 @@ Data (one pass over the env, outside jit):
   * the plan: the CLEAN expert's action list with runs of one action merged, as a numbered list
     ("1. go north (4 times)\\n2. enter 471"): the strategy text z of StraTA;
   * every example is rendered with `strata_jax.rollout.PromptBuilder`, i.e. exactly the prompt
-    the rollout builds for that state (method.md 1 and 7): step prompts with the history window
+    the rollout builds for that state (docs/method.md §3): step prompts with the history window
     and, for StraTA rows, z in the prefix; the strategy prompt; the judge prompt. Environment
     prompt pieces are read from the live env after each step, as the thread-backend rollout does;
     history actions are the parsed actions (`envs_bridge.parse_action`), as in the rollout.
@@ -25,10 +25,10 @@ Data (one pass over the env, outside jit):
     `prompts.ACTION_STOP` / `STRATEGY_STOP` / `JUDGE_STOP`), or with ``<|im_end|>`` when the
     text never completes it.
 
-Training: cross-entropy on response tokens only (the prompt is context, never a target; method.md
-1), token-mean over the batch, AdamW with global-norm clipping (`make_optimizer`), one jitted
+Training: cross-entropy on response tokens only (the prompt is context, never a target; docs/method.md
+§1.3), token-mean over the batch, AdamW with global-norm clipping (`make_optimizer`), one jitted
 step per batch; prompts are left-padded and responses right-padded to power-of-two buckets so a
-run compiles a handful of programs (design.md "buckets, not exact shapes"). The forward and the
+run compiles a handful of programs (docs/design.md §6.3). The forward and the
 chunked LM-head logprobs are the trainer's own (`response_states` / `response_logprobs`), so the
 model scores exactly the columns the RL update scores.
 
@@ -212,7 +212,7 @@ def play_gold(env: Any, task: Task, noise: float, rng: random.Random,
     """Replay ScienceWorld's gold action sequence on `task` (env built with generate_gold=True),
     inserting a harmless noise action before a gold step with probability `noise`.
 
-    Returns None when the gold path is longer than `max_gold_steps` (method.md 5: behaviour
+    Returns None when the gold path is longer than `max_gold_steps` (docs/method.md §11.1: behaviour
     cloning uses pairs whose gold length fits)."""
     obs, _ = env.reset(task)
     pieces0 = env.prompt_pieces()
@@ -287,7 +287,7 @@ def plan_text(actions: Sequence[str], max_items: int = 12) -> str:
 
 
 def action_response(action: str, think: str) -> str:
-    """Response text of one step (method.md 5 format); the stop token is added at encoding."""
+    """Response text of one step (docs/method.md §2.1 format); the stop token is added at encoding."""
     return f"<think>{think}</think><action>{action}</action>"
 
 

@@ -6,13 +6,13 @@
   opt_state         optax state of `make_optimizer(lr ...)` over params
   critic_params     `critic.init_critic` tree: {} | {"head"} | {"trunk", "head"}
   critic_opt_state  optax state of the critic optimiser (critic_lr) over critic_params ({} if none)
-  step              int32 []: iterations done (one rollout + its update, method.md 2.8)
+  step              int32 []: iterations done (one rollout + its update, docs/method.md §9.2)
   rng               uint32 [2]: raw PRNG key data (old-style key, checkpointable as is)
 
 The optimizer-step count (for the schedule) lives inside opt_state. Reference params (the frozen
 initial policy) are NOT in the state: they are re-loaded from the initial checkpoint and passed
 to `update` (saving them in every checkpoint would double its size).
-Source: method.md 2.8 (AdamW lr 1e-6, wd 0.01, clip 1.0), 3 (critic lr 1e-5); optax docs.
+Source: docs/method.md §9.3 (AdamW lr 1e-6, wd 0.01, clip 1.0; critic lr 1e-5); optax docs.
 """
 from __future__ import annotations
 

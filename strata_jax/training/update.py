@@ -1,9 +1,9 @@
 """The update half of an iteration: scoring passes, advantages, mini-batched PPO steps.
 
-Flow of `Trainer.update(state, batch, ref_params)` (method.md 2.7-2.8, 3, 4):
+Flow of `Trainer.update(state, batch, ref_params)` (docs/method.md §9):
 
 1. `score_batch` (jitted, no grad, chunks of rows via ``lax.map``): pi_old logprobs = the
-   trainer's own recomputation at the train temperature (method.md 3), reference logprobs from the
+   trainer's own recomputation at the train temperature (docs/method.md §9.1), reference logprobs from the
    frozen initial params (when kl_coef != 0), critic values V(h_t) and their dropout std (PPO:
    separate critic; STAPO: value head on the policy trunk). They fill the SampleBatch slots
    old_logprobs / ref_logprobs / values / value_std BEFORE the estimator runs.
@@ -88,7 +88,7 @@ def minibatch_plan(valid: np.ndarray, kind: np.ndarray, mini_batch_size: int, ro
 
     The valid step samples are shuffled and split evenly into n = ceil(#step / mini_batch_size)
     mini-batches (at least 1); the valid strategy samples are shuffled and split evenly over the
-    same n mini-batches (method.md 2.8). Every mini-batch is padded to the same static row count
+    same n mini-batches (docs/method.md §9.2). Every mini-batch is padded to the same static row count
     rows = round_up(mini_batch_size + ceil(#strategy / n), row_multiple) so one compilation
     serves every mini-batch and iteration with the same n.
     Returns a list of (idx [rows] int32, real [rows] bool); padding entries point at row 0 with
