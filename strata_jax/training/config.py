@@ -31,7 +31,11 @@ class TrainConfig:
       compute_dtype ("float32" | "bfloat16": params are cast for the forward, the optimizer keeps
       the stored dtype), logprob_chunk (positions per LM-head chunk), temperature (train
       temperature of pi_old / pi_theta, method.md 2.8), score_rows (rows per chunk of the
-      no-grad scoring passes; 0 = micro_batch_size).
+      no-grad scoring passes; 0 = micro_batch_size), recompute_old (run the old-logprob pass
+      even when the update is exactly on-policy, one epoch of one mini-batch, where pi_old is
+      the step's own logprob under stop_gradient; same result, one forward more: a check),
+      trim_padding (drop all-padding prompt / response columns before scoring and training,
+      widths bucketed; same result).
     Critic: critic ("auto": separate model for ppo/gae, value head on the policy trunk for stapo,
       none otherwise), value_trunk_coef (STAPO: gradient of the value loss into the shared trunk
       is scaled by this; 0 = head only), value_head_init_std (head weights ~ N(0, std^2 / D)),
@@ -58,6 +62,8 @@ class TrainConfig:
     logprob_chunk: int = 64
     temperature: float = 1.0
     score_rows: int = 0
+    recompute_old: bool = False
+    trim_padding: bool = True
     critic: str = "auto"
     value_trunk_coef: float = 0.0
     value_head_init_std: float = 0.1
