@@ -35,7 +35,9 @@ class TrainConfig:
       even when the update is exactly on-policy, one epoch of one mini-batch, where pi_old is
       the step's own logprob under stop_gradient; same result, one forward more: a check),
       trim_padding (drop all-padding prompt / response columns before scoring and training,
-      widths bucketed; same result).
+      widths bucketed; same result), donate_state (the optimizer step reuses the buffers of the
+      state passed to `Trainer.update` / `train_on_batch`: one copy of params + moments less at
+      the peak, but the caller's state object is dead after the call).
     Critic: critic ("auto": separate model for ppo/gae, value head on the policy trunk for stapo,
       none otherwise), value_trunk_coef (STAPO: gradient of the value loss into the shared trunk
       is scaled by this; 0 = head only), value_head_init_std (head weights ~ N(0, std^2 / D)),
@@ -64,6 +66,7 @@ class TrainConfig:
     score_rows: int = 0
     recompute_old: bool = False
     trim_padding: bool = True
+    donate_state: bool = False
     critic: str = "auto"
     value_trunk_coef: float = 0.0
     value_head_init_std: float = 0.1

@@ -429,6 +429,8 @@ def _train_minibatch(state: TrainState, mb: SampleBatch, adv, w, targets, base=N
 
 
 train_minibatch = jax.jit(_train_minibatch, static_argnames=("model", "cfg", "on_policy"))
+_train_minibatch_donated = jax.jit(_train_minibatch, static_argnames=("model", "cfg", "on_policy"),
+                                   donate_argnames=("state",))
 train_minibatch.__doc__ = """One optimizer step on one mini-batch (see the module docstring).
 
 Args: state; mb: SampleBatch of the mini-batch rows (old/ref logprobs and values filled;
@@ -641,8 +643,9 @@ class Trainer:
                                                 cfg.micro_batch_size, rng):
                     mb, a, w, t = gather_rows(batch, adv, weights, targets, jnp.asarray(idx),
                                               jnp.asarray(real))
-                    state, m = train_minibatch(state, mb, a, w, t, base if self.lora else None,
-                                               model=self.model, cfg=cfg, on_policy=on_policy)
+                    step = _train_minibatch_donated if cfg.donate_state else train_minibatch
+                    state, m = step(state, mb, a, w, t, base if self.lora else None,
+                                    model=self.model, cfg=cfg, on_policy=on_policy)
                     out.append(m)
         return state, out
 
