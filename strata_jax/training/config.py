@@ -146,7 +146,7 @@ class TrainConfig:
         if v["lora"].enabled and v["lora"].lr > 0:
             v["lr"] = float(v["lora"].lr)
         for k, val in (c.get("train", None) or {}).items():
-            if k in names:
+            if k in names and not (k == "remat" and val == ""):   # "" = model.remat
                 v[k] = val
         v.update(overrides)
         return cls(**v)
