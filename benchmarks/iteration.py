@@ -71,7 +71,10 @@ def jax_update_worker(args) -> dict:
     from strata_jax.training.update import accumulate_grads, gather_rows, score_batch
 
     compiles = CompileCounter.install()
-    model, params = load_checkpoint(args.model)
+    # LoRA's base is frozen: --base-dtype bfloat16 stores it in the compute dtype (half the
+    # bytes, no per-step cast); the adapters and their AdamW moments stay fp32.
+    base_dtype = args.base_dtype if args.mode == "lora" else "float32"
+    model, params = load_checkpoint(args.model, dtype=jax.numpy.dtype(base_dtype))
     jax.block_until_ready(params)
     rss_loaded = _rss_gb()
     ids, scores = _batch_arrays(args, model.vocab_size)
@@ -126,7 +129,8 @@ def jax_update_worker(args) -> dict:
             "optimizer_s": max(t_update - t_fb - (t_ref if use_ref else 0.0), 0.0),
             "warmup_s": warm, "compiles_warmup": n_warm,
             "compiles_after_warmup": n_after_update - n_warm,
-            "rss_gb": _rss_gb(), "rss_loaded_gb": rss_loaded, "load": _load()}
+            "rss_gb": _rss_gb(), "rss_loaded_gb": rss_loaded, "load": _load(),
+            "base_dtype": base_dtype}
 
 
 # --------------------------------------------------------------------------- torch worker
@@ -239,7 +243,8 @@ def _spawn(worker: str, args, **kw) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--model", args.model,
            "--out", args.out, "--rows", str(args.rows), "--prompt", str(args.prompt),
            "--response", str(args.response), "--rank", str(args.rank), "--dtype", args.dtype,
-           "--remat", args.remat, "--micro", str(args.micro), "--repeats", str(args.repeats)]
+           "--remat", args.remat, "--micro", str(args.micro), "--repeats", str(args.repeats),
+           "--base-dtype", args.base_dtype]
     for k, v in kw.items():
         cmd += [f"--{k}", str(v)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -295,6 +300,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--remat", default="full", choices=("none", "full", "dots"))
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--base-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="dtype of the frozen LoRA base in the strata-jax run (torch keeps fp32)")
     p.add_argument("--out", default="runs/bench_iteration")
     p.add_argument("--force", action="store_true", help="re-run parts cached in --out")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -314,7 +321,8 @@ def main() -> None:
         for mode in args.modes:
             res = {}
             for fw in args.frameworks:
-                res[fw] = _cached(args, f"update_{mode}_{fw}_{args.dtype}",
+                tag = f"_base-{args.base_dtype}" if fw == "jax" and mode == "lora" else ""
+                res[fw] = _cached(args, f"update_{mode}_{fw}_{args.dtype}{tag}",
                                   lambda: _spawn(fw, args, mode=mode))
             report_update(mode, res.get("jax", {"error": "not run"}),
                           res.get("torch", {"error": "not run"}))
