@@ -144,6 +144,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.train.decay_steps = 0
     c.train.logprob_chunk = 64     # response positions per LM-head chunk (peak B x chunk x V)
     c.train.score_rows = 0         # rows per chunk of the no-grad scoring passes (0 = micro batch)
+    c.train.remat = ""             # "" = model.remat (True -> "dots"); "none" | "dots" | "full" per layer
 
     # --- LoRA (strata_jax/models/lora.py): rank 0 = full fine-tuning ------------------------
     # rank > 0: only adapters train (and are checkpointed); the frozen base is the KL reference.

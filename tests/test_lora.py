@@ -234,3 +234,31 @@ def test_train_config_reads_c_lora():
     t = TrainConfig.from_config(c)
     assert t.lora == LoraConfig(rank=64, alpha=64.0, targets=("q_proj", "v_proj"), lr=3e-6)
     assert t.lr == 3e-6 and dataclasses.replace(t.lora, rank=0).enabled is False
+
+
+def test_unmerged_lora_forward_equals_merged_and_shares_the_base(base):
+    """lora_params (x W^T + s (x A^T) B^T, what training runs) == the merged W + s B A forward,
+    its gradients w.r.t. the adapters agree, and it holds the base arrays themselves (no copy)."""
+    from strata_jax.models.lora import LoraWeight, lora_params
+    cfg = LoraConfig(rank=4, alpha=8.0, targets=(r"(q|v|down)_proj$",))
+    adapters = _random_b(init_lora(TINY, cfg, jax.random.PRNGKey(3)), jax.random.PRNGKey(4))
+    tree = lora_params(base, adapters, cfg)
+    layer0 = tree["layers"][0]
+    assert isinstance(layer0["q_proj"], LoraWeight)
+    assert layer0["q_proj"].w is base["layers"][0]["q_proj"]
+    assert layer0["k_proj"] is base["layers"][0]["k_proj"] and tree["embed"] is base["embed"]
+    assert layer0["q_proj"].scale == 2.0
+    tokens, mask, positions = (jnp.asarray(x) for x in padded_batch(TINY.vocab_size, [5, 9, 7],
+                                                                    seed=1))
+
+    def loss(adapters, merge):
+        p = (apply_lora if merge else lora_params)(base, adapters, cfg)
+        h, _ = forward(p, TINY, tokens, positions, mask, remat="none" if merge else "full")
+        return jnp.sum(jnp.where(mask[..., None], logits_from_hidden(p, TINY, h), 0.0) ** 2)
+
+    np.testing.assert_allclose(float(jax.jit(loss, static_argnums=1)(adapters, False)),
+                               float(jax.jit(loss, static_argnums=1)(adapters, True)), rtol=1e-5)
+    g0 = jax.jit(jax.grad(loss), static_argnums=1)(adapters, False)
+    g1 = jax.jit(jax.grad(loss), static_argnums=1)(adapters, True)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-4)

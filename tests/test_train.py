@@ -214,3 +214,93 @@ def test_remat_and_bf16_options(setup):
     np.testing.assert_allclose(float(l2), float(l0), atol=2e-2)
     e0, e2 = np.asarray(g0["embed"]).ravel(), np.asarray(g2["embed"]).ravel()
     assert np.dot(e0, e2) / (np.linalg.norm(e0) * np.linalg.norm(e2)) > 0.95
+
+
+def _count_score_calls(monkeypatch):
+    from strata_jax.training import update as upd
+    calls, orig = [], upd.score_batch
+
+    def spy(*a, **k):
+        calls.append(k.get("use_old", True))
+        return orig(*a, **k)
+    monkeypatch.setattr(upd, "score_batch", spy)
+    return calls
+
+
+def test_on_policy_update_skips_old_pass_with_same_result(setup, monkeypatch):
+    """One epoch of one mini-batch: pi_old is the step's own logprob (ratio 1), so the update
+    without the old-logprob pass equals the one that recomputes it (train.recompute_old)."""
+    params, trainer, state = setup
+    batch = make_batch(grpo_records(n_tasks=1, per_task=4, scores=[1, 0, 1, 0], seed=3,
+                                    resp_len=(3, 5)))
+    calls = _count_score_calls(monkeypatch)
+    slow_trainer = Trainer(TINY, dataclasses.replace(trainer.cfg, recompute_old=True))
+    assert trainer.on_policy(batch) and not slow_trainer.on_policy(batch)
+    fast, m_fast = trainer.update(state, batch, ref_params=params)
+    slow, m_slow = slow_trainer.update(state, batch, ref_params=params)
+    assert calls == [False, True]   # KL is on: the reference pass still runs, pi_old does not
+    for a, b in zip(jax.tree.leaves(tree_to_numpy(fast)), jax.tree.leaves(tree_to_numpy(slow))):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+    for k in ("train/loss", "train/kl", "train/entropy", "mismatch/sampler_abs"):
+        np.testing.assert_allclose(m_fast[k], m_slow[k], rtol=1e-5, atol=1e-7)
+    assert m_fast["train/ratio_mean"] == 1.0 and m_fast["train/clip_frac"] == 0.0
+    # sampler_logprobs are 0 in this batch: the mismatch is the mean -logprob of the tokens
+    want = -_reference_logprobs(params, batch)[batch.response_mask].mean()
+    np.testing.assert_allclose(m_fast["mismatch/sampler_abs"], want, rtol=1e-5)
+
+
+def test_no_scoring_pass_without_kl_critic_or_second_minibatch(setup, monkeypatch):
+    """kl_coef 0, no critic, on-policy: no forward before the step at all, and no reference
+    params needed; two mini-batches bring the old-logprob pass back."""
+    params, trainer, state = setup
+    calls = _count_score_calls(monkeypatch)
+    cfg = dataclasses.replace(trainer.cfg, loss=dataclasses.replace(trainer.cfg.loss,
+                                                                    kl_coef=0.0))
+    batch = make_batch(grpo_records(n_tasks=1, per_task=4, seed=3))
+    new, m = Trainer(TINY, cfg).update(state, batch, ref_params=None)
+    assert calls == [] and m["optimizer_steps"] == 1 and m["skipped_steps"] == 0
+    two = Trainer(TINY, dataclasses.replace(cfg, mini_batch_size=2))
+    assert not two.on_policy(batch)
+    _, m2 = two.update(state, batch, ref_params=None)
+    assert calls == [True] and m2["optimizer_steps"] == 2
+
+
+def test_trim_padding_drops_only_padding_columns(setup):
+    from strata_jax.training.update import trim_padding
+    params, trainer, state = setup
+    recs = grpo_records(n_tasks=1, per_task=4, seed=3, prompt_len=(3, 7), resp_len=(2, 6))
+    tight = make_batch(recs)                      # widths 8 and 8 (longest 6 and 5)
+    wide = make_batch(recs, prompt_buckets=(40,), response_buckets=(24,))
+    assert tight.prompt_ids.shape[1] == 8 and tight.response_ids.shape[1] == 8
+    trimmed = trim_padding(wide)
+    for f in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "sampler_logprobs"):
+        np.testing.assert_array_equal(getattr(trimmed, f), getattr(tight, f))
+    assert trim_padding(tight) is tight
+    # The update over the padded width (trim off) equals the trimmed one.
+    off = Trainer(TINY, dataclasses.replace(trainer.cfg, trim_padding=False))
+    a, ma = trainer.update(state, wide, ref_params=params)
+    b, mb = off.update(state, wide, ref_params=params)
+    for x, y in zip(jax.tree.leaves(tree_to_numpy(a)), jax.tree.leaves(tree_to_numpy(b))):
+        np.testing.assert_allclose(x, y, atol=2e-6)
+    np.testing.assert_allclose(ma["train/loss"], mb["train/loss"], rtol=1e-5, atol=1e-7)
+
+
+def test_per_layer_remat_bounds_backward_memory():
+    """XLA's memory analysis of the gradient step: per-layer rematerialisation ("full") holds
+    far fewer temporaries than none, "dots" sits in between (the compiler's figures, not a
+    timing)."""
+    from strata_jax.models import Qwen2Config
+    from strata_jax.training import TrainConfig
+    model = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=256, num_layers=8,
+                        num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+    params = init_params(model, jax.random.PRNGKey(0))
+    recs = grpo_records(n_tasks=2, per_task=4, prompt_len=(100, 120), resp_len=(20, 30))
+    batch = make_batch(recs)
+    vec = jnp.ones((batch.num_rows,), jnp.float32)
+    temps = {}
+    for remat in ("none", "dots", "full"):
+        cfg = TrainConfig(mini_batch_size=8, micro_batch_size=8, remat=remat)
+        low = accumulate_grads.lower(params, {}, batch, vec, vec, vec, model=model, cfg=cfg)
+        temps[remat] = low.compile().memory_analysis().temp_size_in_bytes
+    assert temps["full"] < 0.5 * temps["none"], temps
+    assert temps["full"] <= temps["dots"] <= temps["none"], temps

@@ -17,10 +17,12 @@ regular expressions searched (``re.search``) in names ``"layers.<i>.<proj>"``, e
 ``(q|k|v|o|gate|up|down)_proj$`` (every projection, verl-agent's / PEFT's "all-linear"),
 ``(q|v)_proj$`` (the original LoRA paper), ``layers\\.(2[0-7])\\.`` (the last 8 layers).
 
-`apply_lora(base, adapters, cfg)` returns the effective params tree (same structure and layout
-as the base); called inside a jitted step, XLA fuses the rank-r product into the add. The
-merged weights are transient inside the step (their memory is that of the targeted weights at
-the promoted dtype; see the README run guide). `export_merged` writes the merged model as an HF
+`lora_params(base, adapters, cfg)` is what training and scoring run: every targeted weight
+becomes a `LoraWeight` (W, A, B, scale) and the forward computes ``x @ W.T + scale * (x @ A.T)
+@ B.T``, so no merged copy of the weights exists in a step (merging inside the step held the
+targeted weights a second time at the promoted dtype, plus their gradient-path copies).
+`apply_lora(base, adapters, cfg)` merges (W + scale * B @ A, same structure and layout as the
+base): the sampler's and the export's copy. `export_merged` writes the merged model as an HF
 checkpoint via ``export_params``.
 Source: Hu et al. 2021 "LoRA" (arXiv:2106.09685) sections 4.1-4.2 (W + BA, B = 0 init,
 alpha / r scaling); PEFT ``LoraLayer`` (A/B layout, kaiming-uniform A); verl-agent 7B recipe
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax.models.config import Qwen2Config
-from strata_jax.models.qwen2 import Params, layer_shapes, param_logical_axes
+from strata_jax.models.qwen2 import LoraWeight, Params, layer_shapes, param_logical_axes
 
 # The projections LoRA may adapt (biases and norms never are).
 PROJECTIONS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
@@ -200,6 +202,24 @@ def apply_lora(base: Params, adapters: Adapters, cfg: LoraConfig,
     return {**base, "layers": layers}
 
 
+def lora_params(base: Params, adapters: Adapters, cfg: LoraConfig) -> Params:
+    """The params tree a LoRA forward runs: every targeted W replaced by ``LoraWeight(W, A, B,
+    alpha / rank)`` (no merge; `qwen2.forward` computes x @ W.T + scale * (x @ A.T) @ B.T).
+
+    Same values as `apply_lora` up to float rounding (the low-rank term is added to the
+    activations instead of the weights; an update below the weights' resolution still reaches
+    the output). Untargeted leaves are the base's arrays (no copy). Differentiable in adapters.
+    Raises KeyError when the adapters name a layer / projection the base lacks.
+    """
+    layers = list(base["layers"])
+    for i, mods in adapters["layers"].items():
+        layer = dict(layers[int(i)])
+        for proj, ab in mods.items():
+            layer[proj] = LoraWeight(layer[proj], ab["a"], ab["b"], cfg.scale)
+        layers[int(i)] = layer
+    return {**base, "layers": layers}
+
+
 def export_merged(base: Params, adapters: Adapters, cfg: LoraConfig, config: Qwen2Config,
                   out_dir: str, dtype: Any = None) -> str:
     """Merge the adapters into the base and write an HF checkpoint (``export_params``).
@@ -214,4 +234,5 @@ def export_merged(base: Params, adapters: Adapters, cfg: LoraConfig, config: Qwe
 
 
 __all__ = ["PROJECTIONS", "ALL_LINEAR", "LoraConfig", "target_names", "num_adapter_params",
-           "init_lora", "lora_logical_axes", "lora_shardings", "apply_lora", "export_merged"]
+           "init_lora", "lora_logical_axes", "lora_shardings", "apply_lora", "lora_params",
+           "export_merged", "LoraWeight"]

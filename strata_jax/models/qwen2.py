@@ -175,8 +175,32 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    y = jnp.einsum("btd,fd->btf", x, w)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoraWeight:
+    """A projection with a low-rank adapter, applied without merging (strata_jax/models/lora.py).
+
+    ``x @ W'.T`` with ``W' = W + scale * B @ A`` is computed as
+    ``x @ W.T + scale * (x @ A.T) @ B.T``: the merged [out, in] matrix never exists, so a
+    LoRA forward/backward holds no second copy of the targeted weights (and the gradient of A,
+    B needs only the [.., rank] activations). Attributes: w [out, in] (frozen base), a
+    [rank, in], b [out, rank] (any float dtypes; the matmuls run in x's dtype via the caller's
+    cast), scale = alpha / rank (static). Source: Hu et al. 2021 "LoRA" eq. 3 (h = W0 x + B A x).
+    """
+
+    w: jax.Array
+    a: jax.Array
+    b: jax.Array
+    scale: float = dataclasses.field(metadata=dict(static=True), default=1.0)
+
+
+def _linear(x: jax.Array, w: jax.Array | LoraWeight, b: jax.Array | None = None) -> jax.Array:
+    if isinstance(w, LoraWeight):
+        y = jnp.einsum("btd,fd->btf", x, w.w)
+        low = jnp.einsum("btd,rd->btr", x, w.a.astype(x.dtype))
+        y = y + (w.scale * jnp.einsum("btr,fr->btf", low, w.b.astype(x.dtype))).astype(y.dtype)
+    else:
+        y = jnp.einsum("btd,fd->btf", x, w)
     return y if b is None else y + b
 
 
@@ -213,10 +237,82 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
     return out.reshape(b, t, h * dh)
 
 
+# jax.checkpoint policy per TrainConfig.remat name ("none" = no checkpoint). "full" keeps only
+# each decoder layer's input and recomputes the layer in the backward pass; "dots" also keeps the
+# weight-matmul outputs (no batch dims: q/k/v/o, gate/up/down, LoRA's x @ A) and recomputes the
+# cheap elementwise work (maxtext's usual policy).
+REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def _qkv(x: jax.Array, layer: Params, cos: jax.Array, sin: jax.Array,
+         config: Qwen2Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [B,T,H,Dh], k, v [B,T,K,Dh] of one layer's input x (input RMSNorm, biases, RoPE on q/k)."""
+    b, t, _ = x.shape
+    nh, nk, dh = config.num_heads, config.num_kv_heads, config.head_dim
+    h = rms_norm(x, layer["input_norm"], config.rms_norm_eps)
+    q = _linear(h, layer["q_proj"], layer["q_bias"]).reshape(b, t, nh, dh)
+    k = _linear(h, layer["k_proj"], layer["k_bias"]).reshape(b, t, nk, dh)
+    v = _linear(h, layer["v_proj"], layer["v_bias"]).reshape(b, t, nk, dh)
+    q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
+    k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+    return q, k, v
+
+
+def _post_attention(x: jax.Array, attn: jax.Array, layer: Params,
+                    config: Qwen2Config) -> jax.Array:
+    """The rest of a decoder layer: residual + o_proj(attn), then residual + SwiGLU MLP."""
+    x = constrain(x + _linear(attn, layer["o_proj"]), ("batch", "length", "embed"))
+    h = rms_norm(x, layer["post_norm"], config.rms_norm_eps)
+    gate = constrain(_linear(h, layer["gate_proj"]), ("batch", "length", "mlp"))
+    up = constrain(_linear(h, layer["up_proj"]), ("batch", "length", "mlp"))
+    x = x + _linear(jax.nn.silu(gate) * up, layer["down_proj"])
+    return constrain(x, ("batch", "length", "embed"))
+
+
+def _decoder_layer(x: jax.Array, layer: Params, cos: jax.Array, sin: jax.Array,
+                   allowed: jax.Array, config: Qwen2Config, query_chunk: int) -> jax.Array:
+    """One decoder layer without a KV cache (the unit `forward` rematerialises)."""
+    q, k, v = _qkv(x, layer, cos, sin, config)
+    attn = _attention(q, k, v, allowed, config.num_kv_heads, query_chunk)
+    return _post_attention(x, attn, layer, config)
+
+
+def _same_structure(layers: list[Params]) -> bool:
+    """True when every layer dict has the same pytree structure and leaf shapes (stackable)."""
+    first = jax.tree.structure(layers[0])
+    shapes = [x.shape for x in jax.tree.leaves(layers[0])]
+    return all(jax.tree.structure(layer) == first
+               and [x.shape for x in jax.tree.leaves(layer)] == shapes for layer in layers[1:])
+
+
+def _remat_layers(x: jax.Array, layers: list[Params], cos: jax.Array, sin: jax.Array,
+                  allowed: jax.Array, config: Qwen2Config, query_chunk: int,
+                  remat: str) -> jax.Array:
+    """The decoder layers as a ``lax.scan`` over stacked weights with a checkpointed body.
+
+    An unrolled loop of checkpointed layers is not enough on XLA's CPU backend: its scheduler
+    hoists every layer's recomputation to the start of the backward pass, so all layers'
+    activations are live at once (the memory analysis of the 0.5B step was unchanged by remat).
+    The scan's backward loop recomputes one layer per iteration, so the backward holds the
+    layer inputs [L, B, T, D] plus one layer's activations. Stacking copies the layer weights
+    once per call (in the compute dtype: the same size as the cast the trainer makes anyway).
+    """
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    body = jax.checkpoint(_decoder_layer, policy=REMAT_POLICIES[remat], static_argnums=(5, 6))
+
+    def step(h, layer):
+        return body(h, layer, cos, sin, allowed, config, query_chunk), None
+
+    x, _ = jax.lax.scan(step, x, stacked)
+    return x
+
+
 def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: jax.Array,
             mask: jax.Array, cache: KVCache | None = None,
             cache_index: jax.Array | int = 0,
-            query_chunk: int = 512) -> tuple[jax.Array, KVCache | None]:
+            query_chunk: int = 512, remat: str = "none") -> tuple[jax.Array, KVCache | None]:
     """Run the decoder and return final hidden states (after the final RMSNorm).
 
     Args:
@@ -233,16 +329,22 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
         when traced: ``lax.dynamic_update_slice`` would clamp the start).
       query_chunk: static; attention runs over blocks of this many queries when T is longer
         (bounds the fp32 score memory of long prefills / training sequences; same result).
+      remat: static; "none" | "full" | "dots" (`REMAT_POLICIES`): each decoder layer is a
+        ``jax.checkpoint`` with that policy, so a backward pass holds one layer's activations
+        plus the layer inputs instead of every layer's (same values). Ignored with a cache.
     Returns:
       hidden [B, T, D] in the param dtype; the updated cache (None without one).
     Raises:
-      ValueError: shape mismatches, or a static cache_index with cache_index + T > S.
+      ValueError: shape mismatches, a static cache_index with cache_index + T > S, or an
+        unknown remat name.
     """
+    if remat != "none" and remat not in REMAT_POLICIES:
+        raise ValueError(f"remat must be 'none', 'full' or 'dots', got {remat!r}")
     if tokens.ndim != 2 or positions.shape != tokens.shape or mask.shape != tokens.shape:
         raise ValueError(f"tokens, positions, mask must all be [B, T]; got {tokens.shape}, "
                          f"{positions.shape}, {mask.shape}")
     b, t = tokens.shape
-    nh, nk, dh = config.num_heads, config.num_kv_heads, config.head_dim
+    nk, dh = config.num_kv_heads, config.head_dim
     mask = mask.astype(bool)
     x = jnp.take(params["embed"], tokens, axis=0)
     x = constrain(x, ("batch", "length", "embed"))
@@ -267,27 +369,21 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
         cache_k, cache_v = cache.k, cache.v
     allowed = key_valid[:, None, :] & (key_slot[None, :] <= q_slot[:, None])[None]
 
-    for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["input_norm"], config.rms_norm_eps)
-        q = _linear(h, layer["q_proj"], layer["q_bias"]).reshape(b, t, nh, dh)
-        k = _linear(h, layer["k_proj"], layer["k_bias"]).reshape(b, t, nk, dh)
-        v = _linear(h, layer["v_proj"], layer["v_bias"]).reshape(b, t, nk, dh)
-        q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
-        k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-        if cache is not None:
+    if cache is None and remat != "none" and _same_structure(params["layers"]):
+        x = _remat_layers(x, params["layers"], cos, sin, allowed, config, query_chunk, remat)
+    elif cache is None:
+        block = _decoder_layer if remat == "none" else jax.checkpoint(
+            _decoder_layer, policy=REMAT_POLICIES[remat], static_argnums=(5, 6))
+        for layer in params["layers"]:
+            x = block(x, layer, cos, sin, allowed, config, query_chunk)
+    else:
+        for i, layer in enumerate(params["layers"]):
+            q, k, v = _qkv(x, layer, cos, sin, config)
             idx = (jnp.int32(i), zero, cache_index, zero, zero)
             cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), idx)
             cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), idx)
-            k, v = cache_k[i], cache_v[i]
-        attn = _attention(q, k, v, allowed, nk, query_chunk)
-        x = x + _linear(attn, layer["o_proj"])
-        x = constrain(x, ("batch", "length", "embed"))
-        h = rms_norm(x, layer["post_norm"], config.rms_norm_eps)
-        gate = constrain(_linear(h, layer["gate_proj"]), ("batch", "length", "mlp"))
-        up = constrain(_linear(h, layer["up_proj"]), ("batch", "length", "mlp"))
-        x = x + _linear(jax.nn.silu(gate) * up, layer["down_proj"])
-        x = constrain(x, ("batch", "length", "embed"))
+            attn = _attention(q, cache_k[i], cache_v[i], allowed, nk, query_chunk)
+            x = _post_attention(x, attn, layer, config)
 
     hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
     new_cache = None

@@ -52,7 +52,13 @@ class TrainConfig:
       compute_dtype ("float32" | "bfloat16": params are cast for the forward, the optimizer keeps
       the stored dtype), logprob_chunk (positions per LM-head chunk), temperature (train
       temperature of pi_old / pi_theta, docs/method.md §9.1), score_rows (rows per chunk of the
-      no-grad scoring passes; 0 = micro_batch_size).
+      no-grad scoring passes; 0 = micro_batch_size), recompute_old (run the old-logprob pass
+      even when the update is exactly on-policy, one epoch of one mini-batch, where pi_old is
+      the step's own logprob under stop_gradient; same result, one forward more: a check),
+      trim_padding (drop all-padding prompt / response columns before scoring and training,
+      widths bucketed; same result), donate_state (the optimizer step reuses the buffers of the
+      state passed to `Trainer.update` / `train_on_batch`: one copy of params + moments less at
+      the peak, but the caller's state object is dead after the call).
     Critic: critic ("auto": separate model for ppo/gae, value head on the policy trunk for stapo,
       none otherwise), value_trunk_coef (STAPO: gradient of the value loss into the shared trunk
       is scaled by this; 0 = head only), value_head_init_std (head weights ~ N(0, std^2 / D)),
@@ -79,6 +85,9 @@ class TrainConfig:
     logprob_chunk: int = 64
     temperature: float = 1.0
     score_rows: int = 0
+    recompute_old: bool = False
+    trim_padding: bool = True
+    donate_state: bool = False
     critic: str = "auto"
     value_trunk_coef: float = 0.0
     value_head_init_std: float = 0.1
@@ -160,7 +169,7 @@ class TrainConfig:
         if v["lora"].enabled and v["lora"].lr > 0:
             v["lr"] = float(v["lora"].lr)
         for k, val in (c.get("train", None) or {}).items():
-            if k in names:
+            if k in names and not (k == "remat" and val == ""):   # "" = model.remat
                 v[k] = val
         v.update(overrides)
         return cls(**v)

@@ -39,16 +39,6 @@ def cast_params(params: Params, dtype: str) -> Params:
                         params)
 
 
-def _forward_fn(remat: str):
-    if remat == "none":
-        return forward
-    # "full" recomputes the whole forward in the backward pass; "dots" keeps the weight matmul
-    # outputs (no batch dims) and recomputes the cheap elementwise work (maxtext's usual policy).
-    policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if remat == "dots"
-              else jax.checkpoint_policies.nothing_saveable)
-    return jax.checkpoint(forward, policy=policy, static_argnums=(1,))
-
-
 def response_states(params: Params, model: Qwen2Config, prompt_ids: jax.Array,
                     prompt_mask: jax.Array, response_ids: jax.Array, response_mask: jax.Array,
                     *, remat: str = "none", compute_dtype: str = "float32"
@@ -57,7 +47,8 @@ def response_states(params: Params, model: Qwen2Config, prompt_ids: jax.Array,
 
     Args:
       params, model: the decoder. prompt_ids/prompt_mask [B, Tp] (left-padded),
-      response_ids/response_mask [B, Tr] (right-padded); remat: "none" | "full" | "dots";
+      response_ids/response_mask [B, Tr] (right-padded); remat: "none" | "full" | "dots"
+      (per decoder layer, `qwen2.forward`);
       compute_dtype: params are cast to it for the forward.
     Returns:
       hidden [B, Tr, D]: hidden[:, j] is the state whose next-token distribution scores
@@ -68,7 +59,7 @@ def response_states(params: Params, model: Qwen2Config, prompt_ids: jax.Array,
     """
     p = cast_params(params, compute_dtype)
     tokens, mask, positions = sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-    hidden, _ = _forward_fn(remat)(p, model, tokens, positions, mask)
+    hidden, _ = forward(p, model, tokens, positions, mask, remat=remat)
     tp, tr = prompt_ids.shape[1], response_ids.shape[1]
     resp = jax.lax.slice_in_dim(hidden, tp - 1, tp - 1 + tr, axis=1)
     n = jnp.sum(response_mask.astype(jnp.int32), axis=1)

@@ -24,7 +24,8 @@ Everything jitted is a pure function of (state, arrays) with the model / train c
 LoRA (cfg.lora.rank > 0, strata_jax/models/lora.py): `state.params` holds only the adapters
 (and opt_state their AdamW moments, so checkpoints hold only those); the frozen base params are
 passed where the reference params go (`update(state, batch, ref_params=base)`), serve as the
-KL reference for free, and every forward uses ``apply_lora(base, adapters)`` inside jit. A PPO
+KL reference for free, and every forward runs ``lora_params(base, adapters)`` (W x + scale * B A x,
+never the merged W + scale * B A; the sampler gets the merged copy via `policy_params`). A PPO
 critic trunk is its own adapters over the same base.
 """
 from __future__ import annotations
@@ -45,7 +46,7 @@ from strata_jax.algos import (KIND_ACTION, KIND_STRATEGY, PAD_ID, SampleBatch,
                               value_loss)
 from strata_jax.distributed import host_values
 from strata_jax.models import Qwen2Config
-from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
+from strata_jax.models.lora import apply_lora, init_lora, lora_params, lora_shardings
 from strata_jax.sharding import logical_to_spec, param_shardings
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import dropout_values, init_critic, value_from_hidden
@@ -82,6 +83,49 @@ def pad_rows(batch: SampleBatch, multiple: int) -> SampleBatch:
     return SampleBatch(**out)
 
 
+_TOKEN_FIELDS = ("response_ids", "response_mask", "sampler_logprobs", "old_logprobs",
+                 "ref_logprobs")
+_PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
+
+
+def trim_padding(batch: SampleBatch) -> SampleBatch:
+    """Drop the columns that are padding in every row: prompt columns left of the longest
+    prompt and response columns right of the longest response, each kept width rounded up to a
+    `bucket_size` size (..., 48, 64, 96, 128, ...: at most two compiled shapes per octave).
+
+    Scores and losses are unchanged: a causal forward's output at a column depends only on the
+    columns before it, padded keys are masked, RoPE positions count real tokens only, and the
+    dropped response columns are off every mask. Returns the batch unchanged when nothing can
+    be dropped or a field is a multi-process array (not host-addressable). Numpy or jax leaves.
+    """
+    from strata_jax.algos.batch import bucket_size
+    leaves = [getattr(batch, f) for f in _TOKEN_FIELDS + _PROMPT_FIELDS]
+    if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+        return batch
+    pm = np.asarray(batch.prompt_mask, bool)
+    rm = np.asarray(batch.response_mask, bool)
+    tp, tr = pm.shape[1], rm.shape[1]
+    cols_p = np.flatnonzero(pm.any(axis=0))
+    cols_r = np.flatnonzero(rm.any(axis=0))
+    need_p = tp - int(cols_p[0]) if cols_p.size else 1
+    need_r = int(cols_r[-1]) + 1 if cols_r.size else 1
+    new_p = min(tp, bucket_size(need_p, None, 8))
+    new_r = min(tr, bucket_size(need_r, None, 8))
+    if (new_p, new_r) == (tp, tr):
+        return batch
+    out = {f: getattr(batch, f)[:, tp - new_p:] for f in _PROMPT_FIELDS}
+    out.update({f: getattr(batch, f)[:, :new_r] for f in _TOKEN_FIELDS})
+    return batch.replace(**out)
+
+
+def num_minibatches(valid: np.ndarray, kind: np.ndarray, mini_batch_size: int) -> int:
+    """Mini-batches per epoch that `minibatch_plan` makes: ceil(#valid step samples /
+    mini_batch_size) (of the strategy samples when there are no step samples), at least 1."""
+    n_act = int(np.sum(valid & (kind == KIND_ACTION)))
+    n = n_act or int(np.sum(valid & (kind == KIND_STRATEGY)))
+    return max(1, math.ceil(n / mini_batch_size))
+
+
 def minibatch_plan(valid: np.ndarray, kind: np.ndarray, mini_batch_size: int, row_multiple: int,
                    rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
     """Row indices of each mini-batch of one epoch.
@@ -96,8 +140,7 @@ def minibatch_plan(valid: np.ndarray, kind: np.ndarray, mini_batch_size: int, ro
     """
     act = np.flatnonzero(valid & (kind == KIND_ACTION))
     strat = np.flatnonzero(valid & (kind == KIND_STRATEGY))
-    n = max(1, math.ceil(len(act) / mini_batch_size)) if len(act) else \
-        max(1, math.ceil(len(strat) / mini_batch_size))
+    n = num_minibatches(valid, kind, mini_batch_size)
     act, strat = rng.permutation(act), rng.permutation(strat)
     a_chunks, s_chunks = np.array_split(act, n), np.array_split(strat, n)
     share = math.ceil(len(strat) / n)
@@ -119,17 +162,20 @@ def minibatch_plan(valid: np.ndarray, kind: np.ndarray, mini_batch_size: int, ro
 
 def effective_params(trainable: Params, base: Params | None, cfg: TrainConfig) -> Params:
     """The model params a forward uses: `trainable` itself, or with LoRA on (cfg.lora.rank > 0)
-    ``apply_lora(base, trainable, cfg.lora)``. Raises ValueError when LoRA is on and base is None."""
+    ``lora_params(base, trainable, cfg.lora)`` (targeted weights as unmerged `LoraWeight`s: the
+    forward adds scale * (x @ A.T) @ B.T, no merged copy of the weights).
+    Raises ValueError when LoRA is on and base is None."""
     if not cfg.lora.enabled:
         return trainable
     if base is None:
         raise ValueError("LoRA is on (lora.rank > 0): pass the frozen base params as ref_params "
                          "(they are the model the adapters ride on and the KL reference)")
-    return apply_lora(base, trainable, cfg.lora)
+    return lora_params(base, trainable, cfg.lora)
 
 
 def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
-                 model: Qwen2Config, cfg: TrainConfig, use_ref: bool, chunk_rows: int):
+                 model: Qwen2Config, cfg: TrainConfig, use_ref: bool, chunk_rows: int,
+                 use_old: bool = True):
     r = batch.num_rows
     n = r // chunk_rows
     kind = cfg.critic_kind
@@ -161,8 +207,12 @@ def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
         run = dict(compute_dtype=cfg.compute_dtype)
         lp_kw = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
                      compute_dtype=cfg.compute_dtype)
-        h, last = response_states(params, model, pi, pm, ri, rm, **run)
-        old, _ = response_logprobs(params, model, h, ri, rm, **lp_kw)
+        old = jnp.zeros(ri.shape, jnp.float32)
+        last = None
+        if use_old or kind == "head":
+            h, last = response_states(params, model, pi, pm, ri, rm, **run)
+            if use_old:
+                old, _ = response_logprobs(params, model, h, ri, rm, **lp_kw)
         ref = jnp.zeros_like(old)
         if use_ref:
             hr, _ = response_states(ref_params, model, pi, pm, ri, rm, **run)
@@ -183,13 +233,15 @@ def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
                          value_std=jnp.where(valid, merge(s), 0.0))
 
 
-score_batch = jax.jit(_score_batch, static_argnames=("model", "cfg", "use_ref", "chunk_rows"))
+score_batch = jax.jit(_score_batch, static_argnames=("model", "cfg", "use_ref", "chunk_rows",
+                                                     "use_old"))
 score_batch.__doc__ = """Fill old_logprobs, ref_logprobs, values, value_std of a SampleBatch.
 
 Args: params (policy; LoRA: the adapters), critic_params (`init_critic` tree), ref_params
 (frozen initial policy; ignored unless use_ref or LoRA, where it is the base), batch (R rows, R a multiple of chunk_rows), key (dropout PRNGKey);
-static: model, cfg, use_ref, chunk_rows (rows per lax.map step: peak activation memory).
-Returns the batch with old/ref logprobs [R, Tr] f32 (0 off response_mask; ref 0 without
+static: model, cfg, use_ref, chunk_rows (rows per lax.map step: peak activation memory),
+use_old (False: no old-logprob pass, old_logprobs left 0; the on-policy update does not read
+them). Returns the batch with old/ref logprobs [R, Tr] f32 (0 off response_mask; ref 0 without
 use_ref), values [R] f32 = V(h_t) without dropout, value_std [R] f32 = std over
 cfg.dropout_passes dropout passes (0 with no critic / dropout 0; 0 on invalid rows).
 """
@@ -213,7 +265,8 @@ gather_rows = jax.jit(_gather)
 
 
 def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normalizers, n_values,
-               *, model: Qwen2Config, cfg: TrainConfig, base: Params | None = None):
+               *, model: Qwen2Config, cfg: TrainConfig, base: Params | None = None,
+               on_policy: bool = False):
     """Loss of one micro-batch, normalised by whole-mini-batch counts (sums to the mini-batch loss).
 
     Policy: `ppo_loss` (PPO-clip, dual clip, per-level token means, KL to the reference when
@@ -221,6 +274,10 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
     over valid step samples with targets and weights w, divided by n_values (the mini-batch's
     count); for the STAPO head the trunk state h_t enters with gradient scale value_trunk_coef.
     LoRA: params (and a separate critic's trunk) are adapters over `base` (`effective_params`).
+    on_policy (static): the update is exactly on-policy (one epoch, one mini-batch), so pi_old is
+    the current logprob itself: ``stop_gradient(lp)`` replaces mb.old_logprobs (what the
+    skipped old-logprob pass would have computed, same params and dtype; ratio 1), and the
+    metric "sampler_abs" (token mean of |sampler - pi_old| logprob) is added.
     Returns (scalar f32, metrics dict of scalars).
     """
     params = effective_params(params, base, cfg)
@@ -230,8 +287,9 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
                                 temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
                                 compute_dtype=cfg.compute_dtype)
     mask = loss_mask(mb)
+    old = jax.lax.stop_gradient(lp) if on_policy else mb.old_logprobs
     loss, metrics = ppo_loss(
-        lp, mb.old_logprobs, adv, mask, mb.kind, config=cfg.loss, sample_weights=w,
+        lp, old, adv, mask, mb.kind, config=cfg.loss, sample_weights=w,
         ref_logprobs=mb.ref_logprobs if cfg.loss.kl_coef else None,
         entropy=ent if cfg.loss.entropy_coef else None, normalizers=normalizers)
     kind = cfg.critic_kind
@@ -250,10 +308,13 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
                             num_samples=n_values)
         loss = loss + vl
         metrics = {**metrics, **vm}
+    if on_policy:
+        gap = jnp.where(mask, jnp.abs(mb.sampler_logprobs - jax.lax.stop_gradient(lp)), 0.0)
+        metrics = {**metrics, "sampler_abs": jnp.sum(gap) / jnp.maximum(jnp.sum(mask), 1)}
     return loss, metrics
 
 
-def _metric_keys(cfg: TrainConfig) -> tuple[str, ...]:
+def _metric_keys(cfg: TrainConfig, on_policy: bool = False) -> tuple[str, ...]:
     keys = ["loss/action", "loss/strategy", "pg_loss", "clip_frac", "dual_clip_frac",
             "approx_kl_old", "ratio_mean"]
     if cfg.loss.kl_coef:
@@ -262,11 +323,13 @@ def _metric_keys(cfg: TrainConfig) -> tuple[str, ...]:
         keys.append("entropy")
     if cfg.critic_kind != "none":
         keys += ["vf_loss", *_VALUE_METRICS]
+    if on_policy:
+        keys.append("sampler_abs")
     return tuple(keys)
 
 
 def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, base=None, *,
-                      model: Qwen2Config, cfg: TrainConfig):
+                      model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
     rows = mb.num_rows
     m = cfg.micro_batch_size
     if rows % m:
@@ -281,7 +344,7 @@ def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, b
     n_values = jnp.sum(valid & (mb.kind == KIND_ACTION)).astype(jnp.float32)
     split = lambda x: x.reshape((rows // m, m) + x.shape[1:])  # noqa: E731
     micro = jax.tree.map(split, (mb, adv, w, targets))
-    keys = _metric_keys(cfg)
+    keys = _metric_keys(cfg, on_policy)
     grad_fn = jax.value_and_grad(micro_loss, argnums=(0, 1), has_aux=True)
     zeros_p = jax.tree.map(jnp.zeros_like, params)
     zeros_c = jax.tree.map(jnp.zeros_like, critic_params)
@@ -292,7 +355,8 @@ def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, b
 
         def compute(_):
             (loss, met), (g1, g2) = grad_fn(params, critic_params, b, a, ww, tt, norms,
-                                             n_values, model=model, cfg=cfg, base=base)
+                                             n_values, model=model, cfg=cfg, base=base,
+                                             on_policy=on_policy)
             return loss, {k: met[k] for k in keys}, g1, g2
 
         def skip(_):
@@ -323,21 +387,22 @@ def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, b
     return loss, gp, gc, metrics
 
 
-accumulate_grads = jax.jit(_accumulate_grads, static_argnames=("model", "cfg"))
+accumulate_grads = jax.jit(_accumulate_grads, static_argnames=("model", "cfg", "on_policy"))
 accumulate_grads.__doc__ = """Mini-batch loss and gradients summed over micro-batches.
 
 Args: params, critic_params; mb: SampleBatch (rows a multiple of cfg.micro_batch_size); adv,
 w, targets [rows] f32; base: the frozen base params when LoRA is on (params = adapters;
-gradients are the adapters'), else None; static model, cfg. Every micro-batch loss is normalised by the
+gradients are the adapters'), else None; static model, cfg, on_policy (see `micro_loss`). Every micro-batch loss is normalised by the
 WHOLE mini-batch's per-level counts (`loss_normalizers`), so the result does not depend on
 micro_batch_size. Returns (loss f32, grads of params, grads of critic_params, metrics).
 """
 
 
 def _train_minibatch(state: TrainState, mb: SampleBatch, adv, w, targets, base=None, *,
-                     model: Qwen2Config, cfg: TrainConfig):
+                     model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
     loss, gp, gc, metrics = _accumulate_grads(state.params, state.critic_params, mb, adv, w,
-                                              targets, base, model=model, cfg=cfg)
+                                              targets, base, model=model, cfg=cfg,
+                                              on_policy=on_policy)
     gnorm = optax.global_norm(gp)
     cnorm = optax.global_norm(gc) if state.critic_params else jnp.zeros((), jnp.float32)
     finite = jnp.isfinite(gnorm) & jnp.isfinite(cnorm) & jnp.isfinite(loss)
@@ -363,13 +428,16 @@ def _train_minibatch(state: TrainState, mb: SampleBatch, adv, w, targets, base=N
     return state, metrics
 
 
-train_minibatch = jax.jit(_train_minibatch, static_argnames=("model", "cfg"))
+train_minibatch = jax.jit(_train_minibatch, static_argnames=("model", "cfg", "on_policy"))
+_train_minibatch_donated = jax.jit(_train_minibatch, static_argnames=("model", "cfg", "on_policy"),
+                                   donate_argnames=("state",))
 train_minibatch.__doc__ = """One optimizer step on one mini-batch (see the module docstring).
 
 Args: state; mb: SampleBatch of the mini-batch rows (old/ref logprobs and values filled;
 rows a multiple of cfg.micro_batch_size); adv, w, targets: [rows] f32 advantages, sample
 weights, value targets; base: frozen base params when LoRA is on (state.params = adapters, the
-only leaves that change), else None; static: model, cfg.
+only leaves that change), else None; static: model, cfg, on_policy (the only step of an
+exactly on-policy update: pi_old = stop_gradient of the current logprobs, see `micro_loss`).
 Returns (new state, metrics: loss, grad_norm, critic_grad_norm, skipped (1.0 when the
 non-finite step was skipped), tokens, and the token-mean loss metrics of `ppo_loss` /
 `value_loss`). The step counter `state.step` is NOT advanced here (it counts iterations).
@@ -517,9 +585,23 @@ class Trainer:
 
     # -- the update ----------------------------------------------------------------------
 
+    def on_policy(self, batch: SampleBatch) -> bool:
+        """True when the update is exactly on-policy: one epoch of one mini-batch (so pi_old is
+        the trainer's current logprob and the PPO ratio is 1 by construction), unless
+        cfg.recompute_old asks for the old-logprob pass anyway. A collective on multi-host."""
+        cfg = self.cfg
+        if cfg.recompute_old or cfg.ppo_epochs != 1:
+            return False
+        valid, kind = host_values(batch.valid), host_values(batch.kind)
+        return num_minibatches(valid, kind, cfg.mini_batch_size) == 1
+
     def score(self, state: TrainState, batch: SampleBatch, ref_params: Params | None,
-              key: jax.Array) -> SampleBatch:
-        """Pad rows, place the batch, and fill old/ref logprobs and values (`score_batch`)."""
+              key: jax.Array, use_old: bool = True) -> SampleBatch:
+        """Pad rows, place the batch, and fill old/ref logprobs and values (`score_batch`).
+
+        Only the passes something reads run: the old-logprob pass when use_old, the reference
+        pass when loss.kl_coef != 0, the critic when there is one; with none of them the batch
+        is only padded and placed (no forward)."""
         cfg = self.cfg
         chunk = cfg.score_rows or cfg.micro_batch_size
         use_ref = bool(cfg.loss.kl_coef)
@@ -530,19 +612,23 @@ class Trainer:
             raise ValueError("loss.kl_coef != 0 needs ref_params (the frozen initial policy "
                              "params); pass them to update() or set loss.kl_coef = 0")
         batch = self.put_batch(pad_rows(batch, chunk))
+        if not (use_old or use_ref or cfg.critic_kind != "none"):
+            return batch
         with self._ctx():
             return score_batch(state.params, state.critic_params,
                                ref_params if use_ref or self.lora else None, batch, key,
                                model=self.model,
-                               cfg=cfg, use_ref=use_ref, chunk_rows=chunk)
+                               cfg=cfg, use_ref=use_ref, chunk_rows=chunk, use_old=use_old)
 
     def train_on_batch(self, state: TrainState, batch: SampleBatch, adv: jax.Array,
                        weights: jax.Array, targets: jax.Array, key: jax.Array,
-                       base: Params | None = None) -> tuple[TrainState, list[dict]]:
+                       base: Params | None = None, on_policy: bool = False
+                       ) -> tuple[TrainState, list[dict]]:
         """Epochs x mini-batches of `train_minibatch` on a scored batch with given advantages.
 
         Args: batch scored (`score`); adv, weights, targets [R] f32; key: shuffling PRNGKey;
-        base: the frozen base params when LoRA is on (else ignored).
+        base: the frozen base params when LoRA is on (else ignored); on_policy: the batch was
+        scored without the old-logprob pass (`Trainer.on_policy`; must plan one mini-batch).
         Returns (state, per-step metric dicts of device scalars). Does not advance state.step.
         """
         cfg = self.cfg
@@ -557,14 +643,20 @@ class Trainer:
                                                 cfg.micro_batch_size, rng):
                     mb, a, w, t = gather_rows(batch, adv, weights, targets, jnp.asarray(idx),
                                               jnp.asarray(real))
-                    state, m = train_minibatch(state, mb, a, w, t, base if self.lora else None,
-                                               model=self.model, cfg=cfg)
+                    step = _train_minibatch_donated if cfg.donate_state else train_minibatch
+                    state, m = step(state, mb, a, w, t, base if self.lora else None,
+                                    model=self.model, cfg=cfg, on_policy=on_policy)
                     out.append(m)
         return state, out
 
     def update(self, state: TrainState, batch: SampleBatch, ref_params: Params | None = None
                ) -> tuple[TrainState, dict[str, float]]:
         """One iteration's update: score, advantages, epochs of mini-batch steps; step += 1.
+
+        Redundant work is skipped (same result): all-padding columns are dropped
+        (`trim_padding`, cfg.trim_padding), the old-logprob pass is not run when the update is
+        exactly on-policy (`on_policy`; pi_old = the step's own logprobs under stop_gradient),
+        the reference pass only runs when loss.kl_coef != 0.
 
         Args: state; batch: the iteration's SampleBatch (numpy or jax; any row count);
         ref_params: frozen initial policy params (needed when loss.kl_coef != 0, and always with
@@ -575,16 +667,24 @@ class Trainer:
         over loss tokens). Raises ValueError when kl_coef != 0 and ref_params is None.
         """
         rng, k_score, k_plan = jax.random.split(jnp.asarray(state.rng, jnp.uint32), 3)
-        scored = self.score(state, batch, ref_params, k_score)
+        if self.cfg.trim_padding:
+            batch = trim_padding(batch)
+        on_policy = self.on_policy(batch)
+        scored = self.score(state, batch, ref_params, k_score, use_old=not on_policy)
         with self._ctx():
             adv, w, adv_m = advantages(scored, state.step, algo=self.cfg.algo,
                                        est=self.cfg.estimator)
         targets = adv_m.get("row/value_targets", jnp.zeros_like(adv))
-        state, steps = self.train_on_batch(state, scored, adv, w, targets, k_plan, ref_params)
+        state, steps = self.train_on_batch(state, scored, adv, w, targets, k_plan, ref_params,
+                                           on_policy=on_policy)
         state = state.replace(step=state.step + 1, rng=rng)
-        mask = loss_mask(scored)
-        mism = jnp.sum(jnp.where(mask, jnp.abs(scored.sampler_logprobs - scored.old_logprobs),
-                                 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+        if on_policy:  # measured inside the one step, against the same pi_old
+            mism = steps[0].pop("sampler_abs")
+        else:
+            mask = loss_mask(scored)
+            mism = jnp.sum(jnp.where(mask, jnp.abs(scored.sampler_logprobs
+                                                   - scored.old_logprobs), 0.0)
+                           ) / jnp.maximum(jnp.sum(mask), 1)
         host_steps, host_adv, mism = jax.device_get(
             (steps, {k: v for k, v in adv_m.items() if not k.startswith("row/")}, mism))
         metrics: dict[str, float] = {k: float(v) for k, v in host_adv.items()}
