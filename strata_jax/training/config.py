@@ -110,7 +110,8 @@ class TrainConfig:
         if self.critic not in CRITIC_KINDS:
             raise ValueError(f"train.critic must be one of {CRITIC_KINDS}, got {self.critic!r}")
         if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"train.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+            raise ValueError(f"model.remat must be true, false or one of {REMAT_POLICIES}, "
+                             f"got {self.remat!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"train.lr_schedule must be one of {LR_SCHEDULES}, "
                              f"got {self.lr_schedule!r}")
@@ -169,7 +170,7 @@ class TrainConfig:
         if v["lora"].enabled and v["lora"].lr > 0:
             v["lr"] = float(v["lora"].lr)
         for k, val in (c.get("train", None) or {}).items():
-            if k in names and not (k == "remat" and val == ""):   # "" = model.remat
+            if k in names:
                 v[k] = val
         v.update(overrides)
         return cls(**v)
