@@ -71,14 +71,21 @@ def test_resume_equals_uninterrupted(setup, tmp_path):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
 
 
-def test_truncated_latest_falls_back_to_previous(setup, tmp_path):
-    params, trainer, state0 = setup
+def _two_steps(state0, tmp_path):
+    """A keep-3 Checkpointer under tmp_path/ckpt holding step 1 (state0) and step 2 (params + 1),
+    with sampler positions 1 and 2. Returns (checkpointer, state 1, state 2)."""
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3)
     s1 = state0.replace(step=state0.step + 1)
     s2 = state0.replace(step=state0.step + 2,
                         params=jax.tree.map(lambda x: x + 1.0, state0.params))
     ckpt.save(s1, sampler_state={"pos": 1})
     ckpt.save(s2, sampler_state={"pos": 2})
+    return ckpt, s1, s2
+
+
+def test_truncated_latest_falls_back_to_previous(setup, tmp_path):
+    params, trainer, state0 = setup
+    ckpt, s1, s2 = _two_steps(state0, tmp_path)
     assert ckpt.all_steps() == [1, 2]
     # Truncate every data file of the latest step (a write cut short by preemption).
     state_dir = tmp_path / "ckpt" / "2" / "state"
@@ -245,12 +252,7 @@ def _largest_data_file(step_dir):
 
 def test_same_size_bit_flip_falls_back_with_a_warning_naming_the_file(setup, tmp_path):
     params, trainer, state0 = setup
-    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3)
-    s1 = state0.replace(step=state0.step + 1)
-    s2 = state0.replace(step=state0.step + 2,
-                        params=jax.tree.map(lambda x: x + 1.0, state0.params))
-    ckpt.save(s1, sampler_state={"pos": 1})
-    ckpt.save(s2, sampler_state={"pos": 2})
+    ckpt, s1, s2 = _two_steps(state0, tmp_path)
     ckpt.close()
     victim = _largest_data_file(str(tmp_path / "ckpt" / "2"))
     size = os.path.getsize(victim)

@@ -184,6 +184,8 @@ def test_real_variant_names_the_fetched_model_zero_shot():
         ("qwen2.5-coder-0.5b-instruct", "", "", "")
     assert c.workdir == "runs/sciworld_tiny_real"
     experiment.validate(c)
+    from strata_jax.training import TrainConfig
+    assert TrainConfig.from_config(c).remat == "full"
 
 
 # --- fetch: assembly and verification, on a fake two-part "model" (no network) --------------
