@@ -16,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The decision, field by field: these may differ on resume, every other field must match.
 MAY_CHANGE = {"workdir", "iterations", "env.num_workers", "env.step_timeout_s", "sft.cache_dir",
               "mesh.data", "mesh.fsdp", "mesh.tensor", "ckpt.every", "ckpt.keep", "eval.every",
-              "eval.split", "eval.temperature", "eval.max_tasks", "log.dump_trajectories",
+              "eval.split", "eval.temperature", "eval.max_tasks", "eval.episodes_per_family",
+              "log.dump_trajectories",
               "distributed.coordinator_address", "distributed.num_processes",
               "distributed.process_id", "distributed.local_device_ids",
               "distributed.initialization_timeout_s"}
