@@ -363,7 +363,10 @@ def task_list(c: Any, split: str | None = None) -> list:
     if split == "test" and c.env.eval_list:
         from envs_bridge.scienceworld_env import load_eval_list
         return load_eval_list(c.env.eval_list, split)
-    tasks = factory.task_list(split)
+    try:
+        tasks = factory.task_list(split)
+    except KeyError as e:   # an unknown split name: the env's message lists the known ones
+        raise ConfigError(f"{c.env.name}: {e.args[0] if e.args else e}") from None
     if c.env.tasks:
         wanted = set(c.env.tasks)
         picked = [t for t in tasks if t.task_id in wanted]

@@ -112,7 +112,11 @@ class MetricsWriter:
         """Write `text` (markdown) under `tag` into TensorBoard's text tab at `step` (e.g. a
         sample episode, `strata_jax.trajectories.format_episode`). No-op without TensorBoard."""
         if self.enabled and self._tb is not None:
-            self._tb.add_text(tag, text, step)
+            from tensorboardX.proto.event_pb2 import Event
+            from tensorboardX.summary import text as text_summary
+            self._tb.write_event(Event(wall_time=time.time(), step=int(step),
+                                       summary=text_summary(tag, text)))
+            self._tb.flush()
 
     def close(self) -> None:
         if not self.enabled:
@@ -269,7 +273,10 @@ def cpu_seconds() -> float:
 
 
 def quiet_logs() -> None:
-    """Our INFO lines on stderr; orbax / absl / jax chatter only from WARNING up."""
+    """Our INFO lines on stderr; orbax / absl / jax chatter only from WARNING up; transformers
+    only from ERROR up (without torch it warns at import that models are unavailable: this
+    project uses only its tokenizers)."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.WARNING)
     handler = logging.StreamHandler()

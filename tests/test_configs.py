@@ -70,3 +70,12 @@ def test_env_kwargs_pass_only_what_the_env_takes():
     # grid_nav's constructor has no code_digits: the memory_key field stays out of its kwargs.
     c.env.name = "grid_nav"
     assert env_kwargs(c) == {"max_steps": 8}
+
+
+def test_unknown_split_is_a_config_error_naming_the_splits():
+    """``eval.py --split=tset`` must be one line, not a KeyError traceback."""
+    from configs import sciworld
+    from strata_jax import experiment as ex
+    c = sciworld.get_config("tiny")
+    with pytest.raises(ex.ConfigError, match="unknown split 'tset'; use 'train', 'dev' or 'test'"):
+        ex.task_list(c, "tset")

@@ -110,8 +110,8 @@ class TrainConfig:
         if self.critic not in CRITIC_KINDS:
             raise ValueError(f"train.critic must be one of {CRITIC_KINDS}, got {self.critic!r}")
         if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"model.remat must be true, false or one of {REMAT_POLICIES}, "
-                             f"got {self.remat!r}")
+            raise ValueError(f"model.remat must be one of {REMAT_POLICIES}, got {self.remat!r} "
+                             "(true = dots, false = none)")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"train.lr_schedule must be one of {LR_SCHEDULES}, "
                              f"got {self.lr_schedule!r}")
