@@ -211,7 +211,8 @@ def read_tensorboard(logdir: str) -> dict[str, list[tuple[int, float]]]:
                 for tag, series in out.items():
                     out[tag] = [(s, v) for s, v in series if s < ev.step]
             for v in ev.summary.value:
-                out.setdefault(v.tag, []).append((int(ev.step), float(v.simple_value)))
+                if v.WhichOneof("value") == "simple_value":   # text tab entries are not scalars
+                    out.setdefault(v.tag, []).append((int(ev.step), float(v.simple_value)))
     return out
 
 

@@ -146,6 +146,7 @@ def test_tensorboard_point_is_on_disk_when_scalars_returns(tmp_path):
     from strata_jax.metrics import read_tensorboard
     w = MetricsWriter(str(tmp_path), resume_step=0)
     w.scalars(1, {"eval/success": 0.5})
+    w.text(1, "episodes/0", "a sample episode")   # the text tab: not a scalar series
     assert read_tensorboard(str(tmp_path / "tb")) == {"eval/success": [(1, 0.5)]}
     assert [r["eval/success"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0.5]
     w.close()
