@@ -260,7 +260,7 @@ def checkpoint_dir(c: Any) -> str:
     that names ``--config.model.path``."""
     try:
         return resolve_checkpoint(c.model.path)
-    except (FileNotFoundError, RuntimeError, ValueError, KeyError) as e:
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
         raise ConfigError(f"--config.model.path={c.model.path}: {e}") from None
 
 

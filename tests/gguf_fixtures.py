@@ -110,7 +110,8 @@ def write_qwen2_gguf(model, path: str, types: dict[str, str] | None = None,
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
-    w.add_token_types(token_types)
+    if "tokenizer.ggml.token_type" not in skip_keys:
+        w.add_token_types(token_types)
     w.add_token_merges(_MERGES)
     w.add_eos_token_id(cfg.vocab_size - 1)
     w.add_pad_token_id(cfg.vocab_size - 3)

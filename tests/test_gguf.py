@@ -139,6 +139,13 @@ def test_metadata_errors_are_named(small_model, tmp_path, kwargs, match):
         load_checkpoint(path)
 
 
+def test_a_file_without_token_types_names_the_key_and_the_offline_tokenizer(small_model, tmp_path):
+    path = write_qwen2_gguf(small_model, str(tmp_path / "t.gguf"),
+                            skip_keys=("tokenizer.ggml.token_type",))
+    with pytest.raises(ValueError, match=r"lacks 'tokenizer.ggml.token_type'.*tokenizer=offline"):
+        load_tokenizer(path)
+
+
 def test_optional_metadata_defaults(small_model, tmp_path):
     """head_count_kv defaults to head_count and rope.freq_base to 10000, as in llama.cpp."""
     path = write_qwen2_gguf(small_model, str(tmp_path / "d.gguf"),

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import re
 from typing import Any
@@ -287,6 +286,11 @@ def _gguf_tokenizer(path: str, size: int, mtime_ns: int) -> Any:
         raise ValueError(f"{file}: tokenizer {kind!r} / pre-tokenizer {pre!r} is not the Qwen2 "
                          "byte-level BPE (gpt2 / qwen2); pass --config.model.tokenizer=offline to "
                          "use the shipped Qwen2.5 tokenizer instead")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
+        if key not in reader.fields:
+            raise ValueError(f"{file}: GGUF metadata lacks {key!r}, so the file's tokenizer cannot "
+                             "be built; pass --config.model.tokenizer=offline to use the shipped "
+                             "Qwen2.5 tokenizer instead")
     tokens = _strings(reader, "tokenizer.ggml.tokens")
     types = reader.fields["tokenizer.ggml.token_type"]
     types = [int(types.parts[i][0]) for i in types.data]
@@ -337,18 +341,3 @@ def gguf_tokenizer(path: str) -> Any:
     """
     st = os.stat(path)
     return _gguf_tokenizer(os.path.realpath(path), st.st_size, st.st_mtime_ns)
-
-
-def gguf_metadata(path: str) -> dict[str, Any]:
-    """Scalar metadata of a GGUF file (arrays such as the vocabulary omitted), for logs / reports."""
-    reader = open_gguf(path)
-    out = {}
-    for key, f in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type")):
-            continue
-        try:
-            v = f.contents()
-        except Exception:  # noqa: BLE001 - exotic value types are left out of a report
-            continue
-        out[key] = v if isinstance(v, (str, int, float, bool)) else json.dumps(v)[:200]
-    return out
