@@ -163,6 +163,9 @@ def summarise(runs: list[dict], env: str) -> dict:
         s = np.array([r["success"][:n] for r in rs])
         ret = np.array([r["mean_return"][:n] for r in rs])
         inv = np.array([r["invalid_step_frac"][:n] for r in rs])
+        # strategy-format failures: StraTA rows only (the flat baselines write no strategy)
+        sff = (np.array([r["strategy_format_fail"][:n] for r in rs])
+               if algo == "strata" and all("strategy_format_fail" in r for r in rs) else None)
         out[algo] = dict(seeds=len(rs), iterations=n, success_mean=s.mean(0).tolist(),
                          success_min=s.min(0).tolist(), success_max=s.max(0).tolist(),
                          score_mean=(100 * ret.mean(0)).tolist(),
@@ -172,6 +175,10 @@ def summarise(runs: list[dict], env: str) -> dict:
                          invalid_max=inv.max(0).tolist(),
                          episodes_per_iteration=float(np.mean([r["episodes"][0] for r in rs])),
                          wall_s=float(sum(r["wall_s"] for r in rs)))
+        if sff is not None:
+            out[algo].update(strategy_fail_mean=sff.mean(0).tolist(),
+                             strategy_fail_min=sff.min(0).tolist(),
+                             strategy_fail_max=sff.max(0).tolist())
     print(f"\n== {env}: success rate per iteration (mean [min, max] over seeds)"
           + (", ScienceWorld score" if env == "sciworld" else ""))
     for algo, d in out.items():
@@ -195,9 +202,14 @@ def plot(results: dict, path: str, chance: dict | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
-    titles = {"success": "success rate", "score": "score (0-100)", "invalid": "invalid-step fraction"}
-    rows = {env: (("success", "invalid") if env == "memory_key" else ("success", "score", "invalid"))
-            for env in results}
+    titles = {"success": "success rate", "score": "score (0-100)", "invalid": "invalid-step fraction",
+              "strategy_fail": "strategy format failures"}
+    rows = {}
+    for env, by_algo in results.items():
+        keys = ("success", "invalid") if env == "memory_key" else ("success", "score", "invalid")
+        if any("strategy_fail_mean" in d for d in by_algo.values()):
+            keys += ("strategy_fail",)
+        rows[env] = keys
     ncols = max(len(k) for k in rows.values())
     fig, axes = plt.subplots(len(rows), ncols, figsize=(4.6 * ncols, 3.4 * len(rows)),
                              squeeze=False)
@@ -212,6 +224,8 @@ def plot(results: dict, path: str, chance: dict | None = None) -> None:
                 axes[i][j].axis("off")
     for ax, env, key in panels:
         for algo, d in results[env].items():
+            if f"{key}_mean" not in d:
+                continue
             x = list(range(d["iterations"]))
             ax.plot(x, d[f"{key}_mean"], marker="o", label=f"{algo} ({d['seeds']} seeds)")
             if f"{key}_min" in d:

@@ -21,3 +21,56 @@ def test_sampler_summary_medians_spread_and_unmeasurable():
     # Spread wider than the median decode time itself: not measurable either.
     noisy = [{"total": 1, "prefill": 0.5, "decode": d} for d in (0.01, 0.02, 0.5)]
     assert summarize(noisy, 8, 65)["decode_tps"] is None
+
+
+def test_zero_shot_family_rows_from_trajectories(tmp_path):
+    """Per-family figures of the zero-shot table, hand-counted from two written episodes."""
+    import json
+
+    from benchmarks.zero_shot import family_rows
+    step = lambda invalid, rejected: {"invalid": invalid, "env_rejected": rejected}  # noqa: E731
+    eps = [dict(task_id="find-plant", success=True, crashed=False, episode_return=1.0,
+                strategy_raw="<strategy>x</strategy>", strategy_format_ok=True,
+                steps=[step(False, False), step(True, False), step(False, True)]),
+           dict(task_id="find-plant", success=False, crashed=False, episode_return=0.25,
+                strategy_raw="plan", strategy_format_ok=False,
+                steps=[step(True, False)]),
+           dict(task_id="power-component", success=True, crashed=True, episode_return=0.5,
+                strategy_raw=None, strategy_format_ok=False, steps=[step(False, False)])]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in eps))
+    rows = family_rows(str(path), "scienceworld")
+    fp = rows["find-plant"]
+    assert fp["episodes"] == 2 and fp["success"] == 0.5
+    assert fp["score"] == pytest.approx(62.5)                  # 100 x mean(1.0, 0.25)
+    assert fp["invalid_frac"] == pytest.approx(2 / 4) and fp["rejected_frac"] == pytest.approx(1 / 4)
+    assert fp["strategy_fail_frac"] == 0.5
+    pc = rows["power-component"]                               # crashed: no success; flat: no z
+    assert pc["success"] == 0.0 and pc["strategy_fail_frac"] is None
+
+
+@pytest.mark.parametrize("preset", ["cpu", "accelerator"])
+def test_learning_real_runs_are_valid_configs(preset, tmp_path):
+    """Every run of the real-weights learning benchmark is a config train.py accepts, with the
+    matched episode budget: StraTA N*M episodes per task = GRPO's group."""
+    import argparse
+
+    from benchmarks.learning_real import PRESETS, run_variant
+    from configs import builtin, sciworld
+    from strata_jax import experiment as ex
+    args = argparse.Namespace(out=str(tmp_path), model="qwen2.5-coder-0.5b-instruct", rank=16,
+                              lr=2e-5, set=[])
+    p = PRESETS[preset]
+    for env, mod in (("memory_key", builtin), ("sciworld", sciworld)):
+        cs = {}
+        for algo in ("strata", "grpo"):
+            _, variant = run_variant(args, p, env, algo, 1)
+            c = cs[algo] = mod.get_config(variant)
+            ex.validate(c)
+            assert c.algo == algo and c.seed == 1 and c.lora.rank == 16
+            assert c.workdir == str(tmp_path / env / f"{algo}_s1")
+        r = cs["strata"].rollout
+        assert cs["grpo"].rollout.group_size == r.num_strategies * r.episodes_per_strategy
+        assert (r.num_strategies, r.episodes_per_strategy) == (p["n"], p["m"])
+    assert cs["grpo"].env.tasks == ("find-non-living-thing", "lifespan-longest-lived",
+                                    "lifespan-shortest-lived")

@@ -1,0 +1,162 @@
+"""Does it learn with real weights? StraTA vs GRPO from the pretrained Qwen2.5-Coder-0.5B-Instruct.
+
+    python benchmarks/learning_real.py                       # CPU preset, in the background:
+    nohup python benchmarks/learning_real.py > runs/learning_real.log 2>&1 &
+    python benchmarks/learning_real.py --preset accelerator  # paper N=4, M=8 on one GPU / TPU
+    python benchmarks/learning_real.py --replot              # tables + plot from the saved runs
+
+Every run is one ``train.py`` invocation on its own run folder (``--out/<env>/<algo>_s<seed>``)
+with checkpoints after every iteration, so a stopped benchmark continues where each run was when
+it is started again (train.py resumes from the folder; a finished run is read, not replayed).
+Both methods start from the same fetched GGUF (zero-shot, no behaviour cloning), train LoRA
+adapters (rank ``--rank`` on every linear layer: the frozen base doubles as the KL reference and
+the update's memory stays at the adapters' size, docs/design.md §12) and see the same number of
+episodes per iteration: StraTA N strategies x M episodes per task, GRPO a group of N*M episodes
+per task (the ``matched`` variant).
+
+(a) memory_key with the 3-digit vault code (chance 1e-3): the code is shown only in the first
+    observation and the prompt keeps the last 2 steps, so only a strategy written at step 1 can
+    carry it to the vault.
+(b) ScienceWorld's shortest families (gold paths of 5-7 steps), dev split for nothing: the
+    training rollouts' success and score are the curve (rollout i is played after i updates).
+
+Presets (iterations, seeds, batch): ``cpu`` fits the 2-core box in about 90 minutes on a quiet
+machine only if an iteration takes about 4 minutes (measure one first: ``--iterations 1
+--seeds 1``); ``accelerator`` is the paper's N=4, M=8, sigma=2 on one H200-class device. The
+plot has success, score, invalid-step fraction and strategy-format failures per iteration,
+mean line and min-max band over seeds. Writes ``--out/learning_real.json`` and ``.png``, with
+each run's config fingerprint (``ckpt/config.json`` sha256). Measures, never asserts.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+SW_TASKS = ("find-non-living-thing", "lifespan-longest-lived", "lifespan-shortest-lived")
+
+PRESETS = {
+    # 2 tasks x 8 episodes = 16 episodes per iteration; short prompts and generations.
+    "cpu": dict(iterations=6, seeds=2, sw_iterations=4, sw_seeds=1, tasks=2, n=2, m=4, sigma=2,
+                action_tokens=64, strategy_tokens=128, judge_tokens=32, prompt_tokens=1024,
+                micro=8, dtype="float32"),
+    # The paper's group sizes (N=4, M=8, sigma=2; GRPO groups of 32), 4 tasks per iteration.
+    "accelerator": dict(iterations=10, seeds=2, sw_iterations=10, sw_seeds=1, tasks=4, n=4, m=8,
+                        sigma=2, action_tokens=256, strategy_tokens=256, judge_tokens=64,
+                        prompt_tokens=2048, micro=16, dtype="bfloat16"),
+}
+
+
+def run_variant(args, p: dict, env: str, algo: str, seed: int) -> tuple[str, str]:
+    """(config file, variant string) of one run."""
+    workdir = os.path.join(args.out, env, f"{algo}_s{seed}")
+    toks = ["tiny", "real", algo] + [
+        f"workdir={workdir}", f"seed={seed}", f"model.path={args.model}",
+        f"lora.rank={args.rank}", f"lora.lr={args.lr}", f"optim.lr={args.lr}",
+        f"iterations={p['iterations'] if env == 'memory_key' else p['sw_iterations']}",
+        f"rollout.tasks_per_batch={p['tasks']}", f"rollout.num_strategies={p['n']}",
+        f"rollout.episodes_per_strategy={p['m']}", f"rollout.oversample={p['sigma']}",
+        f"rollout.max_action_tokens={p['action_tokens']}",
+        f"rollout.max_strategy_tokens={p['strategy_tokens']}",
+        f"rollout.max_judge_tokens={p['judge_tokens']}",
+        f"env.max_prompt_tokens={p['prompt_tokens']}", f"optim.micro_batch_size={p['micro']}",
+        f"train.compute_dtype={p['dtype']}", f"rollout.sampler_dtype={p['dtype']}",
+        "ckpt.every=1", "eval.every=0"]
+    if env == "memory_key":
+        toks += ["env.code_digits=3", "env.max_steps=8"]
+        cfg = "builtin.py"
+    else:
+        toks += ["env.tasks=" + "+".join(SW_TASKS), "env.max_steps=10"]
+        cfg = "sciworld.py"
+    # matched after N and M are set: the baseline's group = N*M episodes per task
+    toks += ["matched"] if algo != "strata" else []
+    return os.path.join(REPO, "configs", cfg), ",".join(toks + list(args.set))
+
+
+def curves(workdir: str) -> dict:
+    """Per-iteration figures from a run's metrics.jsonl (the rollout of iteration i)."""
+    from strata_jax.metrics import read_jsonl
+    rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+            if "rollout/success_rate" in r]
+    get = lambda k: [float(r.get(k) or 0.0) for r in rows]  # noqa: E731
+    cfg = os.path.join(workdir, "ckpt", "config.json")
+    fp = hashlib.sha256(open(cfg, "rb").read()).hexdigest()[:16] if os.path.exists(cfg) else ""
+    return dict(success=get("rollout/success_rate"), mean_return=get("rollout/mean_return"),
+                invalid_step_frac=get("rollout/invalid_step_frac"),
+                strategy_format_fail=get("rollout/strategy_format_fail_frac"),
+                episodes=get("rollout/episodes"), iter_s=get("time/iteration_s"),
+                iterations=len(rows), fingerprint=fp)
+
+
+def rl_run(args, p: dict, env: str, algo: str, seed: int) -> dict:
+    cfg, variant = run_variant(args, p, env, algo, seed)
+    workdir = os.path.join(args.out, env, f"{algo}_s{seed}")
+    os.makedirs(workdir, exist_ok=True)
+    t0 = time.time()
+    log = open(os.path.join(args.out, f"{env}_{algo}_s{seed}.log"), "a")
+    print(f"[{env}] {algo} seed {seed}: train.py --config={os.path.basename(cfg)}:{variant}",
+          flush=True)
+    rc = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), f"--config={cfg}:{variant}"],
+                        cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
+    wall = time.time() - t0
+    r = dict(env=env, algo=algo, seed=seed, rc=rc, wall_s=wall, **curves(workdir))
+    print(f"[{env}] {algo} seed {seed}: rc {rc}, {r['iterations']} iterations, {wall:.0f} s; "
+          f"success {['%.2f' % s for s in r['success']]}", flush=True)
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", default="cpu", choices=tuple(PRESETS))
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument("--iterations", type=int, default=0, help="override the preset's")
+    ap.add_argument("--seeds", type=int, default=0, help="override the preset's (memory_key)")
+    ap.add_argument("--sw-seeds", type=int, default=-1, help="override the preset's (0 = skip)")
+    ap.add_argument("--envs", default="memory_key,sciworld")
+    ap.add_argument("--algos", default="strata,grpo")
+    ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides, every run")
+    ap.add_argument("--out", default="runs/learning_real")
+    ap.add_argument("--replot", action="store_true")
+    args = ap.parse_args()
+    p = dict(PRESETS[args.preset])
+    if args.iterations:
+        p["iterations"] = p["sw_iterations"] = args.iterations
+    if args.seeds:
+        p["seeds"] = args.seeds
+    if args.sw_seeds >= 0:
+        p["sw_seeds"] = args.sw_seeds
+    os.makedirs(args.out, exist_ok=True)
+    from benchmarks.learning import plot, summarise
+    runs = []
+    for env in [e for e in args.envs.split(",") if e]:
+        seeds = p["seeds"] if env == "memory_key" else p["sw_seeds"]
+        for seed in range(seeds):
+            for algo in [a for a in args.algos.split(",") if a]:
+                if args.replot:
+                    workdir = os.path.join(args.out, env, f"{algo}_s{seed}")
+                    if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+                        runs.append(dict(env=env, algo=algo, seed=seed, wall_s=0.0,
+                                         **curves(workdir)))
+                    continue
+                runs.append(rl_run(args, p, env, algo, seed))
+                json.dump(dict(args=vars(args), preset=p, runs=runs),
+                          open(os.path.join(args.out, "learning_real.json"), "w"), indent=1)
+    done = [r for r in runs if r["iterations"]]
+    results = {e: summarise(done, e) for e in ("memory_key", "sciworld")
+               if any(r["env"] == e for r in done)}
+    if results:
+        plot(results, os.path.join(args.out, "learning_real.png"), {"memory_key": 1e-3})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
