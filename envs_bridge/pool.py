@@ -10,8 +10,8 @@ every copy starts from the identical state, and the call returns when all are re
 stepped with `submit(episode_ids, actions)`. Both return a `Ticket` at once; `collect(ticket)`
 blocks until that cohort's outcomes are in. So the rollout can decode cohort B while
 cohort A's envs step. `reset` / `step` are the blocking forms. A finished (done or crashed)
-episode frees its slot; `run_episodes` plays any number of tasks in waves of
-`max_live_envs` (a paper-scale iteration has 512 episodes; one ScienceWorld JVM takes
+episode frees its slot, so any number of tasks can be played in waves of `max_live_envs`
+(the rollout's step loop does; a paper-scale iteration has 512 episodes; one ScienceWorld JVM takes
 ~210-240 MB resident on short tasks with the default 384 MB heap cap (at most ~450 MB
 when a task fills the heap), ~660 MB uncapped, so 512 live JVMs would not fit: bound the
 slots by free memory / ~0.45 GB).
@@ -25,7 +25,9 @@ parallelism as processes without pickling, without a second Python interpreter p
 (~80-100 MB each) and with direct access to the env objects. `backend="process"`: one
 spawned worker process per slot, talking over a pipe; it isolates envs whose Python side
 holds the GIL for long (pure-Python simulators) or leaks memory, and a hung step is ended
-by killing the worker. Both backends have the same API and give identical transcripts.
+by killing the worker. Both backends have the same API and give identical transcripts, and
+every reset / step outcome carries the env's `PromptPieces` read in the same env call (in
+the worker for processes), so prompts never depend on the backend.
 Measured (benchmarks/envs.py --steps 30, 2 cores shared with other jobs, load ~7, so noisy):
 single env 34 steps/s (5 with the valid-action list); pool thread 1/2/4 workers:
 39/23/27 steps/s (3.1/4.1/5.7 with valid actions); process: 39/25/24 (5.0/5.0/6.5). On 2
@@ -56,7 +58,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from envs_bridge.base import Env, Task
+from envs_bridge.base import Env, PromptPieces, Task
 
 _USER_ERRORS = (ValueError, KeyError, TypeError)
 log = logging.getLogger(__name__)
@@ -78,6 +80,8 @@ class StepOutcome:
       info: env info dict (see envs_bridge.base).
       crashed: the env failed (exception or timeout); the episode is over.
       error: the failure message when crashed.
+      pieces: the env's `prompt_pieces()` right after this reset / step, read in the same
+        call on the slot (thread and process backends alike); None when crashed.
     """
 
     episode_id: int
@@ -87,32 +91,7 @@ class StepOutcome:
     info: dict[str, Any]
     crashed: bool = False
     error: str = ""
-
-
-@dataclasses.dataclass
-class EpisodeRecord:
-    """Transcript of one episode: observations[0] is the reset observation; observations[t+1],
-    rewards[t] and infos[t+1] follow actions[t]."""
-
-    episode_id: int
-    task: Task
-    observations: list[str] = dataclasses.field(default_factory=list)
-    actions: list[str | None] = dataclasses.field(default_factory=list)
-    rewards: list[float] = dataclasses.field(default_factory=list)
-    infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    done: bool = False
-    crashed: bool = False
-    error: str = ""
-
-    @property
-    def episode_return(self) -> float:
-        """Sum of step rewards."""
-        return float(sum(self.rewards))
-
-    @property
-    def success(self) -> bool:
-        """The last info's success flag (False when crashed or never stepped)."""
-        return bool(self.infos and self.infos[-1].get("success", False)) and not self.crashed
+    pieces: PromptPieces | None = None
 
 
 @dataclasses.dataclass
@@ -148,11 +127,12 @@ class _ThreadSlot:
             raise PoolClosedError("the env pool is closed")
         self.env = env
 
-    def call(self, method: str, *args: Any) -> Any:
+    def call_with_pieces(self, method: str, *args: Any) -> tuple[Any, PromptPieces]:
+        """`call`, then the env's prompt pieces, under one hold of the slot's lock."""
         with self.lock:
             if self.env is None:
                 self._start()
-            return getattr(self.env, method)(*args)
+            return _with_pieces(self.env, method, args)
 
     def ensure_started(self) -> None:
         with self.lock:
@@ -186,8 +166,16 @@ def _close_quietly(env: Env) -> None:
         pass
 
 
+def _with_pieces(env: Env, method: str, args: tuple) -> tuple[Any, PromptPieces]:
+    """``env.<method>(*args)`` and then ``env.prompt_pieces()`` (the pieces the next prompt
+    needs, read where the env lives: this thread or the worker process)."""
+    result = getattr(env, method)(*args)
+    return result, env.prompt_pieces()
+
+
 def _process_worker(conn, env_name: str, env_kwargs: dict[str, Any]) -> None:
-    """Worker process loop: build the env, then serve (method, args) requests over `conn`."""
+    """Worker process loop: build the env, then serve (method, args) requests over `conn`;
+    ``("__with_pieces__", (method, args))`` answers ``(result, env.prompt_pieces())``."""
     from envs_bridge.registry import make_env
 
     env = make_env(env_name, **env_kwargs)
@@ -200,7 +188,10 @@ def _process_worker(conn, env_name: str, env_kwargs: dict[str, Any]) -> None:
         if method == "__close__":
             break
         try:
-            conn.send(("ok", getattr(env, method)(*args)))
+            if method == "__with_pieces__":
+                conn.send(("ok", _with_pieces(env, *args)))
+            else:
+                conn.send(("ok", getattr(env, method)(*args)))
         except BaseException as e:  # report every env error to the parent
             conn.send(("err", (type(e).__name__, str(e))))
     _close_quietly(env)
@@ -269,6 +260,10 @@ class _ProcessSlot:
                 self.discard()
                 raise EnvError(f"env worker process died: {e!r}") from e
             return self._recv(self._timeout)
+
+    def call_with_pieces(self, method: str, *args: Any) -> tuple[Any, PromptPieces]:
+        """`call`, then the env's prompt pieces, in one round trip to the worker."""
+        return self.call("__with_pieces__", method, args)
 
     def discard(self) -> None:
         proc, conn, self.proc, self.conn = self.proc, self.conn, None, None
@@ -393,7 +388,8 @@ class EnvPool:
         return len(self._free)
 
     def env_for(self, episode_id: int) -> Env:
-        """The live env object of an episode (thread backend only; for tests and experts)."""
+        """The live env object of an episode (thread backend only; for tests and experts;
+        the rollout reads `StepOutcome.pieces` instead, which both backends fill)."""
         if self.backend != "thread":
             raise RuntimeError("env_for() needs backend='thread'; process envs live in workers")
         env = self._slots[self._episodes[episode_id].slot].env
@@ -410,8 +406,9 @@ class EnvPool:
     # ---- timed env calls (run on the executor)
 
     def _timed(self, slot: Any, method: str, *args: Any) -> tuple[Any, float]:
+        """((result, prompt pieces), seconds) of one reset / step on `slot`."""
         t = time.perf_counter()
-        out = slot.call(method, *args)
+        out = slot.call_with_pieces(method, *args)
         return out, time.perf_counter() - t
 
     def _mark(self) -> float:
@@ -426,13 +423,13 @@ class EnvPool:
         """Start one episode per task on free slots; returns at once.
 
         For a group-synchronised reset pass M copies of one task. Raises RuntimeError when
-        there are fewer free slots than tasks (use run_episodes for waves).
+        there are fewer free slots than tasks (start more as episodes finish).
         """
         with self._lock:
             if len(tasks) > len(self._free):
                 raise RuntimeError(
                     f"{len(tasks)} episodes requested but only {len(self._free)} of {self.max_live_envs} "
-                    "slots are free; finish episodes first or use run_episodes() to run in waves"
+                    "slots are free; finish or release episodes first and start the rest in waves"
                 )
             eps = []
             for task in tasks:
@@ -479,16 +476,16 @@ class EnvPool:
         for eid, fut in zip(ticket.episode_ids, ticket.futures):
             ep = self._episodes[eid]
             try:
-                result, dt = fut.result(timeout=max(0.0, deadline - time.perf_counter()))
+                (result, pieces), dt = fut.result(timeout=max(0.0, deadline - time.perf_counter()))
                 self._stats["env_time_s"] += dt
                 if ticket.kind == "reset":
                     obs, info = result
                     self._stats["resets"] += 1
-                    out = StepOutcome(eid, obs, 0.0, False, info)
+                    out = StepOutcome(eid, obs, 0.0, False, info, pieces=pieces)
                 else:
                     obs, reward, done, info = result
                     self._stats["steps"] += 1
-                    out = StepOutcome(eid, obs, reward, done, info)
+                    out = StepOutcome(eid, obs, reward, done, info, pieces=pieces)
             except cf.TimeoutError:
                 self._stats["timeouts"] += 1
                 out = self._crash(ep, f"timeout: no answer within {ticket.timeout_s:.1f}s",
@@ -590,39 +587,6 @@ class EnvPool:
     def step(self, episode_ids: Sequence[int], actions: Sequence[str | None]) -> list[StepOutcome]:
         """Blocking submit + collect."""
         return self.collect(self.submit(episode_ids, actions))
-
-    def run_episodes(self, tasks: Sequence[Task],
-                     policy: Callable[[list[EpisodeRecord]], list[str | None]]) -> list[EpisodeRecord]:
-        """Play every task to the end, in waves of at most `max_live_envs` episodes.
-
-        Args:
-          tasks: any number of tasks.
-          policy: maps the transcripts of the still-running episodes of a wave to one action
-            each (None = format-invalid output).
-        Returns:
-          one EpisodeRecord per task, in task order.
-        """
-        records: list[EpisodeRecord] = []
-        for start in range(0, len(tasks), self.max_live_envs):
-            wave = list(tasks[start:start + self.max_live_envs])
-            recs = []
-            for task, out in zip(wave, self.reset(wave)):
-                rec = EpisodeRecord(out.episode_id, task, [out.observation], infos=[out.info])
-                rec.done, rec.crashed, rec.error = out.done, out.crashed, out.error
-                recs.append(rec)
-            while True:
-                live = [r for r in recs if not r.done]
-                if not live:
-                    break
-                actions = policy(live)
-                for rec, act, out in zip(live, actions, self.step([r.episode_id for r in live], actions)):
-                    rec.actions.append(act)
-                    rec.observations.append(out.observation)
-                    rec.rewards.append(out.reward)
-                    rec.infos.append(out.info)
-                    rec.done, rec.crashed, rec.error = out.done, out.crashed, out.error
-            records.extend(recs)
-        return records
 
     # ---- stats
 

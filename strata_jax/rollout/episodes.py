@@ -186,14 +186,13 @@ class LoopStats:
         return self.env_wait_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def prompt_pieces_for(pool: EnvPool, outcome: StepOutcome, fallback_env: str) -> PromptPieces:
-    """The env's prompt pieces now: from the live env (thread backend), else from the info
-    dict (task_description, admissible_actions; no templates)."""
-    if pool.backend == "thread":
-        try:
-            return pool.env_for(outcome.episode_id).prompt_pieces()
-        except RuntimeError:
-            pass
+def prompt_pieces_for(outcome: StepOutcome, fallback_env: str) -> PromptPieces:
+    """The env's prompt pieces after a reset / step: ``outcome.pieces`` (read by the pool in
+    the same env call, on either backend); for an outcome without them (a crash, a pool
+    double) the info dict's task_description and admissible_actions, no templates, with
+    `fallback_env` as the role name."""
+    if outcome.pieces is not None:
+        return outcome.pieces
     adm = outcome.info.get("admissible_actions")
     return PromptPieces(fallback_env, str(outcome.info.get("task_description", "")),
                         (), tuple(adm) if adm is not None else None)
@@ -250,7 +249,7 @@ class _Loop:
             if out.crashed or out.done:
                 tr.done, tr.crashed, tr.error = True, out.crashed, out.error
                 continue
-            tr.pieces = tr.current_pieces = prompt_pieces_for(self.pool, out, tr.spec.task.env)
+            tr.pieces = tr.current_pieces = prompt_pieces_for(out, tr.spec.task.env)
             c.live.append(i)
         c.reset_ticket, c.reset_rows = None, []
 
@@ -271,7 +270,7 @@ class _Loop:
                 tr.success = bool(out.info.get("success", False)) and not out.crashed
                 c.live.remove(i)
             else:
-                tr.current_pieces = prompt_pieces_for(self.pool, out, tr.current_pieces.environment)
+                tr.current_pieces = prompt_pieces_for(out, tr.current_pieces.environment)
         c.step_ticket, c.step_rows = None, []
 
     def _decode_and_submit(self, c: _Cohort, ci: int) -> None:
@@ -284,15 +283,8 @@ class _Loop:
                                                     tr.history, tr.spec.strategy, last_invalid))
             s = tr.spec
             ids.append((PURPOSE_ACTION, s.task_uid, s.strategy_id, s.trajectory_id, len(tr.steps)))
-        prefixes, index = dedupe_prefixes(prompts)
-        keys = row_keys(self.key, ids)
-        t0 = time.perf_counter()
-        gens = self.policy.generate(prefixes, index, [p.suffix_ids for p in prompts],
-                                    self.sampling, keys)
-        t1 = time.perf_counter()
-        self.stats.intervals.append(Interval("sampler", ci, t0, t1, len(rows)))
-        self.stats.sampler_s += t1 - t0
-        self.stats.sampler_calls += 1
+        gens = generate_timed(self.policy, prompts, row_keys(self.key, ids), self.sampling,
+                              self.stats, ci)
         actions: list[str | None] = []
         for b, i in enumerate(rows):
             tr = self.trajs[i]
@@ -347,6 +339,29 @@ def dedupe_prefixes(prompts: Sequence[PromptIds]) -> tuple[list[tuple[int, ...]]
     for p in prompts:
         index.append(table.setdefault(p.prefix_ids, len(table)))
     return list(table), index
+
+
+def generate_timed(policy: Policy, prompts: Sequence[PromptIds], keys: Any,
+                   sampling: SamplingParams, stats: LoopStats, cohort: int) -> Any:
+    """One batched policy call over `prompts` (shared prefixes deduplicated), timed into
+    `stats`: an `Interval("sampler", cohort, ...)`, ``sampler_s`` and ``sampler_calls``.
+
+    Args:
+      policy: a `Policy`. prompts: one `PromptIds` per row. keys: the rows' keys
+        (`row_keys`, [B] typed or [B, 2] uint32). sampling: the stage's `SamplingParams`.
+      stats: the `LoopStats` to add to. cohort: the interval's label (a cohort index >= 0,
+        or -1 for the strategy stage and -2 for the judge stage).
+    Returns:
+      the policy's generations, row-indexable (``gens[b]`` is row b's `Generation`).
+    """
+    prefixes, index = dedupe_prefixes(prompts)
+    t0 = time.perf_counter()
+    gens = policy.generate(prefixes, index, [p.suffix_ids for p in prompts], sampling, keys)
+    t1 = time.perf_counter()
+    stats.intervals.append(Interval("sampler", cohort, t0, t1, len(prompts)))
+    stats.sampler_s += t1 - t0
+    stats.sampler_calls += 1
+    return gens
 
 
 def run_episodes(policy: Policy, pool: EnvPool, builder: PromptBuilder,

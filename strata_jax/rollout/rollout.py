@@ -11,6 +11,8 @@ StraTA (`mode="strata"`), per task (docs/method.md §5.1-§5.4):
      ``diverse_sampling=False`` samples N candidates and keeps them all (no FPS);
   4. M episodes per kept strategy on identical copies of the task (`run_episodes`);
   5. self-judgment: one greedy call per finished, non-crashed trajectory -> judge flags.
+Steps 1-3 are `strategy.strategy_stage`, step 5 is `judge.judge_stage`; this module wires the
+stages and turns their output into batch rows.
 Flat (`mode="flat"`): ``group_size`` episodes per task, no strategy, no judge.
 Every stage's generation ends with its closing tag, checked on device by the sampler
 (`SamplingParams.stop_text`; `prompts.ACTION_STOP`, `STRATEGY_STOP`, `JUDGE_STOP`).
@@ -40,22 +42,18 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from envs_bridge.base import PromptPieces, Task
+from envs_bridge.base import Task
 from envs_bridge.pool import EnvPool
-from strata_jax.algos.batch import KIND_ACTION, KIND_STRATEGY, SampleBatch, make_sample_batch
+from strata_jax.algos.batch import KIND_ACTION, SampleBatch, make_sample_batch
 from strata_jax.algos.dapo_filter import keep_informative_groups
 from strata_jax.models import stop_token_ids
 from strata_jax.rollout.episodes import (EpisodeSpec, Interval, LoopStats, StepRecord,
-                                         Trajectory, anchor_hash, content_ids,
-                                         decode_generation, dedupe_prefixes, prompt_pieces_for,
-                                         run_episodes)
-from strata_jax.rollout.judge import judge_flags, parse_bad_steps
-from strata_jax.rollout.keys import PURPOSE_JUDGE, PURPOSE_STRATEGY, base_key_data, row_keys
+                                         Trajectory, anchor_hash, run_episodes)
+from strata_jax.rollout.judge import judge_flags, judge_stage
 from strata_jax.rollout.policy import Policy
-from strata_jax.rollout.prompts import (ACTION_STOP, JUDGE_STOP, STRATEGY_STOP, HistoryEntry,
-                                        PromptBuilder, PromptIds, invalid_history_action)
-from strata_jax.rollout.strategy import StrategyCheck, check_strategy, select_strategies
-from strata_jax.sampling import FINISH_LENGTH, Generation, SamplingParams
+from strata_jax.rollout.prompts import ACTION_STOP, JUDGE_STOP, STRATEGY_STOP, PromptBuilder
+from strata_jax.rollout.strategy import StrategyGroup, strategy_records, strategy_stage
+from strata_jax.sampling import SamplingParams
 from strata_jax.sampling.stops import StopText, build_stop_text
 
 
@@ -125,25 +123,6 @@ def make_prompt_builder(tokenizer: Any, c: Any) -> PromptBuilder:
     and the whole trajectory (history_length=None) when rollout.cumulative_prompts."""
     hist = None if c.rollout.cumulative_prompts else c.env.history_length
     return PromptBuilder(tokenizer, c.env.max_prompt_tokens, hist)
-
-
-@dataclasses.dataclass
-class StrategyGroup:
-    """The strategy stage of one task (logs, dumps).
-
-    Attributes: task, task_uid; prompt (the strategy prompt); candidates (decoded texts);
-    checks (`StrategyCheck` per candidate); generations; kept (candidate indices, in
-    strategy_id order); first_observation.
-    """
-
-    task: Task
-    task_uid: int
-    prompt: PromptIds
-    candidates: list[str]
-    checks: list[StrategyCheck]
-    generations: list[Generation]
-    kept: list[int]
-    first_observation: str
 
 
 @dataclasses.dataclass
@@ -240,118 +219,6 @@ def _sampling(cfg: RolloutConfig, stops: Sequence[int], max_new: int,
                           max_new_tokens=max_new, stop_token_ids=stops, stop_text=stop_text)
 
 
-def _first_observations(pool: EnvPool, tasks: Sequence[Task]
-                        ) -> list[tuple[str, PromptPieces] | None]:
-    """Reset each task once (in waves of free slots, one retry) for the strategy prompt."""
-    out: list[tuple[str, PromptPieces] | None] = [None] * len(tasks)
-    todo = list(range(len(tasks)))
-    for _attempt in range(2):
-        if _attempt and todo:
-            pool.note_retries(len(todo))   # logged as rollout/env_retries
-        retry = []
-        while todo:
-            wave, todo = todo[: max(pool.num_free, 1)], todo[max(pool.num_free, 1):]
-            outs = pool.reset([tasks[i] for i in wave])
-            for i, o in zip(wave, outs):
-                if o.crashed:
-                    retry.append(i)
-                else:
-                    out[i] = (o.observation, prompt_pieces_for(pool, o, tasks[i].env))
-            pool.release([o.episode_id for o in outs if not o.done])
-        todo = retry
-    return out
-
-
-def _strategy_stage(policy: Policy, pool: EnvPool, builder: PromptBuilder,
-                    tasks: Sequence[Task], uids: Sequence[int], key: Any, cfg: RolloutConfig,
-                    stops: Sequence[int], stats: LoopStats) -> list[StrategyGroup | None]:
-    """Strategy candidates, format check, embeddings and selection for every task."""
-    import time
-
-    firsts = _first_observations(pool, tasks)
-    n_keep = cfg.num_strategies
-    n_cand = cfg.oversample * n_keep if cfg.diverse_sampling else n_keep
-    live = [i for i, f in enumerate(firsts) if f is not None]
-    groups: list[StrategyGroup | None] = [None] * len(tasks)
-    if not live:
-        return groups
-    prompts = {i: builder.strategy_prompt(firsts[i][1], firsts[i][0]) for i in live}
-    rows = [(i, c) for i in live for c in range(n_cand)]
-    prefixes, index = dedupe_prefixes([prompts[i] for i, _ in rows])
-    keys = row_keys(key, [(PURPOSE_STRATEGY, uids[i], c) for i, c in rows])
-    t0 = time.perf_counter()
-    gens = policy.generate(prefixes, index, [prompts[i].suffix_ids for i, _ in rows],
-                           _sampling(cfg, stops, cfg.max_strategy_tokens,
-                                     build_stop_text(builder.tokenizer, STRATEGY_STOP)), keys)
-    t1 = time.perf_counter()
-    stats.intervals.append(Interval("sampler", -1, t0, t1, len(rows)))
-    stats.sampler_s += t1 - t0
-    stats.sampler_calls += 1
-    gen_list = [gens[r] for r in range(len(rows))]
-    texts = [decode_generation(builder.tokenizer, g) for g in gen_list]
-    checks = [check_strategy(t, g.finish_reason == FINISH_LENGTH, builder.count_tokens)
-              for t, g in zip(texts, gen_list)]
-    emb = None
-    if cfg.diverse_sampling:
-        emb = policy.embed([content_ids(builder.tokenizer, g) for g in gen_list])
-    seed = [int(x) for x in base_key_data(key)]
-    for j, i in enumerate(live):
-        sl = slice(j * n_cand, (j + 1) * n_cand)
-        task_emb = emb[sl] if emb is not None else np.zeros((n_cand, 1))
-        kept = select_strategies(task_emb, [c.format_fail for c in checks[sl]], n_keep,
-                                 diverse=cfg.diverse_sampling,
-                                 rng=np.random.default_rng(seed + [uids[i]]))
-        groups[i] = StrategyGroup(tasks[i], uids[i], prompts[i], texts[sl], checks[sl],
-                                  gen_list[sl], kept, firsts[i][0])
-    return groups
-
-
-def _judge_stage(policy: Policy, builder: PromptBuilder, trajs: Sequence[Trajectory], key: Any,
-                 cfg: RolloutConfig, stops: Sequence[int], stats: LoopStats) -> None:
-    """One greedy judge call per finished, non-crashed trajectory with steps (in place)."""
-    import time
-
-    todo = [tr for tr in trajs if tr.steps and not tr.crashed and tr.pieces is not None]
-    if not todo:
-        return
-    prompts = []
-    for tr in todo:
-        steps = [HistoryEntry(s.observation, s.action if s.action is not None
-                              else invalid_history_action(s.output_text, cfg.invalid_tail_chars))
-                 for s in tr.steps]
-        prompts.append(builder.judge_prompt(tr.pieces, tr.spec.strategy, steps))
-    prefixes, index = dedupe_prefixes(prompts)
-    keys = row_keys(key, [(PURPOSE_JUDGE, tr.spec.task_uid, tr.spec.strategy_id,
-                           tr.spec.trajectory_id) for tr in todo])
-    t0 = time.perf_counter()
-    gens = policy.generate(prefixes, index, [p.suffix_ids for p in prompts],
-                           _sampling(cfg, stops, cfg.max_judge_tokens,
-                                     build_stop_text(builder.tokenizer, JUDGE_STOP), greedy=True),
-                           keys)
-    t1 = time.perf_counter()
-    stats.intervals.append(Interval("sampler", -2, t0, t1, len(todo)))
-    stats.sampler_s += t1 - t0
-    stats.sampler_calls += 1
-    for b, tr in enumerate(todo):
-        tr.verdict = decode_generation(builder.tokenizer, gens[b])
-        tr.bad_steps = parse_bad_steps(tr.verdict, len(tr.steps))
-
-
-def _strategy_records(groups: Sequence[StrategyGroup], cfg: RolloutConfig) -> list[dict]:
-    recs = []
-    n_eps = cfg.num_strategies * cfg.episodes_per_strategy
-    for g in groups:
-        for sid, c in enumerate(g.kept):
-            gen = g.generations[c]
-            recs.append(dict(
-                prompt_ids=g.prompt.ids, response_ids=gen.token_ids,
-                sampler_logprobs=gen.logprobs, task_id=g.task_uid, strategy_id=sid,
-                trajectory_id=n_eps + sid, step_index=0, kind=KIND_STRATEGY, anchor_id=0,
-                score=0.0, step_reward=0.0, valid=True, strategy_len=g.checks[c].token_len,
-                format_fail=g.checks[c].format_fail))
-    return recs
-
-
 def _action_records(trajs: Sequence[Trajectory]) -> list[dict]:
     recs = []
     for tr in trajs:
@@ -390,8 +257,12 @@ def _rollout_part(policy: Policy, pool: EnvPool, builder: PromptBuilder, tasks: 
     skipped: list[Task] = []
     if cfg.mode == "strata":
         m = cfg.episodes_per_strategy
-        for task, g in zip(tasks, _strategy_stage(policy, pool, builder, tasks, uids, key, cfg,
-                                                  stops, pre)):
+        strategy_sampling = _sampling(cfg, stops, cfg.max_strategy_tokens,
+                                      build_stop_text(builder.tokenizer, STRATEGY_STOP))
+        for task, g in zip(tasks, strategy_stage(
+                policy, pool, builder, tasks, uids, key, num_keep=cfg.num_strategies,
+                oversample=cfg.oversample, diverse=cfg.diverse_sampling,
+                sampling=strategy_sampling, stats=pre)):
             if g is None:
                 skipped.append(task)
                 continue
@@ -407,12 +278,17 @@ def _rollout_part(policy: Policy, pool: EnvPool, builder: PromptBuilder, tasks: 
                                                   build_stop_text(builder.tokenizer, ACTION_STOP)),
                                cohorts=cfg.cohorts, invalid_tail_chars=cfg.invalid_tail_chars)
     if cfg.mode == "strata" and cfg.self_judgment:
-        _judge_stage(policy, builder, trajs, key, cfg, stops, pre)
+        judge_stage(policy, builder, trajs, key,
+                    sampling=_sampling(cfg, stops, cfg.max_judge_tokens,
+                                       build_stop_text(builder.tokenizer, JUDGE_STOP),
+                                       greedy=True),
+                    invalid_tail_chars=cfg.invalid_tail_chars, stats=pre)
     stats = LoopStats(wall_s=time.perf_counter() - t_start, env_wait_s=loop.env_wait_s,
                       sampler_s=loop.sampler_s + pre.sampler_s,
                       sampler_calls=loop.sampler_calls + pre.sampler_calls,
                       intervals=pre.intervals + loop.intervals)
-    records = _strategy_records(groups, cfg) + _action_records(trajs)
+    records = (strategy_records(groups, cfg.num_strategies * cfg.episodes_per_strategy)
+               + _action_records(trajs))
     return _Part(records, list(trajs), groups, stats, skipped)
 
 
