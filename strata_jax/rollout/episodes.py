@@ -37,7 +37,7 @@ import hashlib
 import math
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 from envs_bridge.base import PromptPieces, Task
@@ -126,6 +126,35 @@ class StepRecord:
 
 
 @dataclasses.dataclass
+class Revision:
+    """A strategy revision written during an episode (docs/method.md §5.9; rollout option).
+
+    Attributes:
+      step: env steps taken when it was written (it precedes the action of 0-based step
+        `step`; >= 1).
+      ordinal: 1 for the episode's first revision, 2 for its second, ...
+      trigger: "every" (``revise_every``) or "stuck" (``revise_on="stuck"``).
+      prompt / generation / output_text: the revision prompt, the policy's output (ids
+        and logprobs, never re-tokenised) and its decoded text.
+      strategy: the plan later step prompts carry: the body of the new ``<strategy>`` block,
+        or the previous plan when the output failed the format.
+      token_len / format_fail / reason: the format check of the output (as for z: |z'|,
+        P_fmt, why it failed).
+    """
+
+    step: int
+    ordinal: int
+    trigger: str
+    prompt: PromptIds
+    generation: Generation
+    output_text: str
+    strategy: str | None
+    token_len: int
+    format_fail: bool
+    reason: str = ""
+
+
+@dataclasses.dataclass
 class Trajectory:
     """A played episode, with texts for logs and dumps.
 
@@ -135,6 +164,8 @@ class Trajectory:
       pieces: the prompt pieces at reset (task description, role name).
       done / crashed / error / success: how it ended (crashed episodes are masked out of the
         loss). verdict / bad_steps: the self-judgment output and its 1-based bad steps.
+      revisions: the strategy revisions written during the episode (empty unless the
+        rollout's revision option is on).
     """
 
     spec: EpisodeSpec
@@ -147,6 +178,7 @@ class Trajectory:
     success: bool = False
     verdict: str | None = None
     bad_steps: tuple[int, ...] = ()
+    revisions: list[Revision] = dataclasses.field(default_factory=list)
     # loop state
     episode_id: int = -1
     current_pieces: PromptPieces | None = None
@@ -156,6 +188,19 @@ class Trajectory:
     def episode_return(self) -> float:
         """Sum of the step rewards ([0,1]-scale units, docs/method.md §1.1)."""
         return float(sum(s.reward for s in self.steps))
+
+    @property
+    def strategy(self) -> str | None:
+        """The plan in force: the last revision's, else the spec's z (None without StraTA)."""
+        return self.revisions[-1].strategy if self.revisions else self.spec.strategy
+
+
+def env_rejected(step: StepRecord) -> bool:
+    """Whether the env refused a step's action although it passed the format check: the env's
+    ``info["invalid"]`` (ScienceWorld: "No known action matches that input."; ALFWorld:
+    "Nothing happens."; WebShop: an action that is not one of the page's ``search`` / ``click``
+    actions; built-in envs: "Nothing happens."). A format-invalid step sent nothing: False."""
+    return bool(step.action is not None and not step.invalid and step.info.get("invalid", False))
 
 
 @dataclasses.dataclass
@@ -210,8 +255,8 @@ class _Cohort:
 class _Loop:
     def __init__(self, policy: Policy, pool: EnvPool, builder: PromptBuilder,
                  specs: Sequence[EpisodeSpec], key: Any, sampling: SamplingParams,
-                 cohorts: int, invalid_tail_chars: int) -> None:
-        self.policy, self.pool, self.builder = policy, pool, builder
+                 cohorts: int, invalid_tail_chars: int, reviser: Any) -> None:
+        self.policy, self.pool, self.builder, self.reviser = policy, pool, builder, reviser
         self.key, self.sampling = key, sampling
         self.trajs = [Trajectory(s) for s in specs]
         self.n_cohorts = max(1, int(cohorts))
@@ -275,12 +320,14 @@ class _Loop:
 
     def _decode_and_submit(self, c: _Cohort, ci: int) -> None:
         rows = list(c.live)
+        if self.reviser is not None:
+            self.reviser(self.policy, [self.trajs[i] for i in rows], self.stats, ci)
         prompts, ids = [], []
         for i in rows:
             tr = self.trajs[i]
             last_invalid = bool(tr.steps) and tr.steps[-1].invalid
             prompts.append(self.builder.step_prompt(tr.current_pieces, tr.observations[-1],
-                                                    tr.history, tr.spec.strategy, last_invalid))
+                                                    tr.history, tr.strategy, last_invalid))
             s = tr.spec
             ids.append((PURPOSE_ACTION, s.task_uid, s.strategy_id, s.trajectory_id, len(tr.steps)))
         gens = generate_timed(self.policy, prompts, row_keys(self.key, ids), self.sampling,
@@ -364,9 +411,17 @@ def generate_timed(policy: Policy, prompts: Sequence[PromptIds], keys: Any,
     return gens
 
 
+Reviser = Callable[[Policy, Sequence[Trajectory], LoopStats, int], None]
+"""The strategy-revision hook of the step loop (`revision.StrategyReviser`): called once per
+cohort turn, before the step prompts are built, with (policy, the cohort's live episodes,
+stats, cohort index); it appends a `Revision` to each episode that revises now (its
+`Trajectory.strategy` changes) and times its policy call into the stats."""
+
+
 def run_episodes(policy: Policy, pool: EnvPool, builder: PromptBuilder,
                  specs: Sequence[EpisodeSpec], *, key: Any, sampling: SamplingParams,
-                 cohorts: int = 2, invalid_tail_chars: int = 30) -> tuple[list[Trajectory], LoopStats]:
+                 cohorts: int = 2, invalid_tail_chars: int = 30,
+                 reviser: Reviser | None = None) -> tuple[list[Trajectory], LoopStats]:
     """Play every episode to the end (done, step limit or crash).
 
     Args:
@@ -377,9 +432,11 @@ def run_episodes(policy: Policy, pool: EnvPool, builder: PromptBuilder,
       sampling: action sampling params (max_new_tokens = max action tokens, stop ids set).
       cohorts: cohorts alternating between the policy and the pool (1 = no overlap).
       invalid_tail_chars: chars of an invalid output shown in the history.
+      reviser: the strategy-revision hook (None = no revision: the paper setting).
     Returns:
       (trajectories in spec order, `LoopStats`).
     Raises:
       RuntimeError when the pool has no free slot for any episode.
     """
-    return _Loop(policy, pool, builder, specs, key, sampling, cohorts, invalid_tail_chars).run()
+    return _Loop(policy, pool, builder, specs, key, sampling, cohorts, invalid_tail_chars,
+                 reviser).run()

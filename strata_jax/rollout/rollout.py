@@ -47,11 +47,13 @@ from envs_bridge.pool import EnvPool
 from strata_jax.algos.batch import KIND_ACTION, SampleBatch, make_sample_batch
 from strata_jax.algos.dapo_filter import keep_informative_groups
 from strata_jax.models import stop_token_ids
-from strata_jax.rollout.episodes import (EpisodeSpec, Interval, LoopStats, StepRecord,
-                                         Trajectory, anchor_hash, run_episodes)
+from strata_jax.rollout.episodes import (EpisodeSpec, Interval, LoopStats, Trajectory,
+                                         anchor_hash, env_rejected, run_episodes)
 from strata_jax.rollout.judge import judge_flags, judge_stage
 from strata_jax.rollout.policy import Policy
 from strata_jax.rollout.prompts import ACTION_STOP, JUDGE_STOP, STRATEGY_STOP, PromptBuilder
+from strata_jax.rollout.revision import (RevisionConfig, StrategyReviser, revision_records,
+                                         revision_stats)
 from strata_jax.rollout.strategy import StrategyGroup, strategy_records, strategy_stage
 from strata_jax.sampling import SamplingParams
 from strata_jax.sampling.stops import StopText, build_stop_text
@@ -65,7 +67,9 @@ class RolloutConfig:
     diverse_sampling (FPS), self_judgment; group_size (flat); temperature / top_p / top_k;
     max_action_tokens / max_strategy_tokens / max_judge_tokens; cohorts; tasks_per_batch,
     dapo_refill, dapo_max_tries; invalid_tail_chars; SampleBatch bucketing (row_buckets,
-    prompt_buckets, response_buckets, row_multiple) and pad_token_id.
+    prompt_buckets, response_buckets, row_multiple) and pad_token_id; strategy revision
+    (StraTA only, off by default: docs/method.md §5.9): revise_every (K, 0 = off), revise_on
+    ("" or "stuck"), revise_stuck_steps (k).
     """
 
     mode: str = "strata"
@@ -91,14 +95,25 @@ class RolloutConfig:
     response_buckets: tuple[int, ...] | None = None
     row_multiple: int = 8
     pad_token_id: int = 151643  # <|endoftext|>, Qwen2.5's pad
+    revise_every: int = 0
+    revise_on: str = ""
+    revise_stuck_steps: int = 3
 
     def __post_init__(self) -> None:
         if self.mode not in ("strata", "flat"):
             raise ValueError(f"rollout mode must be 'strata' or 'flat', got {self.mode!r}")
+        if self.revision.enabled and self.mode != "strata":
+            raise ValueError("strategy revision (rollout.revise_every / revise_on) revises a "
+                             "StraTA strategy: use algo=strata or turn it off")
         for name in ("num_strategies", "episodes_per_strategy", "oversample", "group_size",
                      "cohorts", "tasks_per_batch", "dapo_max_tries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout {name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def revision(self) -> RevisionConfig:
+        """The revision triggers (`RevisionConfig`; validates them)."""
+        return RevisionConfig(self.revise_every, self.revise_on, self.revise_stuck_steps)
 
     @classmethod
     def from_config(cls, c: Any, **overrides: Any) -> "RolloutConfig":
@@ -113,7 +128,9 @@ class RolloutConfig:
             top_p=r.top_p, top_k=r.top_k, max_action_tokens=r.max_action_tokens,
             max_strategy_tokens=r.max_strategy_tokens, max_judge_tokens=r.max_judge_tokens,
             cohorts=r.cohorts, tasks_per_batch=r.tasks_per_batch,
-            dapo_refill=c.algo == "dapo", dapo_max_tries=r.dapo_max_tries)
+            dapo_refill=c.algo == "dapo", dapo_max_tries=r.dapo_max_tries,
+            revise_every=r.revise_every, revise_on=r.revise_on,
+            revise_stuck_steps=r.revise_stuck_steps)
         kw.update(overrides)
         return cls(**kw)
 
@@ -153,14 +170,6 @@ class RolloutResult:
         return dump_trajectories(self.trajectories, self.strategies)
 
 
-def env_rejected(step: StepRecord) -> bool:
-    """Whether the env refused a step's action although it passed the format check: the env's
-    ``info["invalid"]`` (ScienceWorld: "No known action matches that input."; ALFWorld:
-    "Nothing happens."; WebShop: an action that is not one of the page's ``search`` / ``click``
-    actions; built-in envs: "Nothing happens."). A format-invalid step sent nothing: False."""
-    return bool(step.action is not None and not step.invalid and step.info.get("invalid", False))
-
-
 def dump_trajectories(trajectories: Sequence[Trajectory],
                       strategies: Sequence[StrategyGroup] = ()) -> list[dict[str, Any]]:
     """JSON-able records of played episodes, one dict per episode (what ``trajectories.jsonl``
@@ -178,6 +187,9 @@ def dump_trajectories(trajectories: Sequence[Trajectory],
     output failed the action format or hit the token limit: nothing was sent), env_rejected
     (`env_rejected`), feedback (the env's answer to the action), reward, judge_flag,
     ambiguous_resolved (ScienceWorld's option-0 choice of an ambiguous command, else None).
+    With strategy revision (docs/method.md §5.9), an episode that revised also has revisions:
+    one dict per revision: step (steps taken before it), trigger ("every" / "stuck"), output
+    (the raw text), strategy (the plan in force afterwards), format_ok.
     """
     by_strategy = {(g.task_uid, sid): (g, cand) for g in strategies
                    for sid, cand in enumerate(g.kept)}
@@ -207,6 +219,10 @@ def dump_trajectories(trajectories: Sequence[Trajectory],
             error=tr.error, verdict=tr.verdict, bad_steps=list(tr.bad_steps),
             env_rejected_steps=sum(st["env_rejected"] for st in steps), steps=steps,
             final_observation=tr.observations[-1] if tr.observations else ""))
+        if tr.revisions:
+            out[-1]["revisions"] = [dict(step=rv.step, trigger=rv.trigger, output=rv.output_text,
+                                         strategy=rv.strategy, format_ok=not rv.format_fail)
+                                    for rv in tr.revisions]
     return out
 
 
@@ -255,10 +271,13 @@ def _rollout_part(policy: Policy, pool: EnvPool, builder: PromptBuilder, tasks: 
     specs: list[EpisodeSpec] = []
     groups: list[StrategyGroup] = []
     skipped: list[Task] = []
+    strategy_sampling = _sampling(cfg, stops, cfg.max_strategy_tokens,
+                                  build_stop_text(builder.tokenizer, STRATEGY_STOP))
+    reviser = None
+    if cfg.revision.enabled:
+        reviser = StrategyReviser(builder, key, cfg.revision, strategy_sampling)
     if cfg.mode == "strata":
         m = cfg.episodes_per_strategy
-        strategy_sampling = _sampling(cfg, stops, cfg.max_strategy_tokens,
-                                      build_stop_text(builder.tokenizer, STRATEGY_STOP))
         for task, g in zip(tasks, strategy_stage(
                 policy, pool, builder, tasks, uids, key, num_keep=cfg.num_strategies,
                 oversample=cfg.oversample, diverse=cfg.diverse_sampling,
@@ -276,7 +295,8 @@ def _rollout_part(policy: Policy, pool: EnvPool, builder: PromptBuilder, tasks: 
     trajs, loop = run_episodes(policy, pool, builder, specs, key=key,
                                sampling=_sampling(cfg, stops, cfg.max_action_tokens,
                                                   build_stop_text(builder.tokenizer, ACTION_STOP)),
-                               cohorts=cfg.cohorts, invalid_tail_chars=cfg.invalid_tail_chars)
+                               cohorts=cfg.cohorts, invalid_tail_chars=cfg.invalid_tail_chars,
+                               reviser=reviser)
     if cfg.mode == "strata" and cfg.self_judgment:
         judge_stage(policy, builder, trajs, key,
                     sampling=_sampling(cfg, stops, cfg.max_judge_tokens,
@@ -288,7 +308,7 @@ def _rollout_part(policy: Policy, pool: EnvPool, builder: PromptBuilder, tasks: 
                       sampler_calls=loop.sampler_calls + pre.sampler_calls,
                       intervals=pre.intervals + loop.intervals)
     records = (strategy_records(groups, cfg.num_strategies * cfg.episodes_per_strategy)
-               + _action_records(trajs))
+               + _action_records(trajs) + revision_records(trajs))
     return _Part(records, list(trajs), groups, stats, skipped)
 
 
@@ -345,6 +365,8 @@ def _finish(parts: Sequence[_Part], cfg: RolloutConfig, extra: dict[str, float])
                               response_buckets=cfg.response_buckets,
                               row_multiple=cfg.row_multiple, pad_token_id=cfg.pad_token_id)
     stats = {**rollout_stats(trajs, groups, loop), **extra}
+    if cfg.revision.enabled:
+        stats.update(revision_stats(trajs))
     return RolloutResult(batch, records, trajs, groups, stats, loop.intervals,
                          [t for p in parts for t in p.skipped])
 
