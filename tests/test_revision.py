@@ -138,8 +138,12 @@ def test_revise_every_2_prompts_rows_and_the_plan_in_force(tok):
             # a failed revision keeps the plan; a good one replaces it
             new = re.search(r"<strategy>(.*)</strategy>", rv.output_text)
             assert rv.format_fail == (new is None)
+            plan_before = plan
             plan = plan if new is None else new.group(1)
             assert rv.strategy == plan
+            # the revision prompt shares its prefix with the step prompt it replaces
+            if plan == plan_before:
+                assert rv.prompt.prefix_ids == tr.steps[rv.step].prompt.prefix_ids
         # every step prompt carries the plan in force at that step
         for t, st in enumerate(tr.steps):
             in_force = [rv.strategy for rv in tr.revisions if rv.step <= t]

@@ -13,7 +13,10 @@ Per step: the prompt is rebuilt from the task, the strategy (StraTA), the histor
 the current observation (`PromptBuilder.step_prompt`); the output is parsed with
 `envs_bridge.parse_action`; a format-invalid output (or one cut at the token limit) is not
 sent to the simulator: the pool gets ``None`` (the env counts the step, returns the same
-observation, reward 0) and the next prompt shows a short notice.
+observation, reward 0) and the next prompt shows a short notice. With strategy revision on
+(`run_episodes(reviser=...)`, docs/method.md §5.9) the cohort's turn first lets the reviser
+write new plans for the episodes whose trigger fires (one more batched policy call); the step
+prompts then carry each episode's plan in force (`Trajectory.strategy`).
 
 Keys: step t of episode (task_uid, strategy_id, trajectory_id) samples with
 ``row_keys(key, (PURPOSE_ACTION, task_uid, strategy_id, trajectory_id, t))``, independent of

@@ -142,6 +142,5 @@ def build_judge_model(c: Any, mesh: Any = None) -> JudgeModel | None:
                          f"{config.max_position_embeddings} tokens, less than env.max_prompt_tokens"
                          f" + rollout.max_judge_tokens = {need}: lower them or pick another judge")
     sampler = Sampler(config, mesh=mesh, max_cache_len=need)
-    hist = None if c.rollout.cumulative_prompts else c.env.history_length
     return JudgeModel(SamplerPolicy(sampler, params),
-                      PromptBuilder(tokenizer, c.env.max_prompt_tokens, hist))
+                      PromptBuilder(tokenizer, c.env.max_prompt_tokens))
