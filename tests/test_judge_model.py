@@ -100,3 +100,39 @@ def test_a_judge_whose_context_is_too_short_is_one_clear_error(judge_dir):
     c.env.max_prompt_tokens = 4090   # + 24 judge tokens > the judge's 4096-token context
     with pytest.raises(ValueError, match="context of 4096 tokens"):
         build_judge_model(c)
+
+
+def test_a_judge_with_another_tokenizer_gets_prompts_in_its_own_ids(tok, tmp_path):
+    """A GGUF judge with its own tiny byte-level tokenizer (512-row vocab, 261 tokens, control
+    ids 509-511): its prompts are encoded with that tokenizer and its verdicts decoded with it."""
+    from tests.gguf_fixtures import write_qwen2_gguf
+    from tests.model_fixtures import PARITY_CONFIGS, make_hf_model
+    path = write_qwen2_gguf(make_hf_model(seed=3, max_position_embeddings=4096,
+                                          **PARITY_CONFIGS["tied_gqa2"]),
+                            str(tmp_path / "judge.gguf"))
+    c = _config(path)
+    c.rollout.judge_model.tokenizer = ""          # the GGUF file's own tokenizer
+    judge = build_judge_model(c)
+    jtok = judge.builder.tokenizer
+    assert len(jtok) == 261 and jtok.convert_tokens_to_ids("<|im_start|>") == 510
+    rec = _Recording(judge.policy)
+    outs = []
+    inner_generate = rec.generate
+
+    def generate(*args):
+        g = inner_generate(*args)
+        outs.extend(g[b] for b in range(len(args[2])))
+        return g
+
+    rec.generate = generate
+    res, policy = _rollout(tok, type(judge)(rec, judge.builder))
+    assert not any(greedy for *_, greedy in policy.calls)
+    assert len(rec.prompts) == len(outs) == len(res.trajectories)
+    for p in rec.prompts:
+        assert set(p) <= set(range(258)) | {509, 510, 511}   # judge ids, never Qwen's
+        assert p.count(510) == 3                              # system, user, assistant turns
+        assert "Here is the trajectory you played" in jtok.decode(p)
+    from strata_jax.rollout.episodes import decode_generation
+    for tr, gen in zip(res.trajectories, outs):
+        assert tr.verdict == decode_generation(jtok, gen)
+        assert max(gen.token_ids) < 512
