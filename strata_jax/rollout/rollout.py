@@ -29,7 +29,10 @@ Rows of the batch (see `strata_jax.algos.batch` for the contract):
     valid = True (the estimator ignores a strategy whose episodes all crashed);
   * action rows: one per env step, kind=KIND_ACTION, task_id = task_uid, strategy_id,
     trajectory_id, step_index (0-based), anchor_id = `anchor_hash(raw observation)`,
-    score = episode return, step_reward, invalid, judge_flag, valid = not crashed.
+    score = episode return, step_reward, invalid, judge_flag, valid = not crashed;
+  * revision rows (only with strategy revision on, `revision.revision_records`): strategy rows
+    with anchor_id = the revision's ordinal r >= 1, the episode's trajectory_id, step_index =
+    the steps taken before it, score = the return from there on.
   prompt_ids = exactly the prefix + suffix ids the policy saw; response_ids / sampler_logprobs
   = the policy's generated ids (the stop id, or the token that completes the stage's closing
   tag, included) and logprobs, never re-tokenised;
