@@ -185,3 +185,17 @@ def test_off_by_default_no_revision_rows(tok):
     assert not any(r["anchor_id"] for r in res.records if r["kind"] == KIND_STRATEGY)
     assert "rollout/revisions" not in res.stats
     assert all("revisions" not in d for d in res.dump())
+
+
+def test_revise_on_stuck_in_a_rollout(tok):
+    """memory_key's "go north" walk repeats one action: with k = 2 the stuck trigger fires after
+    steps 2 and 4 (k steps since the last revision), never before step k."""
+    res = _run(tok, revise_on="stuck", revise_stuck_steps=2)
+    assert res.stats["rollout/revision_stuck_frac"] == 1.0
+    for tr in res.trajectories:
+        assert tr.success
+        steps = [rv.step for rv in tr.revisions]
+        assert steps and all(rv.trigger == "stuck" for rv in tr.revisions)
+        assert steps[0] == 2 and all(b - a >= 2 for a, b in zip(steps, steps[1:]))
+        for rv in tr.revisions:   # the window before each revision: one repeated action
+            assert len({s.action for s in tr.steps[rv.step - 2:rv.step]}) == 1
