@@ -53,19 +53,16 @@ import concurrent.futures as cf
 import dataclasses
 import itertools
 import logging
-import multiprocessing as mp
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from envs_bridge.base import Env, PromptPieces, Task
+from envs_bridge.slots import USER_ERRORS, PoolClosedError, ProcessSlot, ThreadSlot
 
-_USER_ERRORS = (ValueError, KeyError, TypeError)
+__all__ = ["EnvPool", "StepOutcome", "Ticket", "PoolClosedError", "pool_metrics",
+           "POOL_COUNTERS"]
 log = logging.getLogger(__name__)
-
-
-class PoolClosedError(RuntimeError):
-    """An env call on a slot of a closed pool (a background restart that lost the race)."""
 
 
 @dataclasses.dataclass
@@ -104,187 +101,6 @@ class Ticket:
     submitted_at: float
     timeout_s: float
     kind: str  # "reset" | "step"
-
-
-# --------------------------------------------------------------------------- slots
-
-
-class _ThreadSlot:
-    """One live env in this process; calls run on the pool's thread executor."""
-
-    def __init__(self, factory: Callable[[], Env]) -> None:
-        self._factory = factory
-        self.env: Env | None = None
-        self.lock = threading.Lock()
-        self.closed = False
-
-    def _start(self) -> None:
-        if self.closed:
-            raise PoolClosedError("the env pool is closed")
-        env = self._factory()
-        if self.closed:   # the pool was closed while the env started: do not leak it
-            _close_quietly(env)
-            raise PoolClosedError("the env pool is closed")
-        self.env = env
-
-    def call_with_pieces(self, method: str, *args: Any) -> tuple[Any, PromptPieces]:
-        """`call`, then the env's prompt pieces, under one hold of the slot's lock."""
-        with self.lock:
-            if self.env is None:
-                self._start()
-            return _with_pieces(self.env, method, args)
-
-    def ensure_started(self) -> None:
-        with self.lock:
-            if self.env is None:
-                self._start()
-
-    def discard(self) -> None:
-        """Close the env (a hung call on it is unblocked when its simulator dies)."""
-        env, self.env = self.env, None
-        if env is not None:
-            threading.Thread(target=_close_quietly, args=(env,), daemon=True).start()
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Close the env. A call in flight (a step, an env being started) is waited for up to
-        `timeout_s`; an env whose start finishes later closes itself (see `_start`)."""
-        self.closed = True
-        got = self.lock.acquire(timeout=timeout_s)
-        try:
-            env, self.env = self.env, None
-        finally:
-            if got:
-                self.lock.release()
-        if env is not None:
-            _close_quietly(env)
-
-
-def _close_quietly(env: Env) -> None:
-    try:
-        env.close()
-    except Exception:
-        pass
-
-
-def _with_pieces(env: Env, method: str, args: tuple) -> tuple[Any, PromptPieces]:
-    """``env.<method>(*args)`` and then ``env.prompt_pieces()`` (the pieces the next prompt
-    needs, read where the env lives: this thread or the worker process)."""
-    result = getattr(env, method)(*args)
-    return result, env.prompt_pieces()
-
-
-def _process_worker(conn, env_name: str, env_kwargs: dict[str, Any]) -> None:
-    """Worker process loop: build the env, then serve (method, args) requests over `conn`;
-    ``("__with_pieces__", (method, args))`` answers ``(result, env.prompt_pieces())``."""
-    from envs_bridge.registry import make_env
-
-    env = make_env(env_name, **env_kwargs)
-    conn.send(("ok", None))
-    while True:
-        try:
-            method, args = conn.recv()
-        except EOFError:
-            break
-        if method == "__close__":
-            break
-        try:
-            if method == "__with_pieces__":
-                conn.send(("ok", _with_pieces(env, *args)))
-            else:
-                conn.send(("ok", getattr(env, method)(*args)))
-        except BaseException as e:  # report every env error to the parent
-            conn.send(("err", (type(e).__name__, str(e))))
-    _close_quietly(env)
-
-
-class _ProcessSlot:
-    """One live env in a spawned worker process (registry name + kwargs must be picklable)."""
-
-    def __init__(self, env_name: str, env_kwargs: dict[str, Any], timeout_s: float) -> None:
-        self._name, self._kwargs, self._timeout = env_name, env_kwargs, timeout_s
-        self.proc: mp.Process | None = None
-        self.conn = None
-        self.lock = threading.Lock()
-        self.closed = False
-
-    def _start(self) -> None:
-        if self.closed:
-            raise PoolClosedError("the env pool is closed")
-        ctx = mp.get_context("spawn")  # never fork a process that may hold JVM / XLA threads
-        parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_process_worker, args=(child, self._name, self._kwargs), daemon=True)
-        self.proc.start()
-        child.close()
-        self.conn = parent
-        self._recv(max(self._timeout, 120.0))
-        if self.closed:   # the pool was closed while the worker started
-            self.discard()
-            raise PoolClosedError("the env pool is closed")
-
-    def _recv(self, timeout: float) -> Any:
-        from envs_bridge.base import EnvError
-
-        if not self.conn.poll(timeout):
-            self.discard()
-            raise TimeoutError(f"env worker did not answer within {timeout:.1f}s")
-        try:
-            status, payload = self.conn.recv()
-        except (EOFError, OSError) as e:
-            self.discard()
-            raise EnvError(f"env worker process died: {e!r}") from e
-        if status == "err":
-            kind, msg = payload
-            if kind in {c.__name__ for c in _USER_ERRORS}:
-                raise ValueError(msg)
-            raise EnvError(f"{kind}: {msg}")
-        return payload
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def ensure_started(self) -> None:
-        with self.lock:
-            if self.proc is None:
-                self._start()
-
-    def call(self, method: str, *args: Any) -> Any:
-        from envs_bridge.base import EnvError
-
-        with self.lock:
-            if self.proc is None:
-                self._start()
-            try:
-                self.conn.send((method, args))
-            except (BrokenPipeError, OSError) as e:
-                self.discard()
-                raise EnvError(f"env worker process died: {e!r}") from e
-            return self._recv(self._timeout)
-
-    def call_with_pieces(self, method: str, *args: Any) -> tuple[Any, PromptPieces]:
-        """`call`, then the env's prompt pieces, in one round trip to the worker."""
-        return self.call("__with_pieces__", method, args)
-
-    def discard(self) -> None:
-        proc, conn, self.proc, self.conn = self.proc, self.conn, None, None
-        if proc is not None and proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
-        if conn is not None:
-            conn.close()
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        self.closed = True
-        got = self.lock.acquire(timeout=timeout_s)   # a worker being started: wait for it
-        if got:
-            self.lock.release()
-        if self.conn is not None and self.proc is not None and self.proc.is_alive():
-            try:
-                self.conn.send(("__close__", ()))
-                self.proc.join(timeout=10)
-            except Exception:
-                pass
-        self.discard()
 
 
 # --------------------------------------------------------------------------- pool
@@ -332,10 +148,10 @@ class EnvPool:
         self.reset_timeout_s = reset_timeout_s
         factory = get_env_factory(env_name)  # fail fast on an unknown name
         if backend == "thread":
-            self._slots: list[Any] = [_ThreadSlot(lambda: factory(**self.env_kwargs)) for _ in range(max_live_envs)]
+            self._slots: list[Any] = [ThreadSlot(lambda: factory(**self.env_kwargs)) for _ in range(max_live_envs)]
             workers = num_workers or max_live_envs
         else:
-            self._slots = [_ProcessSlot(env_name, self.env_kwargs, step_timeout_s) for _ in range(max_live_envs)]
+            self._slots = [ProcessSlot(env_name, self.env_kwargs, step_timeout_s) for _ in range(max_live_envs)]
             workers = max_live_envs
         self._workers = workers
         self._executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="envpool")
@@ -490,7 +306,7 @@ class EnvPool:
                 self._stats["timeouts"] += 1
                 out = self._crash(ep, f"timeout: no answer within {ticket.timeout_s:.1f}s",
                                   hung=True, kind=ticket.kind)
-            except _USER_ERRORS as e:
+            except USER_ERRORS as e:
                 if ticket.kind == "reset":
                     user_error = user_error or e
                 out = self._crash(ep, f"{type(e).__name__}: {e}", restart=False, kind=ticket.kind)
@@ -521,7 +337,7 @@ class EnvPool:
         `hung` (a timeout): the call may still be running and holds the thread slot's lock
         and an executor thread. Thread backend: abandon that slot object and executor (the
         hung call finishes, or dies with its simulator, on its own) and give the slot a new
-        `_ThreadSlot` and the pool a new executor, so the next episode on the slot does not
+        `ThreadSlot` and the pool a new executor, so the next episode on the slot does not
         queue behind the hung call. Process backend: `discard` kills the worker process.
         """
         self._stats["crashes"] += 1
@@ -532,8 +348,8 @@ class EnvPool:
         if restart:
             slot = self._slots[ep.slot]
             slot.discard()
-            if hung and isinstance(slot, _ThreadSlot):
-                slot = _ThreadSlot(slot._factory)
+            if hung and isinstance(slot, ThreadSlot):
+                slot = ThreadSlot(slot._factory)
                 self._slots[ep.slot] = slot
                 old, self._executor = self._executor, cf.ThreadPoolExecutor(
                     max_workers=self._workers, thread_name_prefix="envpool")
