@@ -74,8 +74,8 @@ def _train(c, workdir, compiles, mesh) -> dict:
     from strata_jax import experiment as ex
     from strata_jax.evaluation import eval_tasks, evaluate, summarize
     from strata_jax.metrics import MetricsWriter, Progress, cpu_seconds
-    from strata_jax.rollout import (RolloutConfig, SamplerPolicy, collect_rollout,
-                                    make_prompt_builder, rollout)
+    from strata_jax.rollout import (RolloutConfig, SamplerPolicy, build_judge_model,
+                                    collect_rollout, make_prompt_builder, rollout)
     from strata_jax.sampling import Sampler, compiled_program_count
     from strata_jax.training import Checkpointer, Trainer, TrainConfig, run_loop
     from strata_jax.trajectories import format_episode
@@ -86,6 +86,7 @@ def _train(c, workdir, compiles, mesh) -> dict:
     trainer = Trainer(model_cfg, TrainConfig.from_config(c), mesh)
     rollout_cfg = RolloutConfig.from_config(c)
     builder = make_prompt_builder(tokenizer, c)
+    judge = build_judge_model(c, sampler_mesh)   # None: the policy judges itself
     task_sampler = ex.TaskSampler(ex.task_list(c), seed=c.seed)
 
     ckpt = Checkpointer(os.path.join(workdir, "ckpt"), keep=c.ckpt.keep, every=c.ckpt.every)
@@ -145,10 +146,10 @@ def _train(c, workdir, compiles, mesh) -> dict:
             # (task uids stay global, so row keys and group ids match a single-process run).
             mine, uid0 = distributed.host_share(task_sampler.sample(c.rollout.tasks_per_batch))
             result = collect_rollout(policy, pool, builder, mine, key=ex.seed_key(c, 1, it),
-                                     config=rollout_cfg, task_uid_start=uid0)
+                                     config=rollout_cfg, task_uid_start=uid0, judge=judge)
         else:
             result = rollout(policy, pool, builder, task_sampler.sample,
-                             key=ex.seed_key(c, 1, it), config=rollout_cfg)
+                             key=ex.seed_key(c, 1, it), config=rollout_cfg, judge=judge)
         timing["time/rollout_s"] = time.time() - t0
         timing.update(pool_metrics(counters, pool.stats()))   # env crashes, restarts, retries
         timing["_t_update"] = time.time()

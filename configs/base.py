@@ -85,6 +85,15 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rollout.cumulative_prompts = False  # STAPO turns this on (docs/method.md §7.1)
     c.rollout.cohorts = 2          # env stepping of one cohort overlaps decoding of the other
     c.rollout.dapo_max_tries = 10
+    # Beyond the paper, off by default (docs/method.md §5.9-§5.10): strategy revision after
+    # every K steps (0 = off) and / or when stuck ("" = off, "stuck": the last k steps all
+    # invalid, one repeated action, or no reward); a separate judge checkpoint ("" = the policy).
+    c.rollout.revise_every = 0
+    c.rollout.revise_on = ""
+    c.rollout.revise_stuck_steps = 3   # k
+    c.rollout.judge_model = ml_collections.ConfigDict()
+    c.rollout.judge_model.path = ""    # checkpoint dir / GGUF file / hub id of the judge
+    c.rollout.judge_model.tokenizer = ""  # "" = the judge checkpoint's own; "offline" = shipped Qwen BPE
 
     # --- Advantages / losses (docs/method.md §4-§8) --------------------------------------
     c.adv = ml_collections.ConfigDict()

@@ -10,8 +10,8 @@ every copy starts from the identical state, and the call returns when all are re
 stepped with `submit(episode_ids, actions)`. Both return a `Ticket` at once; `collect(ticket)`
 blocks until that cohort's outcomes are in. So the rollout can decode cohort B while
 cohort A's envs step. `reset` / `step` are the blocking forms. A finished (done or crashed)
-episode frees its slot; `run_episodes` plays any number of tasks in waves of
-`max_live_envs` (a paper-scale iteration has 512 episodes; one ScienceWorld JVM takes
+episode frees its slot, so any number of tasks can be played in waves of `max_live_envs`
+(the rollout's step loop does; a paper-scale iteration has 512 episodes; one ScienceWorld JVM takes
 ~210-240 MB resident on short tasks with the default 384 MB heap cap (at most ~450 MB
 when a task fills the heap), ~660 MB uncapped, so 512 live JVMs would not fit: bound the
 slots by free memory / ~0.45 GB).
@@ -25,7 +25,9 @@ parallelism as processes without pickling, without a second Python interpreter p
 (~80-100 MB each) and with direct access to the env objects. `backend="process"`: one
 spawned worker process per slot, talking over a pipe; it isolates envs whose Python side
 holds the GIL for long (pure-Python simulators) or leaks memory, and a hung step is ended
-by killing the worker. Both backends have the same API and give identical transcripts.
+by killing the worker. Both backends have the same API and give identical transcripts, and
+every reset / step outcome carries the env's `PromptPieces` read in the same env call (in
+the worker for processes), so prompts never depend on the backend.
 Measured (benchmarks/envs.py --steps 30, 2 cores shared with other jobs, load ~7, so noisy):
 single env 34 steps/s (5 with the valid-action list); pool thread 1/2/4 workers:
 39/23/27 steps/s (3.1/4.1/5.7 with valid actions); process: 39/25/24 (5.0/5.0/6.5). On 2
@@ -51,19 +53,16 @@ import concurrent.futures as cf
 import dataclasses
 import itertools
 import logging
-import multiprocessing as mp
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from envs_bridge.base import Env, Task
+from envs_bridge.base import Env, PromptPieces, Task
+from envs_bridge.slots import USER_ERRORS, PoolClosedError, ProcessSlot, ThreadSlot
 
-_USER_ERRORS = (ValueError, KeyError, TypeError)
+__all__ = ["EnvPool", "StepOutcome", "Ticket", "PoolClosedError", "pool_metrics",
+           "POOL_COUNTERS"]
 log = logging.getLogger(__name__)
-
-
-class PoolClosedError(RuntimeError):
-    """An env call on a slot of a closed pool (a background restart that lost the race)."""
 
 
 @dataclasses.dataclass
@@ -78,6 +77,8 @@ class StepOutcome:
       info: env info dict (see envs_bridge.base).
       crashed: the env failed (exception or timeout); the episode is over.
       error: the failure message when crashed.
+      pieces: the env's `prompt_pieces()` right after this reset / step, read in the same
+        call on the slot (thread and process backends alike); None when crashed.
     """
 
     episode_id: int
@@ -87,32 +88,7 @@ class StepOutcome:
     info: dict[str, Any]
     crashed: bool = False
     error: str = ""
-
-
-@dataclasses.dataclass
-class EpisodeRecord:
-    """Transcript of one episode: observations[0] is the reset observation; observations[t+1],
-    rewards[t] and infos[t+1] follow actions[t]."""
-
-    episode_id: int
-    task: Task
-    observations: list[str] = dataclasses.field(default_factory=list)
-    actions: list[str | None] = dataclasses.field(default_factory=list)
-    rewards: list[float] = dataclasses.field(default_factory=list)
-    infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    done: bool = False
-    crashed: bool = False
-    error: str = ""
-
-    @property
-    def episode_return(self) -> float:
-        """Sum of step rewards."""
-        return float(sum(self.rewards))
-
-    @property
-    def success(self) -> bool:
-        """The last info's success flag (False when crashed or never stepped)."""
-        return bool(self.infos and self.infos[-1].get("success", False)) and not self.crashed
+    pieces: PromptPieces | None = None
 
 
 @dataclasses.dataclass
@@ -125,171 +101,6 @@ class Ticket:
     submitted_at: float
     timeout_s: float
     kind: str  # "reset" | "step"
-
-
-# --------------------------------------------------------------------------- slots
-
-
-class _ThreadSlot:
-    """One live env in this process; calls run on the pool's thread executor."""
-
-    def __init__(self, factory: Callable[[], Env]) -> None:
-        self._factory = factory
-        self.env: Env | None = None
-        self.lock = threading.Lock()
-        self.closed = False
-
-    def _start(self) -> None:
-        if self.closed:
-            raise PoolClosedError("the env pool is closed")
-        env = self._factory()
-        if self.closed:   # the pool was closed while the env started: do not leak it
-            _close_quietly(env)
-            raise PoolClosedError("the env pool is closed")
-        self.env = env
-
-    def call(self, method: str, *args: Any) -> Any:
-        with self.lock:
-            if self.env is None:
-                self._start()
-            return getattr(self.env, method)(*args)
-
-    def ensure_started(self) -> None:
-        with self.lock:
-            if self.env is None:
-                self._start()
-
-    def discard(self) -> None:
-        """Close the env (a hung call on it is unblocked when its simulator dies)."""
-        env, self.env = self.env, None
-        if env is not None:
-            threading.Thread(target=_close_quietly, args=(env,), daemon=True).start()
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Close the env. A call in flight (a step, an env being started) is waited for up to
-        `timeout_s`; an env whose start finishes later closes itself (see `_start`)."""
-        self.closed = True
-        got = self.lock.acquire(timeout=timeout_s)
-        try:
-            env, self.env = self.env, None
-        finally:
-            if got:
-                self.lock.release()
-        if env is not None:
-            _close_quietly(env)
-
-
-def _close_quietly(env: Env) -> None:
-    try:
-        env.close()
-    except Exception:
-        pass
-
-
-def _process_worker(conn, env_name: str, env_kwargs: dict[str, Any]) -> None:
-    """Worker process loop: build the env, then serve (method, args) requests over `conn`."""
-    from envs_bridge.registry import make_env
-
-    env = make_env(env_name, **env_kwargs)
-    conn.send(("ok", None))
-    while True:
-        try:
-            method, args = conn.recv()
-        except EOFError:
-            break
-        if method == "__close__":
-            break
-        try:
-            conn.send(("ok", getattr(env, method)(*args)))
-        except BaseException as e:  # report every env error to the parent
-            conn.send(("err", (type(e).__name__, str(e))))
-    _close_quietly(env)
-
-
-class _ProcessSlot:
-    """One live env in a spawned worker process (registry name + kwargs must be picklable)."""
-
-    def __init__(self, env_name: str, env_kwargs: dict[str, Any], timeout_s: float) -> None:
-        self._name, self._kwargs, self._timeout = env_name, env_kwargs, timeout_s
-        self.proc: mp.Process | None = None
-        self.conn = None
-        self.lock = threading.Lock()
-        self.closed = False
-
-    def _start(self) -> None:
-        if self.closed:
-            raise PoolClosedError("the env pool is closed")
-        ctx = mp.get_context("spawn")  # never fork a process that may hold JVM / XLA threads
-        parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_process_worker, args=(child, self._name, self._kwargs), daemon=True)
-        self.proc.start()
-        child.close()
-        self.conn = parent
-        self._recv(max(self._timeout, 120.0))
-        if self.closed:   # the pool was closed while the worker started
-            self.discard()
-            raise PoolClosedError("the env pool is closed")
-
-    def _recv(self, timeout: float) -> Any:
-        from envs_bridge.base import EnvError
-
-        if not self.conn.poll(timeout):
-            self.discard()
-            raise TimeoutError(f"env worker did not answer within {timeout:.1f}s")
-        try:
-            status, payload = self.conn.recv()
-        except (EOFError, OSError) as e:
-            self.discard()
-            raise EnvError(f"env worker process died: {e!r}") from e
-        if status == "err":
-            kind, msg = payload
-            if kind in {c.__name__ for c in _USER_ERRORS}:
-                raise ValueError(msg)
-            raise EnvError(f"{kind}: {msg}")
-        return payload
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def ensure_started(self) -> None:
-        with self.lock:
-            if self.proc is None:
-                self._start()
-
-    def call(self, method: str, *args: Any) -> Any:
-        from envs_bridge.base import EnvError
-
-        with self.lock:
-            if self.proc is None:
-                self._start()
-            try:
-                self.conn.send((method, args))
-            except (BrokenPipeError, OSError) as e:
-                self.discard()
-                raise EnvError(f"env worker process died: {e!r}") from e
-            return self._recv(self._timeout)
-
-    def discard(self) -> None:
-        proc, conn, self.proc, self.conn = self.proc, self.conn, None, None
-        if proc is not None and proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
-        if conn is not None:
-            conn.close()
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        self.closed = True
-        got = self.lock.acquire(timeout=timeout_s)   # a worker being started: wait for it
-        if got:
-            self.lock.release()
-        if self.conn is not None and self.proc is not None and self.proc.is_alive():
-            try:
-                self.conn.send(("__close__", ()))
-                self.proc.join(timeout=10)
-            except Exception:
-                pass
-        self.discard()
 
 
 # --------------------------------------------------------------------------- pool
@@ -337,10 +148,10 @@ class EnvPool:
         self.reset_timeout_s = reset_timeout_s
         factory = get_env_factory(env_name)  # fail fast on an unknown name
         if backend == "thread":
-            self._slots: list[Any] = [_ThreadSlot(lambda: factory(**self.env_kwargs)) for _ in range(max_live_envs)]
+            self._slots: list[Any] = [ThreadSlot(lambda: factory(**self.env_kwargs)) for _ in range(max_live_envs)]
             workers = num_workers or max_live_envs
         else:
-            self._slots = [_ProcessSlot(env_name, self.env_kwargs, step_timeout_s) for _ in range(max_live_envs)]
+            self._slots = [ProcessSlot(env_name, self.env_kwargs, step_timeout_s) for _ in range(max_live_envs)]
             workers = max_live_envs
         self._workers = workers
         self._executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="envpool")
@@ -393,7 +204,8 @@ class EnvPool:
         return len(self._free)
 
     def env_for(self, episode_id: int) -> Env:
-        """The live env object of an episode (thread backend only; for tests and experts)."""
+        """The live env object of an episode (thread backend only; for tests and experts;
+        the rollout reads `StepOutcome.pieces` instead, which both backends fill)."""
         if self.backend != "thread":
             raise RuntimeError("env_for() needs backend='thread'; process envs live in workers")
         env = self._slots[self._episodes[episode_id].slot].env
@@ -410,8 +222,9 @@ class EnvPool:
     # ---- timed env calls (run on the executor)
 
     def _timed(self, slot: Any, method: str, *args: Any) -> tuple[Any, float]:
+        """((result, prompt pieces), seconds) of one reset / step on `slot`."""
         t = time.perf_counter()
-        out = slot.call(method, *args)
+        out = slot.call_with_pieces(method, *args)
         return out, time.perf_counter() - t
 
     def _mark(self) -> float:
@@ -426,13 +239,13 @@ class EnvPool:
         """Start one episode per task on free slots; returns at once.
 
         For a group-synchronised reset pass M copies of one task. Raises RuntimeError when
-        there are fewer free slots than tasks (use run_episodes for waves).
+        there are fewer free slots than tasks (start more as episodes finish).
         """
         with self._lock:
             if len(tasks) > len(self._free):
                 raise RuntimeError(
                     f"{len(tasks)} episodes requested but only {len(self._free)} of {self.max_live_envs} "
-                    "slots are free; finish episodes first or use run_episodes() to run in waves"
+                    "slots are free; finish or release episodes first and start the rest in waves"
                 )
             eps = []
             for task in tasks:
@@ -479,21 +292,21 @@ class EnvPool:
         for eid, fut in zip(ticket.episode_ids, ticket.futures):
             ep = self._episodes[eid]
             try:
-                result, dt = fut.result(timeout=max(0.0, deadline - time.perf_counter()))
+                (result, pieces), dt = fut.result(timeout=max(0.0, deadline - time.perf_counter()))
                 self._stats["env_time_s"] += dt
                 if ticket.kind == "reset":
                     obs, info = result
                     self._stats["resets"] += 1
-                    out = StepOutcome(eid, obs, 0.0, False, info)
+                    out = StepOutcome(eid, obs, 0.0, False, info, pieces=pieces)
                 else:
                     obs, reward, done, info = result
                     self._stats["steps"] += 1
-                    out = StepOutcome(eid, obs, reward, done, info)
+                    out = StepOutcome(eid, obs, reward, done, info, pieces=pieces)
             except cf.TimeoutError:
                 self._stats["timeouts"] += 1
                 out = self._crash(ep, f"timeout: no answer within {ticket.timeout_s:.1f}s",
                                   hung=True, kind=ticket.kind)
-            except _USER_ERRORS as e:
+            except USER_ERRORS as e:
                 if ticket.kind == "reset":
                     user_error = user_error or e
                 out = self._crash(ep, f"{type(e).__name__}: {e}", restart=False, kind=ticket.kind)
@@ -524,7 +337,7 @@ class EnvPool:
         `hung` (a timeout): the call may still be running and holds the thread slot's lock
         and an executor thread. Thread backend: abandon that slot object and executor (the
         hung call finishes, or dies with its simulator, on its own) and give the slot a new
-        `_ThreadSlot` and the pool a new executor, so the next episode on the slot does not
+        `ThreadSlot` and the pool a new executor, so the next episode on the slot does not
         queue behind the hung call. Process backend: `discard` kills the worker process.
         """
         self._stats["crashes"] += 1
@@ -535,8 +348,8 @@ class EnvPool:
         if restart:
             slot = self._slots[ep.slot]
             slot.discard()
-            if hung and isinstance(slot, _ThreadSlot):
-                slot = _ThreadSlot(slot._factory)
+            if hung and isinstance(slot, ThreadSlot):
+                slot = ThreadSlot(slot._factory)
                 self._slots[ep.slot] = slot
                 old, self._executor = self._executor, cf.ThreadPoolExecutor(
                     max_workers=self._workers, thread_name_prefix="envpool")
@@ -590,39 +403,6 @@ class EnvPool:
     def step(self, episode_ids: Sequence[int], actions: Sequence[str | None]) -> list[StepOutcome]:
         """Blocking submit + collect."""
         return self.collect(self.submit(episode_ids, actions))
-
-    def run_episodes(self, tasks: Sequence[Task],
-                     policy: Callable[[list[EpisodeRecord]], list[str | None]]) -> list[EpisodeRecord]:
-        """Play every task to the end, in waves of at most `max_live_envs` episodes.
-
-        Args:
-          tasks: any number of tasks.
-          policy: maps the transcripts of the still-running episodes of a wave to one action
-            each (None = format-invalid output).
-        Returns:
-          one EpisodeRecord per task, in task order.
-        """
-        records: list[EpisodeRecord] = []
-        for start in range(0, len(tasks), self.max_live_envs):
-            wave = list(tasks[start:start + self.max_live_envs])
-            recs = []
-            for task, out in zip(wave, self.reset(wave)):
-                rec = EpisodeRecord(out.episode_id, task, [out.observation], infos=[out.info])
-                rec.done, rec.crashed, rec.error = out.done, out.crashed, out.error
-                recs.append(rec)
-            while True:
-                live = [r for r in recs if not r.done]
-                if not live:
-                    break
-                actions = policy(live)
-                for rec, act, out in zip(live, actions, self.step([r.episode_id for r in live], actions)):
-                    rec.actions.append(act)
-                    rec.observations.append(out.observation)
-                    rec.rewards.append(out.reward)
-                    rec.infos.append(out.info)
-                    rec.done, rec.crashed, rec.error = out.done, out.crashed, out.error
-            records.extend(recs)
-        return records
 
     # ---- stats
 

@@ -1,12 +1,75 @@
-"""Fixtures for the env tests: small ALFWorld games built offline from the PDDL domain and
-grammar the alfworld package ships, and a local AgentGym-WebShop-protocol HTTP server."""
+"""Fixtures for the env tests: a blocking wave player for `EnvPool` (`play_episodes`), small
+ALFWorld games built offline from the PDDL domain and grammar the alfworld package ships, and
+a local AgentGym-WebShop-protocol HTTP server."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
+from typing import Any, Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
+
+# ---------------------------------------------------------------- pool episodes
+
+
+@dataclasses.dataclass
+class EpisodeRecord:
+    """Transcript of one episode played by `play_episodes`: observations[0] is the reset
+    observation; observations[t+1], rewards[t] and infos[t+1] follow actions[t]."""
+
+    episode_id: int
+    task: Any
+    observations: list[str] = dataclasses.field(default_factory=list)
+    actions: list[str | None] = dataclasses.field(default_factory=list)
+    rewards: list[float] = dataclasses.field(default_factory=list)
+    infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    done: bool = False
+    crashed: bool = False
+    error: str = ""
+
+    @property
+    def episode_return(self) -> float:
+        """Sum of step rewards."""
+        return float(sum(self.rewards))
+
+    @property
+    def success(self) -> bool:
+        """The last info's success flag (False when crashed or never stepped)."""
+        return bool(self.infos and self.infos[-1].get("success", False)) and not self.crashed
+
+
+def play_episodes(pool, tasks: Sequence[Any],
+                  policy: Callable[[list[EpisodeRecord]], list[str | None]]) -> list[EpisodeRecord]:
+    """Play every task to the end on `pool` (an `EnvPool`) with the blocking reset / step
+    calls, in waves of at most ``pool.max_live_envs`` episodes.
+
+    policy maps the transcripts of the still-running episodes of a wave to one action each
+    (None = format-invalid output). Returns one `EpisodeRecord` per task, in task order.
+    """
+    records: list[EpisodeRecord] = []
+    for start in range(0, len(tasks), pool.max_live_envs):
+        wave = list(tasks[start:start + pool.max_live_envs])
+        recs = []
+        for task, out in zip(wave, pool.reset(wave)):
+            rec = EpisodeRecord(out.episode_id, task, [out.observation], infos=[out.info])
+            rec.done, rec.crashed, rec.error = out.done, out.crashed, out.error
+            recs.append(rec)
+        while True:
+            live = [r for r in recs if not r.done]
+            if not live:
+                break
+            actions = policy(live)
+            for rec, act, out in zip(live, actions, pool.step([r.episode_id for r in live], actions)):
+                rec.actions.append(act)
+                rec.observations.append(out.observation)
+                rec.rewards.append(out.reward)
+                rec.infos.append(out.info)
+                rec.done, rec.crashed, rec.error = out.done, out.crashed, out.error
+        records.extend(recs)
+    return records
+
 
 # ---------------------------------------------------------------- ALFWorld games
 

@@ -247,6 +247,52 @@ def test_strategy_without_valid_episodes_gets_zero_and_leaves_stats():
     np.testing.assert_array_equal(w, [1, 1, 0, 1, 1, 0])
 
 
+def rev(task, sid, traj, step, ordinal, score, **kw):
+    """A strategy-revision row: kind STRATEGY, anchor_id = ordinal, score = return from `step`."""
+    return dict(prompt_ids=[1, 2, 3], response_ids=[5, 6], task_id=task, strategy_id=sid,
+                trajectory_id=traj, step_index=step, kind=KIND_STRATEGY, anchor_id=ordinal,
+                score=score, **kw)
+
+
+def _revision_rows():
+    # Strategy s0 of task 0 (episodes 0, 1, 2 of `_strata_batch`), first revisions (r = 1):
+    #   e0: G = 1.0                      -> R = 1.0
+    #   e1: G = 0.0, |z'| = 384          -> R = 0 - .5 * 128/256 = -0.25
+    #   e2: G = 0.5, format failure      -> R = .5 - 1 = -0.5
+    #   group (0, 0, 1): mean 1/12, ddof-0 std sqrt(((11/12)^2 + (1/3)^2 + (7/12)^2) / 3)
+    #   = 0.65616732 -> A = 1.39699927, -0.50799973, -0.88899953
+    # e0's second revision (r = 2) is alone in its group (0, 0, 2)   -> A = 0
+    # s1's only revision, G = 2 (clipped to R = 1), alone            -> A = 0
+    # s2's two first revisions with equal G = .4: zero variance      -> A = 0 (kept, weight 1)
+    # a revision of a crashed episode (valid False): out of stats, weight 0
+    return [rev(0, 0, 0, 1, 1, 1.0), rev(0, 0, 1, 1, 1, 0.0, strategy_len=384),
+            rev(0, 0, 2, 1, 1, 0.5, format_fail=True), rev(0, 0, 0, 3, 2, 0.3),
+            rev(0, 1, 3, 1, 1, 2.0), rev(0, 2, 6, 2, 1, 0.4), rev(0, 2, 7, 2, 1, 0.4),
+            rev(0, 0, 2, 2, 1, 0.9, valid=False)]
+
+
+def test_revision_level_groups_the_rth_revisions_of_one_strategy_and_leaves_other_levels():
+    base = _strata_batch()
+    adv0, w0, m0 = run("strata", base)
+    adv, w, m = run("strata", base + _revision_rows())
+    n = len(base)
+    # the strategy and action levels are those of the batch without revisions
+    np.testing.assert_array_equal(adv[:n], adv0)
+    np.testing.assert_array_equal(np.asarray(m["row/strategy_reward"])[:n],
+                                  np.asarray(m0["row/strategy_reward"])[:n])
+    np.testing.assert_allclose(np.asarray(m["row/strategy_reward"])[n:n + 8],
+                               [1.0, -0.25, -0.5, 0.3, 1.0, 0.4, 0.4, 0.0], **TOL)
+    np.testing.assert_allclose(adv[n:], [1.39699927, -0.50799973, -0.88899953, 0, 0, 0, 0, 0],
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(w, [1] * (n + 7) + [0])
+
+
+def test_revision_level_without_std_normalisation():
+    # norm_by_std=False: A = R - mean = 11/12, -1/3, -7/12 for the (0, 0, 1) group.
+    adv, _, _ = run("strata", _strata_batch() + _revision_rows()[:3], norm_by_std=False)
+    np.testing.assert_allclose(adv[-3:], [11 / 12, -1 / 3, -7 / 12], rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------- STAPO
 
 ADV6 = np.array([1.0, 0.6, 0.2, -0.2, -0.7, -1.0], np.float32)

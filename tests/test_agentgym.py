@@ -6,7 +6,7 @@ import pytest
 
 from envs_bridge import EnvError, EnvPool, Task, make_env
 from envs_bridge.agentgym_http import WebShopClient, WebShopEnv, webshop_actions
-from tests.envs_fixtures import FakeWebShop, start_webshop_server
+from tests.envs_fixtures import FakeWebShop, play_episodes, start_webshop_server
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,8 @@ def test_server_down_clear_error_after_retries():
 def test_webshop_through_pool_and_splits(server):
     _, url = server
     with EnvPool("webshop", {"server_url": url}, max_live_envs=2) as pool:
-        recs = pool.run_episodes(
+        recs = play_episodes(
+            pool,
             [Task("webshop", "goal", g, "test") for g in (0, 1, 2)],
             lambda live: [["search[x]", f"click[p{r.task.variation % 3}]", "click[buy now]"][len(r.actions)] for r in live],
         )

@@ -8,6 +8,7 @@ import pytest
 
 from envs_bridge import EnvPool, Task, make_env, register_env
 from envs_bridge.builtin import GridNavEnv, builtin_task_list
+from tests.envs_fixtures import play_episodes
 
 
 class _SleepyEnv(GridNavEnv):
@@ -56,7 +57,7 @@ def expert_policy(pool):
 def test_eight_parallel_envs_match_sequential(name):
     tasks = builtin_task_list(name, "test")[:8]
     with EnvPool(name, max_live_envs=8, num_workers=4) as pool:
-        recs = pool.run_episodes(tasks, expert_policy(pool))
+        recs = play_episodes(pool, tasks, expert_policy(pool))
         assert pool_transcripts(pool, recs) == sequential_transcripts(name, tasks)
         assert all(r.success and r.episode_return == 1.0 for r in recs)
         st = pool.stats()
@@ -66,7 +67,7 @@ def test_eight_parallel_envs_match_sequential(name):
 def test_more_episodes_than_live_envs_run_in_waves():
     tasks = builtin_task_list("grid_nav", "dev")[:11]
     with EnvPool("grid_nav", max_live_envs=3) as pool:
-        recs = pool.run_episodes(tasks, expert_policy(pool))
+        recs = play_episodes(pool, tasks, expert_policy(pool))
         assert [r.task for r in recs] == tasks
         assert all(r.success for r in recs)
         assert pool.stats()["live_envs"] == 3 and pool.num_free == 3
@@ -194,7 +195,7 @@ def test_hung_step_slot_is_rebuilt_and_next_episode_on_it_completes():
             (s,) = pool.step([o.episode_id], ["hang"])
             assert s.crashed and s.done and "timeout" in s.error and pool.num_free == 1
             for _ in range(2):  # two full episodes on the rebuilt slot, the hang still going on
-                recs = pool.run_episodes([task], expert_policy(pool))
+                recs = play_episodes(pool, [task], expert_policy(pool))
                 assert not recs[0].crashed and recs[0].success
                 assert recs[0].observations[0] == make_env("grid_nav").reset(Task("grid_nav", "grid_nav", 3))[0]
             st = pool.stats()
@@ -298,13 +299,13 @@ register_env("flaky_reset_grid", _FlakyResetEnv)
 
 def test_retried_first_reset_is_counted_and_logged_once(caplog):
     from envs_bridge.pool import pool_metrics
-    from strata_jax.rollout.rollout import _first_observations
+    from strata_jax.rollout.strategy import first_observations
     _FlakyResetEnv.failures_left = 1
     tasks = [Task("flaky_reset_grid", "flaky_reset_grid", s) for s in (1, 2)]
     with EnvPool("flaky_reset_grid", max_live_envs=2) as pool, \
             caplog.at_level("WARNING", logger="envs_bridge.pool"):
         before = pool.stats()
-        firsts = _first_observations(pool, tasks)
+        firsts = first_observations(pool, tasks)
         m = pool_metrics(before, pool.stats())
     assert all(f is not None and f[0].startswith("You are at") for f in firsts)
     assert m == {"rollout/env_crashes": 1.0, "rollout/env_timeouts": 0.0,
@@ -312,3 +313,26 @@ def test_retried_first_reset_is_counted_and_logged_once(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "envs_bridge.pool"]
     assert len(lines) == 1 and "crashed in reset of task flaky_reset_grid" in lines[0]
     assert "RuntimeError: JVM died; restarting it" in lines[0]
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_outcomes_carry_the_envs_prompt_pieces(backend):
+    """Every reset / step outcome holds the env's `prompt_pieces()` after that call (read in the
+    worker for processes), equal to a local env's after the same actions; a crash holds None."""
+    task = Task("memory_key", "memory_key", 4)
+    ref = make_env("memory_key")
+    ref.reset(task)
+    want = [ref.prompt_pieces()]
+    for a in ("go north", "look"):
+        ref.step(a)
+        want.append(ref.prompt_pieces())
+    assert want[0].action_templates == ("go north", "go south", "enter <digits>", "look")
+    assert want[0].environment != "memory_key" and want[0].admissible_actions
+    with EnvPool("memory_key", max_live_envs=1, backend=backend, step_timeout_s=20) as pool:
+        (o,) = pool.reset([task])
+        got = [o.pieces] + [pool.step([o.episode_id], [a])[0].pieces for a in ("go north", "look")]
+        assert got == want
+        if backend == "process":
+            os.kill(pool.worker_pid(o.episode_id), signal.SIGKILL)
+            (dead,) = pool.step([o.episode_id], ["look"])
+            assert dead.crashed and dead.pieces is None

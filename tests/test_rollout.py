@@ -322,3 +322,55 @@ def test_generation_stops_at_the_first_complete_action_block(tok):
     assert tr.steps[0].generation.finish_reason == "stop"
     # the history shows the parsed action, never the fabricated observation
     assert "You win" not in tr.steps[1].prompt.text
+
+
+def _look_script(prompt: str, key: np.ndarray) -> str:
+    """A plan, then "look around" at every step, then a verdict (any env)."""
+    if "<strategy></strategy>" in prompt:
+        return "<strategy>Look around first, then act on what is seen.</strategy>"
+    if "<bad_steps>" in prompt:
+        return "<bad_steps>none</bad_steps>"
+    return "<think>look</think><action>look around</action>"
+
+
+class _RecordingPolicy(ScriptedPolicy):
+    """ScriptedPolicy that keeps every row's full prompt ids (prefix + suffix), call by call."""
+
+    def __init__(self, tok, respond):
+        super().__init__(tok, respond)
+        self.prompts: list[list[int]] = []
+
+    def generate(self, prefixes, prefix_index, suffixes, sampling, keys):
+        self.prompts += [list(prefixes[int(i)]) + list(s) for i, s in zip(prefix_index, suffixes)]
+        return super().generate(prefixes, prefix_index, suffixes, sampling, keys)
+
+
+@pytest.mark.parametrize("env,task,script,marker", [
+    ("memory_key", Task("memory_key", "memory_key", 3), fx.MemoryKeyScript, "Admissible actions: ["),
+    pytest.param("scienceworld", Task("scienceworld", "find-non-living-thing", 0),
+                 lambda: _look_script, "Valid action templates: [", marks=pytest.mark.slow),
+])
+def test_prompts_do_not_depend_on_the_pool_backend(tok, env, task, script, marker):
+    """The same StraTA rollout on the thread and the process backend: every prompt the policy
+    saw (strategy candidates, steps, judge) is identical token for token, and carries the
+    env's own pieces (its role name, its action list / templates), which the process backend
+    reads from the env in its worker."""
+    cfg = RolloutConfig(mode="strata", num_strategies=1, episodes_per_strategy=2, oversample=2,
+                        cohorts=1)
+    seen, rows = {}, {}
+    for backend in ("thread", "process"):
+        policy = _RecordingPolicy(tok, script())
+        with EnvPool(env, {"max_steps": 3}, max_live_envs=2, backend=backend,
+                     step_timeout_s=120) as pool:
+            res = collect_rollout(policy, pool, PromptBuilder(tok, 4096), [task], key=KEY,
+                                  config=cfg)
+        seen[backend], rows[backend] = policy.prompts, [list(r["prompt_ids"]) for r in res.records]
+        pieces = res.trajectories[0].pieces
+        assert pieces.environment != env and pieces.task_description  # the env's, not a fallback
+        role = f"You are an expert agent in {pieces.environment}."
+        assert all(role in tok.decode(p) for p in seen[backend])
+        assert all(marker in tok.decode(p) for p in rows[backend])
+        # 2 strategy candidates, >= 1 step per episode, 1 judge call over the 2 episodes
+        assert len(seen[backend]) >= 2 + 2 + 2 and len(policy.calls) >= 3
+    assert seen["thread"] == seen["process"]
+    assert rows["thread"] == rows["process"]

@@ -9,6 +9,7 @@ from envs_bridge import EnvPool, Task
 from envs_bridge.scienceworld_env import (
     EXCLUDED_TASK_IDS, ScienceWorldEnv, load_eval_list, split_variations, task_id_to_name, task_names,
 )
+from tests.envs_fixtures import play_episodes
 
 pytestmark = pytest.mark.slow
 
@@ -154,7 +155,7 @@ def test_pool_matches_sequential_and_restarts_killed_jvm(env, gold):
             k += 1
         assert pool.stats()["restarts"] == 1
         # The restarted env replays the crashed pair to the same transcript as one-by-one stepping.
-        recs = pool.run_episodes([T(*p) for p in pairs], lambda live: [gold[(r.task.task_id, r.task.variation)][len(r.actions)] for r in live])
+        recs = play_episodes(pool, [T(*p) for p in pairs], lambda live: [gold[(r.task.task_id, r.task.variation)][len(r.actions)] for r in live])
         for rec, ref in zip(recs, seq):
             trans = [rec.observations[0]]
             for a, o, r in zip(rec.actions, rec.observations[1:], rec.rewards):

@@ -19,6 +19,10 @@ Conventions (docs/method.md §1.2, §1.3, §4):
   returns of the strategy's episodes plus `strategy_len` / `format_fail`; we chose to
   compute R(z) in the estimator so the top-delta / penalty convention is pinned and
   tested in one place). Scores are in [0,1]-scale units (ScienceWorld score / 100).
+* Strategy revision (a rollout option, docs/method.md §5.9): a revision written during an
+  episode is a strategy row of its own level: `anchor_id` = its ordinal r >= 1 (the task's
+  strategies hold 0), `trajectory_id` / `step_index` = its episode and the steps taken before
+  it, `score` = the episode's return from that step on.
 * `step_reward` is the per-step env reward r_t (GiGPO's discounted step returns and
   GAE are computed from it inside the estimator).
 * `valid` excludes padding rows and rows of crashed episodes from all group
@@ -64,14 +68,18 @@ class SampleBatch:
         task_id:         task group (one task instance; the GRPO / strategy-level group).
         strategy_id:     which strategy z of the task (StraTA); 0 (or any constant) without.
         trajectory_id:   which episode of the task.
-        step_index:      0-based env step of an action row; 0 on strategy rows.
+        step_index:      0-based env step of an action row; 0 on strategy rows (a revision:
+                         the steps taken before it).
         kind:            KIND_ACTION (0) or KIND_STRATEGY (1).
         anchor_id:       hash of the raw env observation at this step (host-side, no history);
-                         GiGPO groups step samples by (task_id, anchor_id).
+                         GiGPO groups step samples by (task_id, anchor_id). Strategy rows:
+                         the strategy level, 0 = the task's z, r >= 1 = an episode's r-th
+                         revision.
 
     Per-sample data ([R]):
         score:           f32, episode return R_ij on action rows (same on every step); unused
-                         on strategy rows (see module doc).
+                         on strategy rows (see module doc), except revision rows (the return
+                         from the revision point).
         step_reward:     f32, env reward of this step (GiGPO, GAE).
         invalid:         bool, the action failed the format (0.1 penalty on this step only).
         judge_flag:      bool, self-judgment named this step a bad step (StraTA, kappa).

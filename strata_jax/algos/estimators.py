@@ -81,6 +81,11 @@ def _strategy_mask(b: SampleBatch) -> jax.Array:
     return b.valid & (b.kind == KIND_STRATEGY)
 
 
+def _revision_mask(b: SampleBatch) -> jax.Array:
+    """Strategy rows of a revision (level anchor_id = ordinal >= 1; docs/method.md §5.9)."""
+    return _strategy_mask(b) & (b.anchor_id > 0)
+
+
 def _masked_mean_std(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     m = mask.astype(jnp.float32)
     n = jnp.maximum(jnp.sum(m), 1.0)
@@ -245,11 +250,12 @@ def strategy_rewards(b: SampleBatch, c: EstimatorConfig):
     strategy's valid episodes; P_len = beta_len * max(0, |z| - L_max) / L_max; P_fmt = format_fail.
     An episode is counted once (its first valid step row carries its return).
     Returns (R(z) [R] f32 on strategy rows (0 elsewhere), has_episodes [R] bool on strategy rows).
+    Only the task-level strategies (anchor_id 0) count here; revision rows get 0 / False.
     Source: docs/method.md §5.5.
     """
     R = b.num_rows
     act = _action_mask(b)
-    strat = _strategy_mask(b)
+    strat = _strategy_mask(b) & (b.anchor_id == 0)
     rows = jnp.arange(R, dtype=jnp.int32)
     traj_seg = dense_group_ids([b.task_id, b.trajectory_id], act)
     first_row = jax.ops.segment_min(jnp.where(act, rows, R), traj_seg, num_segments=R + 1)
@@ -276,6 +282,27 @@ def strategy_rewards(b: SampleBatch, c: EstimatorConfig):
     return jnp.where(has_eps, rz, 0.0), has_eps
 
 
+def revision_advantages(b: SampleBatch, c: EstimatorConfig):
+    """The revision level of StraTA with strategy revision (docs/method.md §5.9).
+
+    Revision row (kind STRATEGY, anchor_id = ordinal r >= 1, score = G, the episode's return
+    from the revision point): R(z') = clip(G - P_len(z') - P_fmt(z'), -1, 1), P_len / P_fmt as
+    for z. Group: the r-th revisions of the episodes of one original strategy, key
+    (task_id, strategy_id, r); A = (R - mean_g) / (std_g + eps), ddof pinned 0 (as StraTA's
+    other levels); zero-variance group: 0; a revision alone in its group: 0 (nothing to
+    compare it with). Returns (A [R] f32, R(z') [R] f32, mask [R] bool; 0 / False off the
+    revision rows, the group stats).
+    """
+    rev = _revision_mask(b)
+    p_len = c.len_penalty * jnp.maximum(0.0, b.strategy_len.astype(jnp.float32) - c.len_max) / c.len_max
+    r_rev = jnp.where(rev, jnp.clip(b.score - p_len - b.format_fail.astype(jnp.float32),
+                                    -1.0, 1.0), 0.0)
+    seg = dense_group_ids([b.task_id, b.strategy_id, b.anchor_id], rev)
+    a_rev, st = group_normalize(r_rev, seg, rev, norm_by_std=c.norm_by_std, ddof=c.ddof(0),
+                                eps=c.eps, singleton="zero")
+    return a_rev, r_rev, rev, st
+
+
 @register_estimator("strata")
 def strata(b: SampleBatch, c: EstimatorConfig, step=0):
     """StraTA's two-level advantages (docs/method.md §5.5-§5.6), ddof pinned 0, eps 1e-6.
@@ -287,7 +314,10 @@ def strata(b: SampleBatch, c: EstimatorConfig, step=0):
     steps and A -= invalid_penalty on format-invalid steps. judge_mode "reward": step scores
     S_t = R_ij - kappa * judge - invalid_penalty * invalid, group statistics over all step
     samples of the strategy's M episodes.
-    Metrics: row/strategy_reward, strata/* (judge and invalid step fractions).
+    Revision level (only when the rollout revised strategies): `revision_advantages`; an
+    episode's action rows keep their action-level advantages.
+    Metrics: row/strategy_reward (R(z) on strategy rows, R(z') on revision rows), strata/*
+    (judge and invalid step fractions).
     """
     R = b.num_rows
     act = _action_mask(b)
@@ -312,12 +342,13 @@ def strata(b: SampleBatch, c: EstimatorConfig, step=0):
         s = b.score - c.judge_kappa * judge - c.invalid_penalty * inval
         a_act, st_a = group_normalize(s, grp, act, norm_by_std=c.norm_by_std, ddof=c.ddof(0),
                                       eps=c.eps, singleton="grpo")
-    adv = jnp.where(act, a_act, jnp.where(has_eps, a_strat, 0.0)).astype(jnp.float32)
-    weights = (act | has_eps).astype(jnp.float32)
-    m = advantage_metrics(adv, b, [st_s, st_a])
+    a_rev, r_rev, rev, st_r = revision_advantages(b, c)
+    adv = jnp.where(act, a_act, jnp.where(has_eps, a_strat, a_rev)).astype(jnp.float32)
+    weights = (act | has_eps | rev).astype(jnp.float32)
+    m = advantage_metrics(adv, b, [st_s, st_a, st_r])
     na = jnp.maximum(jnp.sum(act.astype(jnp.float32)), 1.0)
     m["strata/judge_step_frac"] = jnp.sum(judge * act) / na
     m["strata/invalid_step_frac"] = jnp.sum(inval * act) / na
     m["strata/strategy_reward_mean"] = jnp.sum(rz) / jnp.maximum(jnp.sum(has_eps.astype(jnp.float32)), 1.0)
-    m["row/strategy_reward"] = rz
+    m["row/strategy_reward"] = rz + r_rev
     return adv, weights, m

@@ -13,7 +13,10 @@ Per step: the prompt is rebuilt from the task, the strategy (StraTA), the histor
 the current observation (`PromptBuilder.step_prompt`); the output is parsed with
 `envs_bridge.parse_action`; a format-invalid output (or one cut at the token limit) is not
 sent to the simulator: the pool gets ``None`` (the env counts the step, returns the same
-observation, reward 0) and the next prompt shows a short notice.
+observation, reward 0) and the next prompt shows a short notice. With strategy revision on
+(`run_episodes(reviser=...)`, docs/method.md §5.9) the cohort's turn first lets the reviser
+write new plans for the episodes whose trigger fires (one more batched policy call); the step
+prompts then carry each episode's plan in force (`Trajectory.strategy`).
 
 Keys: step t of episode (task_uid, strategy_id, trajectory_id) samples with
 ``row_keys(key, (PURPOSE_ACTION, task_uid, strategy_id, trajectory_id, t))``, independent of
@@ -37,7 +40,7 @@ import hashlib
 import math
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 from envs_bridge.base import PromptPieces, Task
@@ -126,6 +129,35 @@ class StepRecord:
 
 
 @dataclasses.dataclass
+class Revision:
+    """A strategy revision written during an episode (docs/method.md §5.9; rollout option).
+
+    Attributes:
+      step: env steps taken when it was written (it precedes the action of 0-based step
+        `step`; >= 1).
+      ordinal: 1 for the episode's first revision, 2 for its second, ...
+      trigger: "every" (``revise_every``) or "stuck" (``revise_on="stuck"``).
+      prompt / generation / output_text: the revision prompt, the policy's output (ids
+        and logprobs, never re-tokenised) and its decoded text.
+      strategy: the plan later step prompts carry: the body of the new ``<strategy>`` block,
+        or the previous plan when the output failed the format.
+      token_len / format_fail / reason: the format check of the output (as for z: |z'|,
+        P_fmt, why it failed).
+    """
+
+    step: int
+    ordinal: int
+    trigger: str
+    prompt: PromptIds
+    generation: Generation
+    output_text: str
+    strategy: str | None
+    token_len: int
+    format_fail: bool
+    reason: str = ""
+
+
+@dataclasses.dataclass
 class Trajectory:
     """A played episode, with texts for logs and dumps.
 
@@ -135,6 +167,8 @@ class Trajectory:
       pieces: the prompt pieces at reset (task description, role name).
       done / crashed / error / success: how it ended (crashed episodes are masked out of the
         loss). verdict / bad_steps: the self-judgment output and its 1-based bad steps.
+      revisions: the strategy revisions written during the episode (empty unless the
+        rollout's revision option is on).
     """
 
     spec: EpisodeSpec
@@ -147,6 +181,7 @@ class Trajectory:
     success: bool = False
     verdict: str | None = None
     bad_steps: tuple[int, ...] = ()
+    revisions: list[Revision] = dataclasses.field(default_factory=list)
     # loop state
     episode_id: int = -1
     current_pieces: PromptPieces | None = None
@@ -156,6 +191,19 @@ class Trajectory:
     def episode_return(self) -> float:
         """Sum of the step rewards ([0,1]-scale units, docs/method.md §1.1)."""
         return float(sum(s.reward for s in self.steps))
+
+    @property
+    def strategy(self) -> str | None:
+        """The plan in force: the last revision's, else the spec's z (None without StraTA)."""
+        return self.revisions[-1].strategy if self.revisions else self.spec.strategy
+
+
+def env_rejected(step: StepRecord) -> bool:
+    """Whether the env refused a step's action although it passed the format check: the env's
+    ``info["invalid"]`` (ScienceWorld: "No known action matches that input."; ALFWorld:
+    "Nothing happens."; WebShop: an action that is not one of the page's ``search`` / ``click``
+    actions; built-in envs: "Nothing happens."). A format-invalid step sent nothing: False."""
+    return bool(step.action is not None and not step.invalid and step.info.get("invalid", False))
 
 
 @dataclasses.dataclass
@@ -186,14 +234,13 @@ class LoopStats:
         return self.env_wait_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def prompt_pieces_for(pool: EnvPool, outcome: StepOutcome, fallback_env: str) -> PromptPieces:
-    """The env's prompt pieces now: from the live env (thread backend), else from the info
-    dict (task_description, admissible_actions; no templates)."""
-    if pool.backend == "thread":
-        try:
-            return pool.env_for(outcome.episode_id).prompt_pieces()
-        except RuntimeError:
-            pass
+def prompt_pieces_for(outcome: StepOutcome, fallback_env: str) -> PromptPieces:
+    """The env's prompt pieces after a reset / step: ``outcome.pieces`` (read by the pool in
+    the same env call, on either backend); for an outcome without them (a crash, a pool
+    double) the info dict's task_description and admissible_actions, no templates, with
+    `fallback_env` as the role name."""
+    if outcome.pieces is not None:
+        return outcome.pieces
     adm = outcome.info.get("admissible_actions")
     return PromptPieces(fallback_env, str(outcome.info.get("task_description", "")),
                         (), tuple(adm) if adm is not None else None)
@@ -211,8 +258,8 @@ class _Cohort:
 class _Loop:
     def __init__(self, policy: Policy, pool: EnvPool, builder: PromptBuilder,
                  specs: Sequence[EpisodeSpec], key: Any, sampling: SamplingParams,
-                 cohorts: int, invalid_tail_chars: int) -> None:
-        self.policy, self.pool, self.builder = policy, pool, builder
+                 cohorts: int, invalid_tail_chars: int, reviser: Any) -> None:
+        self.policy, self.pool, self.builder, self.reviser = policy, pool, builder, reviser
         self.key, self.sampling = key, sampling
         self.trajs = [Trajectory(s) for s in specs]
         self.n_cohorts = max(1, int(cohorts))
@@ -250,7 +297,7 @@ class _Loop:
             if out.crashed or out.done:
                 tr.done, tr.crashed, tr.error = True, out.crashed, out.error
                 continue
-            tr.pieces = tr.current_pieces = prompt_pieces_for(self.pool, out, tr.spec.task.env)
+            tr.pieces = tr.current_pieces = prompt_pieces_for(out, tr.spec.task.env)
             c.live.append(i)
         c.reset_ticket, c.reset_rows = None, []
 
@@ -271,28 +318,23 @@ class _Loop:
                 tr.success = bool(out.info.get("success", False)) and not out.crashed
                 c.live.remove(i)
             else:
-                tr.current_pieces = prompt_pieces_for(self.pool, out, tr.current_pieces.environment)
+                tr.current_pieces = prompt_pieces_for(out, tr.current_pieces.environment)
         c.step_ticket, c.step_rows = None, []
 
     def _decode_and_submit(self, c: _Cohort, ci: int) -> None:
         rows = list(c.live)
+        if self.reviser is not None:
+            self.reviser(self.policy, [self.trajs[i] for i in rows], self.stats, ci)
         prompts, ids = [], []
         for i in rows:
             tr = self.trajs[i]
             last_invalid = bool(tr.steps) and tr.steps[-1].invalid
             prompts.append(self.builder.step_prompt(tr.current_pieces, tr.observations[-1],
-                                                    tr.history, tr.spec.strategy, last_invalid))
+                                                    tr.history, tr.strategy, last_invalid))
             s = tr.spec
             ids.append((PURPOSE_ACTION, s.task_uid, s.strategy_id, s.trajectory_id, len(tr.steps)))
-        prefixes, index = dedupe_prefixes(prompts)
-        keys = row_keys(self.key, ids)
-        t0 = time.perf_counter()
-        gens = self.policy.generate(prefixes, index, [p.suffix_ids for p in prompts],
-                                    self.sampling, keys)
-        t1 = time.perf_counter()
-        self.stats.intervals.append(Interval("sampler", ci, t0, t1, len(rows)))
-        self.stats.sampler_s += t1 - t0
-        self.stats.sampler_calls += 1
+        gens = generate_timed(self.policy, prompts, row_keys(self.key, ids), self.sampling,
+                              self.stats, ci)
         actions: list[str | None] = []
         for b, i in enumerate(rows):
             tr = self.trajs[i]
@@ -349,9 +391,40 @@ def dedupe_prefixes(prompts: Sequence[PromptIds]) -> tuple[list[tuple[int, ...]]
     return list(table), index
 
 
+def generate_timed(policy: Policy, prompts: Sequence[PromptIds], keys: Any,
+                   sampling: SamplingParams, stats: LoopStats, cohort: int) -> Any:
+    """One batched policy call over `prompts` (shared prefixes deduplicated), timed into
+    `stats`: an `Interval("sampler", cohort, ...)`, ``sampler_s`` and ``sampler_calls``.
+
+    Args:
+      policy: a `Policy`. prompts: one `PromptIds` per row. keys: the rows' keys
+        (`row_keys`, [B] typed or [B, 2] uint32). sampling: the stage's `SamplingParams`.
+      stats: the `LoopStats` to add to. cohort: the interval's label (a cohort index >= 0,
+        or -1 for the strategy stage and -2 for the judge stage).
+    Returns:
+      the policy's generations, row-indexable (``gens[b]`` is row b's `Generation`).
+    """
+    prefixes, index = dedupe_prefixes(prompts)
+    t0 = time.perf_counter()
+    gens = policy.generate(prefixes, index, [p.suffix_ids for p in prompts], sampling, keys)
+    t1 = time.perf_counter()
+    stats.intervals.append(Interval("sampler", cohort, t0, t1, len(prompts)))
+    stats.sampler_s += t1 - t0
+    stats.sampler_calls += 1
+    return gens
+
+
+Reviser = Callable[[Policy, Sequence[Trajectory], LoopStats, int], None]
+"""The strategy-revision hook of the step loop (`revision.StrategyReviser`): called once per
+cohort turn, before the step prompts are built, with (policy, the cohort's live episodes,
+stats, cohort index); it appends a `Revision` to each episode that revises now (its
+`Trajectory.strategy` changes) and times its policy call into the stats."""
+
+
 def run_episodes(policy: Policy, pool: EnvPool, builder: PromptBuilder,
                  specs: Sequence[EpisodeSpec], *, key: Any, sampling: SamplingParams,
-                 cohorts: int = 2, invalid_tail_chars: int = 30) -> tuple[list[Trajectory], LoopStats]:
+                 cohorts: int = 2, invalid_tail_chars: int = 30,
+                 reviser: Reviser | None = None) -> tuple[list[Trajectory], LoopStats]:
     """Play every episode to the end (done, step limit or crash).
 
     Args:
@@ -362,9 +435,11 @@ def run_episodes(policy: Policy, pool: EnvPool, builder: PromptBuilder,
       sampling: action sampling params (max_new_tokens = max action tokens, stop ids set).
       cohorts: cohorts alternating between the policy and the pool (1 = no overlap).
       invalid_tail_chars: chars of an invalid output shown in the history.
+      reviser: the strategy-revision hook (None = no revision: the paper setting).
     Returns:
       (trajectories in spec order, `LoopStats`).
     Raises:
       RuntimeError when the pool has no free slot for any episode.
     """
-    return _Loop(policy, pool, builder, specs, key, sampling, cohorts, invalid_tail_chars).run()
+    return _Loop(policy, pool, builder, specs, key, sampling, cohorts, invalid_tail_chars,
+                 reviser).run()

@@ -1,4 +1,5 @@
-"""Self-judgment verdicts -> per-step judge flags (docs/method.md §5.4).
+"""Self-judgment: the judge stage of a rollout, verdicts -> per-step judge flags
+(docs/method.md §5.4), and the optional separate judge model (docs/method.md §5.10).
 
 The judge answers ``<bad_steps>1, 4</bad_steps>`` or ``<bad_steps>none</bad_steps>``. Rules
 [P]: the first block counts; its body is ``none`` (any case) or a list of integers (optionally
@@ -9,11 +10,18 @@ integers outside it (0, negatives, > T) are dropped, the others kept
 """
 from __future__ import annotations
 
+import dataclasses
 import re
+from typing import Any, Sequence
 
 import numpy as np
 
 from envs_bridge.parsing import contains_cjk
+from strata_jax.rollout.episodes import LoopStats, Trajectory, decode_generation, generate_timed
+from strata_jax.rollout.keys import PURPOSE_JUDGE, row_keys
+from strata_jax.rollout.policy import Policy
+from strata_jax.rollout.prompts import HistoryEntry, PromptBuilder, invalid_history_action
+from strata_jax.sampling import SamplingParams
 
 _BLOCK_RE = re.compile(r"<bad_steps>(.*?)</bad_steps>", re.IGNORECASE | re.DOTALL)
 
@@ -48,3 +56,91 @@ def judge_flags(bad_steps: tuple[int, ...], num_steps: int) -> np.ndarray:
         if 1 <= s <= num_steps:
             flags[s - 1] = True
     return flags
+
+
+def judge_stage(policy: Policy, builder: PromptBuilder, trajs: Sequence[Trajectory], key: Any, *,
+                sampling: SamplingParams, invalid_tail_chars: int, stats: LoopStats) -> None:
+    """Self-judgment of the finished episodes, in place (docs/method.md §5.4).
+
+    One greedy call per finished, non-crashed trajectory with steps sets its ``verdict`` (the
+    decoded output) and ``bad_steps`` (`parse_bad_steps`). Keys: ``(PURPOSE_JUDGE, task_uid,
+    strategy_id, trajectory_id)`` (unused by a greedy `sampling`, kept for a sampled judge).
+
+    Args:
+      policy / builder: the judge's `Policy` and `PromptBuilder` (its tokenizer encodes the
+        prompts and decodes the verdicts).
+      trajs: the played episodes. key: the iteration's base key.
+      sampling: the judge sampling params (greedy, stop text ``</bad_steps>``).
+      invalid_tail_chars: chars of a format-invalid output shown in the judged history.
+      stats: `LoopStats` the one batched call is timed into (cohort label -2).
+    """
+    todo = [tr for tr in trajs if tr.steps and not tr.crashed and tr.pieces is not None]
+    if not todo:
+        return
+    prompts = []
+    for tr in todo:
+        steps = [HistoryEntry(s.observation, s.action if s.action is not None
+                              else invalid_history_action(s.output_text, invalid_tail_chars))
+                 for s in tr.steps]
+        prompts.append(builder.judge_prompt(tr.pieces, tr.spec.strategy, steps))
+    keys = row_keys(key, [(PURPOSE_JUDGE, tr.spec.task_uid, tr.spec.strategy_id,
+                           tr.spec.trajectory_id) for tr in todo])
+    gens = generate_timed(policy, prompts, keys, sampling, stats, -2)
+    for b, tr in enumerate(todo):
+        tr.verdict = decode_generation(builder.tokenizer, gens[b])
+        tr.bad_steps = parse_bad_steps(tr.verdict, len(tr.steps))
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeModel:
+    """Who answers the self-judgment prompts when it is not the policy (docs/method.md §5.10).
+
+    Attributes:
+      policy: the judge's `Policy` (a `SamplerPolicy` on its own sampler and params).
+      builder: a `PromptBuilder` on the judge's tokenizer (encodes the judge prompts, decodes
+        the verdicts; same budget as the policy's).
+    """
+
+    policy: Policy
+    builder: PromptBuilder
+
+
+def build_judge_model(c: Any, mesh: Any = None) -> JudgeModel | None:
+    """The separate judge of ``c.rollout.judge_model`` (None when ``path`` is empty: the
+    policy judges itself).
+
+    Loads ``path`` with `strata_jax.models.load_checkpoint` (a local HF dir, a GGUF file or a
+    hub id) in ``rollout.sampler_dtype``, its tokenizer (``judge_model.tokenizer``: "" = the
+    checkpoint's own, "offline" = the shipped Qwen BPE, else a dir or GGUF file), and a
+    `Sampler` whose cache holds ``env.max_prompt_tokens + rollout.max_judge_tokens``.
+
+    Args:
+      c: the experiment ConfigDict (configs/base.py). mesh: the sampler's (local) mesh or None.
+    Raises:
+      ValueError when the judge's context is shorter than that cache; the loaders' errors for
+      a missing checkpoint or tokenizer.
+    """
+    jm = c.rollout.get("judge_model", None)
+    path = str(jm.get("path", "") or "") if jm is not None else ""
+    if not path:
+        return None
+    import jax.numpy as jnp
+
+    from strata_jax.models import load_checkpoint, load_tokenizer
+    from strata_jax.models.loading import resolve_checkpoint
+    from strata_jax.rollout.policy import SamplerPolicy
+    from strata_jax.sampling import Sampler
+
+    dtype = jnp.dtype(c.rollout.get("sampler_dtype", "") or c.model.dtype)
+    config, params = load_checkpoint(path, dtype=dtype, mesh=mesh)
+    tok_spec = str(jm.get("tokenizer", "") or "")
+    tokenizer = load_tokenizer(None if tok_spec == "offline"
+                               else tok_spec or resolve_checkpoint(path))
+    need = int(c.env.max_prompt_tokens) + int(c.rollout.max_judge_tokens)
+    if need > config.max_position_embeddings:
+        raise ValueError(f"the judge model {path!r} has a context of "
+                         f"{config.max_position_embeddings} tokens, less than env.max_prompt_tokens"
+                         f" + rollout.max_judge_tokens = {need}: lower them or pick another judge")
+    sampler = Sampler(config, mesh=mesh, max_cache_len=need)
+    return JudgeModel(SamplerPolicy(sampler, params),
+                      PromptBuilder(tokenizer, c.env.max_prompt_tokens))

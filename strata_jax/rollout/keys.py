@@ -26,6 +26,9 @@ PURPOSE_ACTION = 1
 """First id of a step key: (PURPOSE_ACTION, task_uid, strategy_id, trajectory_id, step)."""
 PURPOSE_JUDGE = 2
 """First id of a judge key: (PURPOSE_JUDGE, task_uid, strategy_id, trajectory_id)."""
+PURPOSE_REVISION = 3
+"""First id of a strategy-revision key: (PURPOSE_REVISION, task_uid, strategy_id,
+trajectory_id, step), step = the env steps the episode had taken when it revised."""
 
 ID_WIDTH = 5
 """Ids per row; shorter id tuples are right-padded with 0 (a fixed width keeps one program)."""

@@ -1,4 +1,4 @@
-"""Step, strategy and judge prompts (docs/method.md §3).
+"""Step, strategy, judge and strategy-revision prompts (docs/method.md §3).
 
 Every prompt is ONE user message rendered through the tokenizer's Qwen2.5 chat template with
 no custom system message (the template then inserts Qwen's default system prompt, as the
@@ -60,6 +60,12 @@ STEP_INSTRUCTION = ("Now think step by step about what to do next inside <think>
                     "first action block after </think> is executed.")
 STRATEGY_INSTRUCTION = ("Before acting, write a concise, ordered plan of the sub-goals that "
                         "solve this task inside <strategy></strategy>. Do not give any action.")
+# Strategy revision (an option, docs/method.md §5.9): the step prompt's prefix (with the plan in
+# force) and history, then this request instead of the step instruction.
+REVISION_INSTRUCTION = ("Your strategy may not be working. Considering the steps so far, the "
+                        "current observation and your strategy, write a revised, concise, "
+                        "ordered plan of the sub-goals that remain inside "
+                        "<strategy></strategy>. Do not give any action.")
 # Where each stage's generation ends (stop strings, matched in order on device by the sampler:
 # `strata_jax.sampling.stops`): the end of the first action block after </think> (the block
 # the parser executes), the first </strategy>, the first </bad_steps> (only the first counts).
@@ -258,11 +264,30 @@ class PromptBuilder:
         Raises:
           ValueError: the fixed parts alone exceed the budget.
         """
+        tail = ((INVALID_NOTICE + "\n") if invalid_notice else "") + self.actions_text(pieces) \
+            + STEP_INSTRUCTION
+        return self._history_prompt(pieces, observation, history, strategy, tail)
+
+    def revision_prompt(self, pieces: PromptPieces, observation: str,
+                        history: Sequence[HistoryEntry], strategy: str | None) -> PromptIds:
+        """Strategy-revision prompt (docs/method.md §5.9): the step prompt of this point
+        (prefix with the strategy in force, the history window as a short summary of the steps
+        so far, the current observation, the actions) with `REVISION_INSTRUCTION` in place of the
+        step instruction; the answer is a new plan in <strategy></strategy>.
+
+        Args / Raises: as `step_prompt` (history must hold at least one step)."""
+        if not history:
+            raise ValueError("revision_prompt needs at least one step of history")
+        return self._history_prompt(pieces, observation, history, strategy,
+                                    self.actions_text(pieces) + REVISION_INSTRUCTION)
+
+    def _history_prompt(self, pieces: PromptPieces, observation: str,
+                        history: Sequence[HistoryEntry], strategy: str | None,
+                        tail: str) -> PromptIds:
+        """Prefix (role, task, strategy) + history window + current observation + `tail`."""
         k = len(history)
         window = k if self.history_length is None else min(k, self.history_length)
         prefix = self.prefix_text(pieces, strategy)
-        tail = ((INVALID_NOTICE + "\n") if invalid_notice else "") + self.actions_text(pieces) \
-            + STEP_INSTRUCTION
 
         def render(obs: str, h: int) -> PromptIds:
             if k == 0:

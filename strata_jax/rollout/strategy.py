@@ -1,4 +1,5 @@
-"""StraTA strategies: the format check (P_fmt, |z|) and farthest-point selection (FPS).
+"""StraTA strategies: the strategy stage of a rollout, the format check (P_fmt, |z|),
+farthest-point selection (FPS) and the strategy rows of the batch.
 
 Source: docs/method.md §5.1-§5.2 (the strategy body, P_fmt, |z|, greedy max-min cosine FPS,
 format failures dropped first and used only as fill).
@@ -7,11 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from envs_bridge.base import PromptPieces, Task
 from envs_bridge.parsing import contains_cjk
+from envs_bridge.pool import EnvPool
+from strata_jax.algos.batch import KIND_STRATEGY
+from strata_jax.rollout.episodes import (LoopStats, content_ids, decode_generation,
+                                         generate_timed, prompt_pieces_for)
+from strata_jax.rollout.keys import PURPOSE_STRATEGY, base_key_data, row_keys
+from strata_jax.rollout.policy import Policy
+from strata_jax.rollout.prompts import PromptBuilder, PromptIds
+from strata_jax.sampling import FINISH_LENGTH, Generation, SamplingParams
 
 _OPEN_RE = re.compile(r"<strategy>", re.IGNORECASE)
 _CLOSE_RE = re.compile(r"</strategy>", re.IGNORECASE)
@@ -161,3 +171,114 @@ def select_strategies(embeddings: np.ndarray, format_fail: Sequence[bool], k: in
     kept = farthest_point_selection(embeddings, len(good), candidates=good, first=first, rng=rng)
     return kept + farthest_point_selection(embeddings, k - len(good), candidates=bad,
                                            selected=kept)
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+@dataclasses.dataclass
+class StrategyGroup:
+    """The strategy stage of one task (logs, dumps, strategy rows).
+
+    Attributes: task, task_uid; prompt (the strategy prompt); candidates (decoded texts);
+    checks (`StrategyCheck` per candidate); generations; kept (candidate indices, in
+    strategy_id order); first_observation.
+    """
+
+    task: Task
+    task_uid: int
+    prompt: PromptIds
+    candidates: list[str]
+    checks: list[StrategyCheck]
+    generations: list[Generation]
+    kept: list[int]
+    first_observation: str
+
+
+def first_observations(pool: EnvPool, tasks: Sequence[Task]
+                       ) -> list[tuple[str, PromptPieces] | None]:
+    """Reset each task once (in waves of free slots, one retry) for the strategy prompt.
+
+    Returns (first observation, prompt pieces) per task, None for a task whose reset crashed
+    twice. Every episode is released again (its slot is free for the episodes)."""
+    out: list[tuple[str, PromptPieces] | None] = [None] * len(tasks)
+    todo = list(range(len(tasks)))
+    for _attempt in range(2):
+        if _attempt and todo:
+            pool.note_retries(len(todo))   # logged as rollout/env_retries
+        retry = []
+        while todo:
+            wave, todo = todo[: max(pool.num_free, 1)], todo[max(pool.num_free, 1):]
+            outs = pool.reset([tasks[i] for i in wave])
+            for i, o in zip(wave, outs):
+                if o.crashed:
+                    retry.append(i)
+                else:
+                    out[i] = (o.observation, prompt_pieces_for(o, tasks[i].env))
+            pool.release([o.episode_id for o in outs if not o.done])
+        todo = retry
+    return out
+
+
+def strategy_stage(policy: Policy, pool: EnvPool, builder: PromptBuilder,
+                   tasks: Sequence[Task], uids: Sequence[int], key: Any, *, num_keep: int,
+                   oversample: int, diverse: bool, sampling: SamplingParams,
+                   stats: LoopStats) -> list[StrategyGroup | None]:
+    """Strategy candidates, format check, embeddings and selection for every task
+    (docs/method.md §5.1-§5.2).
+
+    Args:
+      policy / pool / builder: the rollout's `Policy`, `EnvPool` and `PromptBuilder`.
+      tasks / uids: the tasks and their task uids.
+      key: the iteration's base key; candidate c of task uid u samples with
+        ``row_keys(key, (PURPOSE_STRATEGY, u, c))``.
+      num_keep: N kept strategies per task. oversample: sigma (sigma*N candidates when
+        `diverse`; N candidates, all kept, without FPS otherwise).
+      sampling: the strategy sampling params (stop text ``</strategy>``).
+      stats: `LoopStats` the one batched policy call is timed into (cohort label -1).
+    Returns:
+      one `StrategyGroup` per task, None where the task's first reset crashed twice.
+    """
+    firsts = first_observations(pool, tasks)
+    n_cand = oversample * num_keep if diverse else num_keep
+    live = [i for i, f in enumerate(firsts) if f is not None]
+    groups: list[StrategyGroup | None] = [None] * len(tasks)
+    if not live:
+        return groups
+    prompts = {i: builder.strategy_prompt(firsts[i][1], firsts[i][0]) for i in live}
+    rows = [(i, c) for i in live for c in range(n_cand)]
+    keys = row_keys(key, [(PURPOSE_STRATEGY, uids[i], c) for i, c in rows])
+    gens = generate_timed(policy, [prompts[i] for i, _ in rows], keys, sampling, stats, -1)
+    gen_list = [gens[r] for r in range(len(rows))]
+    texts = [decode_generation(builder.tokenizer, g) for g in gen_list]
+    checks = [check_strategy(t, g.finish_reason == FINISH_LENGTH, builder.count_tokens)
+              for t, g in zip(texts, gen_list)]
+    emb = None
+    if diverse:
+        emb = policy.embed([content_ids(builder.tokenizer, g) for g in gen_list])
+    seed = [int(x) for x in base_key_data(key)]
+    for j, i in enumerate(live):
+        sl = slice(j * n_cand, (j + 1) * n_cand)
+        task_emb = emb[sl] if emb is not None else np.zeros((n_cand, 1))
+        kept = select_strategies(task_emb, [c.format_fail for c in checks[sl]], num_keep,
+                                 diverse=diverse, rng=np.random.default_rng(seed + [uids[i]]))
+        groups[i] = StrategyGroup(tasks[i], uids[i], prompts[i], texts[sl], checks[sl],
+                                  gen_list[sl], kept, firsts[i][0])
+    return groups
+
+
+def strategy_records(groups: Sequence[StrategyGroup], num_episodes: int) -> list[dict]:
+    """The strategy rows of the batch (see `strata_jax.algos.batch`): one per kept strategy,
+    kind=KIND_STRATEGY, strategy_id = its rank, trajectory_id = `num_episodes` (N*M) +
+    strategy_id, step_index 0, anchor_id 0, strategy_len = |z|, format_fail = P_fmt."""
+    recs = []
+    for g in groups:
+        for sid, c in enumerate(g.kept):
+            gen = g.generations[c]
+            recs.append(dict(
+                prompt_ids=g.prompt.ids, response_ids=gen.token_ids,
+                sampler_logprobs=gen.logprobs, task_id=g.task_uid, strategy_id=sid,
+                trajectory_id=num_episodes + sid, step_index=0, kind=KIND_STRATEGY, anchor_id=0,
+                score=0.0, step_reward=0.0, valid=True, strategy_len=g.checks[c].token_len,
+                format_fail=g.checks[c].format_fail))
+    return recs
