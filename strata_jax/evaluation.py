@@ -23,12 +23,25 @@ from strata_jax.rollout.episodes import LoopStats
 SCORE_SCALE = {"scienceworld": 100.0, "webshop": 100.0}
 
 
+def task_family(task: Any) -> str:
+    """The task family of a `Task` before it is played: ALFWorld's ALFRED task type
+    (`envs_bridge.alfworld_env.family_from_game_path` of the game path), else the task id up
+    to its first "/" (ScienceWorld task name, WebShop "goal", built-in env name)."""
+    if task.env == "alfworld":
+        from envs_bridge.alfworld_env import family_from_game_path
+        try:
+            return family_from_game_path(str(task.task_id))
+        except ValueError:
+            pass
+    return str(task.task_id).split("/")[0]
+
+
 def spread_over_families(tasks: Sequence[Any], n: int) -> list[Any]:
-    """The first `n` tasks taken round-robin over families (task ids), in list order within
-    a family, so that a capped eval set still covers every family it can."""
+    """The first `n` tasks taken round-robin over families (`task_family`), in list order
+    within a family, so that a capped eval set still covers every family it can."""
     by: dict[str, list[Any]] = {}
     for t in tasks:
-        by.setdefault(str(t.task_id).split("/")[0], []).append(t)
+        by.setdefault(task_family(t), []).append(t)
     out: list[Any] = []
     queues = list(by.values())
     i = 0
@@ -42,12 +55,12 @@ def spread_over_families(tasks: Sequence[Any], n: int) -> list[Any]:
 
 
 def per_family(tasks: Sequence[Any], k: int) -> list[Any]:
-    """`k` tasks of every family (task id), round-robin over families: each family's tasks in
-    list order, cycled when it has fewer than `k` (a repeat is another episode of the same
-    variation, with its own sampling key)."""
+    """`k` tasks of every family (`task_family`), round-robin over families: each family's
+    tasks in list order, cycled when it has fewer than `k` (a repeat is another episode of the
+    same variation, with its own sampling key)."""
     by: dict[str, list[Any]] = {}
     for t in tasks:
-        by.setdefault(str(t.task_id).split("/")[0], []).append(t)
+        by.setdefault(task_family(t), []).append(t)
     return [q[i % len(q)] for i in range(k) for q in by.values()]
 
 
@@ -76,7 +89,10 @@ def eval_rollout_config(c: Any) -> RolloutConfig:
 
 def summarize(trajectories: Sequence[Any], env_name: str, prefix: str = "eval"
               ) -> dict[str, float]:
-    """Success rate and mean score overall and per family (the task id) from played episodes.
+    """Success rate and mean score overall and per family from played episodes.
+
+    The family is the one the env named at reset (`Trajectory.family`, the reset info's
+    "family": ALFWorld's ALFRED task type, not its game path), else `task_family`.
 
     Score is in the env's own units (ScienceWorld / WebShop 0-100, else the [0,1] return).
     Crashed episodes count as failures with score 0 (an eval number must not improve because
@@ -87,7 +103,7 @@ def summarize(trajectories: Sequence[Any], env_name: str, prefix: str = "eval"
     by: dict[str, list[tuple[float, float]]] = {}
     crashed = 0
     for tr in trajectories:
-        fam = str(tr.spec.task.task_id).split("/")[0]
+        fam = getattr(tr, "family", "") or task_family(tr.spec.task)
         ok = not tr.crashed
         crashed += int(tr.crashed)
         by.setdefault(fam, []).append((float(ok and tr.success),
@@ -123,7 +139,8 @@ def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any],
         trajs.extend(result.trajectories)
         groups.extend(result.strategies)
     stats = {"eval/" + k.split("/", 1)[1]: v
-             for k, v in rollout_stats(trajs, groups, loop).items()
+             for k, v in rollout_stats(trajs, groups, loop,
+                                       strategies=rc.mode == "strata").items()
              if k.startswith("rollout/") and k not in ("rollout/episodes", "rollout/success_rate",
                                                        "rollout/crashed_episodes")}
     return {**summarize(trajs, c.env.name), **stats}, dump_trajectories(trajs, groups)
@@ -222,9 +239,11 @@ def format_metrics(metrics: dict) -> str:
             lines.append(f"  {fam:<50s} success {v:6.3f}  score {score:8.2f}")
     lines.append(f"overall: success {metrics['eval/success']:.3f}  score {metrics['eval/score']:.2f}"
                  f"  episodes {int(metrics['eval/episodes'])}  (step {metrics['step']})")
-    lines.append(f"steps: invalid (format) {metrics.get('eval/invalid_step_frac', 0.0):.3f}  "
-                 f"rejected by the env {metrics.get('eval/env_rejected_frac', 0.0):.3f}  "
-                 f"strategy format failures {metrics.get('eval/strategy_format_fail_frac', 0.0):.3f}")
+    line = (f"steps: invalid (format) {metrics.get('eval/invalid_step_frac', 0.0):.3f}  "
+            f"rejected by the env {metrics.get('eval/env_rejected_frac', 0.0):.3f}")
+    if "eval/strategy_format_fail_frac" in metrics:   # absent for flat baselines
+        line += f"  strategy format failures {metrics['eval/strategy_format_fail_frac']:.3f}"
+    lines.append(line)
     for path in metrics.get("files", []):
         lines.append(f"wrote {path}")
     return "\n".join(lines)

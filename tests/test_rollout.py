@@ -374,3 +374,40 @@ def test_prompts_do_not_depend_on_the_pool_backend(tok, env, task, script, marke
         assert len(seen[backend]) >= 2 + 2 + 2 and len(policy.calls) >= 3
     assert seen["thread"] == seen["process"]
     assert rows["thread"] == rows["process"]
+
+
+def test_strategy_without_a_valid_episode_is_masked(tok):
+    """Strategy 0 walks west on crashy_grid (every episode crashes at step 1), strategy 1
+    walks east: strategy 0's row has no reward (docs/method.md §5.5) and is out of the loss."""
+    calls = {"n": 0}
+
+    def respond(prompt: str, key: np.ndarray) -> str:
+        if "<strategy></strategy>" in prompt:
+            calls["n"] += 1
+            return ("<strategy>plan WESTWARD</strategy>" if calls["n"] % 2 == 1
+                    else "<strategy>plan EASTWARD</strategy>")
+        if "<bad_steps>" in prompt:
+            return "<bad_steps>none</bad_steps>"
+        a = "go west" if "WESTWARD" in prompt else "go east"
+        return f"<think>k</think><action>{a}</action>"
+
+    cfg = RolloutConfig(mode="strata", num_strategies=2, episodes_per_strategy=2, oversample=1,
+                        diverse_sampling=False, cohorts=1)
+    with EnvPool("crashy_grid", {"max_steps": 2}, max_live_envs=4) as pool:
+        res = collect_rollout(ScriptedPolicy(tok, respond), pool, PromptBuilder(tok, 2048),
+                              [Task("crashy_grid", "grid_nav", 0)], key=KEY, config=cfg)
+    b = res.batch
+    assert [tr.crashed for tr in res.trajectories] == [True, True, False, False]
+    rows = np.flatnonzero(b.kind == KIND_STRATEGY)
+    assert [int(b.strategy_id[r]) for r in rows] == [0, 1]
+    assert [bool(b.valid[r]) for r in rows] == [False, True]
+
+
+def test_flat_rollout_reports_no_strategy_metrics(tok):
+    cfg = RolloutConfig(mode="flat", group_size=2, cohorts=1)
+    with EnvPool("memory_key", {"max_steps": 2}, max_live_envs=2) as pool:
+        res = collect_rollout(ScriptedPolicy(tok, _random_walker), pool, PromptBuilder(tok, 2048),
+                              [Task("memory_key", "memory_key", 0)], key=KEY, config=cfg)
+    for k in ("strategy_format_fail_frac", "candidate_format_fail_frac", "mean_strategy_len"):
+        assert f"rollout/{k}" not in res.stats
+    assert res.stats["rollout/episodes"] == 2.0

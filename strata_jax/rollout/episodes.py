@@ -169,6 +169,8 @@ class Trajectory:
         loss). verdict / bad_steps: the self-judgment output and its 1-based bad steps.
       revisions: the strategy revisions written during the episode (empty unless the
         rollout's revision option is on).
+      family: the task family the env named in its reset info (``info["family"]``; "" when
+        the reset crashed or the env names none).
     """
 
     spec: EpisodeSpec
@@ -182,6 +184,7 @@ class Trajectory:
     verdict: str | None = None
     bad_steps: tuple[int, ...] = ()
     revisions: list[Revision] = dataclasses.field(default_factory=list)
+    family: str = ""
     # loop state
     episode_id: int = -1
     current_pieces: PromptPieces | None = None
@@ -258,8 +261,10 @@ class _Cohort:
 class _Loop:
     def __init__(self, policy: Policy, pool: EnvPool, builder: PromptBuilder,
                  specs: Sequence[EpisodeSpec], key: Any, sampling: SamplingParams,
-                 cohorts: int, invalid_tail_chars: int, reviser: Any) -> None:
+                 cohorts: int, invalid_tail_chars: int, reviser: Any,
+                 max_steps: int | None = None) -> None:
         self.policy, self.pool, self.builder, self.reviser = policy, pool, builder, reviser
+        self.max_steps = max_steps
         self.key, self.sampling = key, sampling
         self.trajs = [Trajectory(s) for s in specs]
         self.n_cohorts = max(1, int(cohorts))
@@ -294,6 +299,7 @@ class _Loop:
             tr = self.trajs[i]
             tr.episode_id = out.episode_id
             tr.observations.append(out.observation)
+            tr.family = str(out.info.get("family", "") or "")
             if out.crashed or out.done:
                 tr.done, tr.crashed, tr.error = True, out.crashed, out.error
                 continue
@@ -317,6 +323,9 @@ class _Loop:
                 tr.done = True
                 tr.success = bool(out.info.get("success", False)) and not out.crashed
                 c.live.remove(i)
+            elif self.max_steps is not None and len(tr.steps) >= self.max_steps:
+                c.live.remove(i)   # a probe cut short: done stays False, its slot is freed
+                self.pool.release([tr.episode_id])
             else:
                 tr.current_pieces = prompt_pieces_for(out, tr.current_pieces.environment)
         c.step_ticket, c.step_rows = None, []
@@ -424,7 +433,8 @@ stats, cohort index); it appends a `Revision` to each episode that revises now (
 def run_episodes(policy: Policy, pool: EnvPool, builder: PromptBuilder,
                  specs: Sequence[EpisodeSpec], *, key: Any, sampling: SamplingParams,
                  cohorts: int = 2, invalid_tail_chars: int = 30,
-                 reviser: Reviser | None = None) -> tuple[list[Trajectory], LoopStats]:
+                 reviser: Reviser | None = None,
+                 max_steps: int | None = None) -> tuple[list[Trajectory], LoopStats]:
     """Play every episode to the end (done, step limit or crash).
 
     Args:
@@ -436,10 +446,15 @@ def run_episodes(policy: Policy, pool: EnvPool, builder: PromptBuilder,
       cohorts: cohorts alternating between the policy and the pool (1 = no overlap).
       invalid_tail_chars: chars of an invalid output shown in the history.
       reviser: the strategy-revision hook (None = no revision: the paper setting).
+      max_steps: stop each episode after this many steps even if the env is not done (a
+        probe, `strata_jax.test_time`): its env is released and ``done`` stays False. None =
+        play to the end.
     Returns:
       (trajectories in spec order, `LoopStats`).
     Raises:
       RuntimeError when the pool has no free slot for any episode.
     """
+    if max_steps is not None and max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1 (None = play to the end), got {max_steps}")
     return _Loop(policy, pool, builder, specs, key, sampling, cohorts, invalid_tail_chars,
-                 reviser).run()
+                 reviser, max_steps).run()

@@ -68,19 +68,22 @@ def dump_trajectories(trajectories: Sequence[Trajectory],
 
 
 def rollout_stats(trajs: Sequence[Trajectory], groups: Sequence[StrategyGroup],
-                  loop: LoopStats) -> dict[str, float]:
+                  loop: LoopStats, strategies: bool = True) -> dict[str, float]:
     """Scalar metrics: episodes, steps, mean_return, success_rate, invalid_step_frac (format
     failures), env_rejected_frac (steps whose action the env refused, `env_rejected`),
-    ambiguous_resolved_frac (ScienceWorld commands it resolved to option 0), crashed_episodes, judge_bad_step_frac, strategy_format_fail_frac (of kept strategies),
+    ambiguous_resolved_frac (ScienceWorld commands it resolved to option 0), crashed_episodes,
+    judge_bad_step_frac, strategy_format_fail_frac (of kept strategies),
     candidate_format_fail_frac, mean_strategy_len, and timing: wall_s, sampler_s,
-    sampler_calls, env_wait_s, env_wait_frac (fraction of rollout wall time blocked on envs)."""
+    sampler_calls, env_wait_s, env_wait_frac (fraction of rollout wall time blocked on envs).
+    ``strategies=False`` (a flat rollout: no strategy is written) leaves the three strategy
+    keys out rather than reporting a 0 that reads as "no format failures"."""
     steps = [s for tr in trajs for s in tr.steps]
     ok = [tr for tr in trajs if not tr.crashed]
     judged = [tr for tr in trajs if tr.verdict is not None]
     kept = [g.checks[c] for g in groups for c in g.kept]
     cands = [c for g in groups for c in g.checks]
     mean = lambda xs: float(np.mean(xs)) if len(xs) else 0.0  # noqa: E731
-    return {
+    out = {
         "rollout/episodes": float(len(trajs)),
         "rollout/steps": float(len(steps)),
         "rollout/mean_return": mean([tr.episode_return for tr in ok]),
@@ -101,3 +104,7 @@ def rollout_stats(trajs: Sequence[Trajectory], groups: Sequence[StrategyGroup],
         "time/env_wait_s": loop.env_wait_s,
         "time/env_wait_frac": loop.env_wait_frac,
     }
+    if not strategies:
+        for k in ("strategy_format_fail_frac", "candidate_format_fail_frac", "mean_strategy_len"):
+            del out[f"rollout/{k}"]
+    return out

@@ -26,7 +26,8 @@ Rows of the batch (see `strata_jax.algos.batch` for the contract):
   * strategy rows (StraTA, the N kept strategies of each task): kind=KIND_STRATEGY,
     strategy_id = rank in the kept order, trajectory_id = N*M + strategy_id (a label of its own,
     no episode has it), step_index 0, anchor_id 0, strategy_len = |z|, format_fail = P_fmt,
-    valid = True (the estimator ignores a strategy whose episodes all crashed);
+    valid = the strategy has a valid episode (one not crashed, with a step; a strategy without
+    one has no reward and stays out of the loss, docs/method.md §1.2);
   * action rows: one per env step, kind=KIND_ACTION, task_id = task_uid, strategy_id,
     trajectory_id, step_index (0-based), anchor_id = `anchor_hash(raw observation)`,
     score = episode return, step_reward, invalid, judge_flag, valid = not crashed;
@@ -258,7 +259,9 @@ def _rollout_part(policy: Policy, pool: EnvPool, builder: PromptBuilder, tasks: 
                       sampler_s=loop.sampler_s + pre.sampler_s,
                       sampler_calls=loop.sampler_calls + pre.sampler_calls,
                       intervals=pre.intervals + loop.intervals)
-    records = (strategy_records(groups, cfg.num_strategies * cfg.episodes_per_strategy)
+    played = {(tr.spec.task_uid, tr.spec.strategy_id) for tr in trajs
+              if tr.steps and not tr.crashed}
+    records = (strategy_records(groups, cfg.num_strategies * cfg.episodes_per_strategy, played)
                + _action_records(trajs) + revision_records(trajs))
     return _Part(records, list(trajs), groups, stats, skipped)
 
@@ -279,7 +282,7 @@ def _finish(parts: Sequence[_Part], cfg: RolloutConfig, extra: dict[str, float])
                               prompt_buckets=cfg.prompt_buckets,
                               response_buckets=cfg.response_buckets,
                               row_multiple=cfg.row_multiple, pad_token_id=cfg.pad_token_id)
-    stats = {**rollout_stats(trajs, groups, loop), **extra}
+    stats = {**rollout_stats(trajs, groups, loop, strategies=cfg.mode == "strata"), **extra}
     if cfg.revision.enabled:
         stats.update(revision_stats(trajs))
     return RolloutResult(batch, records, trajs, groups, stats, loop.intervals,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 
@@ -267,18 +267,26 @@ def strategy_stage(policy: Policy, pool: EnvPool, builder: PromptBuilder,
     return groups
 
 
-def strategy_records(groups: Sequence[StrategyGroup], num_episodes: int) -> list[dict]:
+def strategy_records(groups: Sequence[StrategyGroup], num_episodes: int,
+                     played: Collection[tuple[int, int]] | None = None) -> list[dict]:
     """The strategy rows of the batch (see `strata_jax.algos.batch`): one per kept strategy,
     kind=KIND_STRATEGY, strategy_id = its rank, trajectory_id = `num_episodes` (N*M) +
-    strategy_id, step_index 0, anchor_id 0, strategy_len = |z|, format_fail = P_fmt."""
+    strategy_id, step_index 0, anchor_id 0, strategy_len = |z|, format_fail = P_fmt.
+
+    valid: True when (task_uid, strategy_id) is in `played`, the strategies with at least one
+    valid episode (not crashed, at least one step); a strategy without one has no reward
+    (docs/method.md §5.5) and its row stays out of the loss like a crashed episode's rows
+    (docs/method.md §1.2). ``played=None``: every row valid.
+    """
     recs = []
     for g in groups:
         for sid, c in enumerate(g.kept):
             gen = g.generations[c]
+            ok = played is None or (g.task_uid, sid) in played
             recs.append(dict(
                 prompt_ids=g.prompt.ids, response_ids=gen.token_ids,
                 sampler_logprobs=gen.logprobs, task_id=g.task_uid, strategy_id=sid,
                 trajectory_id=num_episodes + sid, step_index=0, kind=KIND_STRATEGY, anchor_id=0,
-                score=0.0, step_reward=0.0, valid=True, strategy_len=g.checks[c].token_len,
+                score=0.0, step_reward=0.0, valid=ok, strategy_len=g.checks[c].token_len,
                 format_fail=g.checks[c].format_fail))
     return recs
