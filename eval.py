@@ -13,6 +13,17 @@ variant: 16), at most ``eval.max_tasks`` in all. An eval list file holds one ``t
 pair per line (or JSON pairs; see envs_bridge/scienceworld_env.py:load_eval_list), e.g.
 AgentGym's 200 ScienceWorld test items; it is played as listed.
 
+Test-time strategy scaling (docs/method.md §10.1, strata_jax/test_time.py):
+
+    python eval.py --config=configs/sciworld.py:tiny --strategy_samples=4 --strategy_choice=judge
+    python eval.py --config=configs/sciworld.py:tiny,stapo --strategy_samples=4 --strategy_choice=critic --probe_steps=3
+
+samples S strategies per task (farthest-point selected as in training; a flat baseline: S
+episodes), plays a probe per candidate (``--probe_steps``, 0 = full episodes), picks one by the
+self-judgment of the probe, the checkpoint's critic (ppo / stapo runs) or the majority first
+action, and reports the chosen outcomes with the cost per task (sampled tokens, env steps) in
+``..._s<S>_<choice>[_probe<k>].json``. Same as ``--config.eval.strategy_samples=4`` etc.
+
 Prints one line per family, the overall success rate and score, the rollout's invalid-step,
 env-rejected and strategy-format-failure fractions, and where it wrote: the metrics to
 ``<workdir>/eval_<split>_step<k>.json`` and every episode to
@@ -40,6 +51,13 @@ _NO_CKPT = flags.DEFINE_bool("no_checkpoint", False,
                              "Evaluate the initial params of config.model (no run checkpoint).")
 _PER_FAMILY = flags.DEFINE_integer("episodes_per_family", None,
                                    "Episodes per task family (default: eval.episodes_per_family).")
+_SAMPLES = flags.DEFINE_integer("strategy_samples", None,
+                                "Test-time scaling: S candidates per task (eval.strategy_samples).")
+_CHOICE = flags.DEFINE_enum("strategy_choice", None, ["judge", "critic", "first_action"],
+                            "Test-time scaling: the chooser (eval.strategy_choice).")
+_PROBE = flags.DEFINE_integer("probe_steps", None,
+                              "Test-time scaling: probe length, 0 = full episodes "
+                              "(eval.probe_steps).")
 flags.mark_flags_as_required(["config"])
 
 
@@ -50,8 +68,10 @@ def main(argv):
     from strata_jax.metrics import quiet_logs
     quiet_logs()
     c = _CONFIG.value
-    if _PER_FAMILY.value is not None:
-        c.eval.episodes_per_family = _PER_FAMILY.value
+    for field, flag in (("episodes_per_family", _PER_FAMILY), ("strategy_samples", _SAMPLES),
+                        ("strategy_choice", _CHOICE), ("probe_steps", _PROBE)):
+        if flag.value is not None:
+            c.eval[field] = flag.value
     print(format_metrics(run_eval(c, _SPLIT.value, _STEP.value,
                                   use_checkpoint=not _NO_CKPT.value)))
     return 0

@@ -1,5 +1,8 @@
 """Evaluation: one strategy per task at the eval temperature, per-family success and score.
 
+Test-time strategy scaling (``eval.strategy_samples`` > 1, eval.py only) is
+strata_jax/test_time.py.
+
 docs/method.md §10: one strategy per task (no FPS, no judge), temperature 0.4; report the success
 rate (ALFWorld won, WebShop, ScienceWorld score == 100), the mean score (WebShop score,
 ScienceWorld final score 0-100), overall and per task family. Baselines (flat rollout) are
@@ -125,8 +128,12 @@ def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any],
 
     Returns (metrics, episode records). Metrics: `summarize`'s (eval/success, eval/score,
     per family, ...) plus what the rollout measured, renamed ``rollout/x`` -> ``eval/x``
-    (invalid_step_frac, env_rejected_frac, strategy_format_fail_frac, mean_episode_steps,
-    ...; `rollout_stats` over all episodes). Records: `dump_trajectories` of every episode.
+    (invalid_step_frac, env_rejected_frac, strategy_format_fail_frac (StraTA only),
+    mean_episode_steps, ...; `rollout_stats` over all episodes) and the cost per task
+    (`test_time.cost_metrics`: eval/cost/sampled_tokens, eval/cost/env_steps, per family).
+    Records: `dump_trajectories` of every episode. This is the one-strategy protocol whatever
+    ``eval.strategy_samples`` says (train.py's periodic eval); eval.py's `run_eval` runs
+    `test_time.evaluate_scaled` when it is > 1.
     Tasks run in chunks of `batch_tasks` (one rollout call each, so the sampler batch stays
     bounded); each chunk's task uids continue the previous ones so row keys never repeat.
     """
@@ -143,7 +150,9 @@ def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any],
                                        strategies=rc.mode == "strata").items()
              if k.startswith("rollout/") and k not in ("rollout/episodes", "rollout/success_rate",
                                                        "rollout/crashed_episodes")}
-    return {**summarize(trajs, c.env.name), **stats}, dump_trajectories(trajs, groups)
+    from strata_jax.test_time import cost_metrics, protocol_costs
+    return ({**summarize(trajs, c.env.name), **stats,
+             **cost_metrics(protocol_costs(trajs, groups))}, dump_trajectories(trajs, groups))
 
 
 def run_eval(c, split: str | None = None, step: int | None = None,
@@ -156,9 +165,13 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     start that is already cached), and nothing else: no warm start is ever trained here. Plays
     `eval_tasks` with `evaluate` and writes ``<workdir>/eval_<split>_step<k>.json`` (metrics)
     and ``..._trajectories.jsonl`` (every episode, `dump_trajectories` records).
+    With ``eval.strategy_samples`` S > 1 it runs `test_time.evaluate_scaled` instead (the
+    chooser ``eval.strategy_choice``: "critic" takes the checkpoint's critic, "judge" the
+    ``rollout.judge_model`` if set) and the files get the suffix ``_s<S>_<choice>`` (plus
+    ``_probe<k>`` with ``eval.probe_steps`` = k).
 
-    Raises ConfigError (bad config; with use_checkpoint=False a warm start that is not cached)
-    and FileNotFoundError (no restorable checkpoint in the run folder).
+    Raises ConfigError (bad config; with use_checkpoint=False a warm start that is not cached;
+    strategy_choice="critic" for a run or model without a critic) and FileNotFoundError (no restorable checkpoint in the run folder).
     """
     import json
     import os
@@ -168,8 +181,24 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     from strata_jax.sampling import Sampler
     from strata_jax.training import Checkpointer, Trainer, TrainConfig
 
+    from strata_jax.rollout import build_judge_model
+    from strata_jax.test_time import TestTimeConfig, critic_scorer, evaluate_scaled
+
     ex.validate(c)
     ex.resolve(c)
+    try:
+        tt = TestTimeConfig.from_config(c)
+    except ValueError as e:
+        raise ex.ConfigError(str(e)) from None
+    wants_critic = tt.enabled and tt.strategy_choice == "critic"
+    if wants_critic and not use_checkpoint:
+        raise ex.ConfigError("eval.strategy_choice=critic needs a trained critic: evaluate a "
+                             "ppo / stapo checkpoint (not --no_checkpoint), or use "
+                             "strategy_choice=judge or first_action")
+    if wants_critic and TrainConfig.from_config(c).critic_kind == "none":
+        raise ex.ConfigError(f"eval.strategy_choice=critic needs a critic and a {c.algo} run "
+                             f"has none (train.critic={c.train.critic!r}); evaluate a ppo / "
+                             "stapo run or use strategy_choice=judge or first_action")
     ex.check_env(c)   # e.g. the WebShop server answers
     split = split or c.eval.split
     ckpt_dir = os.path.join(c.workdir, "ckpt")
@@ -179,7 +208,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
                                 "config.model as is")
     mesh = ex.build_mesh(c)
     tokenizer = ex.build_tokenizer(c)
-    at = 0
+    at, critic = 0, None
     if use_checkpoint:
         trainer = Trainer(ex.model_config(c, tokenizer), TrainConfig.from_config(c), mesh)
         model_cfg = trainer.model
@@ -197,6 +226,11 @@ def run_eval(c, split: str | None = None, step: int | None = None,
         state, meta = restored
         # LoRA: the adapters merged into the base; otherwise the trained params themselves
         params, at = trainer.policy_params(state, base), int(meta["step"])
+        if wants_critic:
+            try:
+                critic = critic_scorer(trainer, state, base if trainer.lora else None)
+            except ValueError as e:
+                raise ex.ConfigError(str(e)) from None
         print(f"evaluating checkpoint step {at} of {c.workdir}", flush=True)
     else:
         model_cfg, params = ex.build_model(c, tokenizer, mesh, train_warm_start=False)
@@ -208,10 +242,21 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     policy = SamplerPolicy(sampler, ex.sampler_params(c, params))
     builder = make_prompt_builder(tokenizer, c)
     pool = ex.build_pool(c)
-    print(f"playing {len(tasks)} episodes on split {split!r} "
-          f"({int(c.eval.get('episodes_per_family', 0))} per family) ...", flush=True)
+    print(f"playing {len(tasks)} tasks on split {split!r} "
+          f"({int(c.eval.get('episodes_per_family', 0))} per family)"
+          + (f", {tt.strategy_samples} candidates each ({tt.strategy_choice} chooses, "
+             + (f"{tt.probe_steps}-step probes)" if tt.probe_steps else "full episodes)")
+             if tt.enabled else "") + " ...", flush=True)
     try:
-        metrics, episodes = evaluate(c, policy, pool, builder, tasks, key=ex.seed_key(c, 2, at))
+        if tt.enabled:
+            judge = (build_judge_model(c, mesh)
+                     if tt.strategy_choice == "judge" else None)
+            metrics, episodes = evaluate_scaled(c, policy, pool, builder, tasks,
+                                                key=ex.seed_key(c, 2, at), critic=critic,
+                                                judge=judge)
+        else:
+            metrics, episodes = evaluate(c, policy, pool, builder, tasks,
+                                         key=ex.seed_key(c, 2, at))
     finally:
         pool.close()
     metrics["step"] = at
@@ -219,6 +264,9 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     if jax.process_index() == 0:   # multi-host: process 0 writes
         os.makedirs(c.workdir, exist_ok=True)
         stem = os.path.join(c.workdir, f"eval_{split}_step{at}")
+        if tt.enabled:   # test-time scaling never overwrites the one-strategy protocol's files
+            stem += f"_s{tt.strategy_samples}_{tt.strategy_choice}" + (
+                f"_probe{tt.probe_steps}" if tt.probe_steps else "")
         with open(stem + ".json", "w") as f:
             json.dump({k: v for k, v in metrics.items() if k != "files"}, f, indent=1)
         with open(stem + "_trajectories.jsonl", "w") as f:
@@ -239,6 +287,11 @@ def format_metrics(metrics: dict) -> str:
             lines.append(f"  {fam:<50s} success {v:6.3f}  score {score:8.2f}")
     lines.append(f"overall: success {metrics['eval/success']:.3f}  score {metrics['eval/score']:.2f}"
                  f"  episodes {int(metrics['eval/episodes'])}  (step {metrics['step']})")
+    if "eval/cost/sampled_tokens" in metrics:
+        s = int(metrics.get("eval/tts/strategy_samples", 1))
+        lines.append(f"cost per task: {metrics['eval/cost/sampled_tokens']:.0f} sampled tokens, "
+                     f"{metrics['eval/cost/env_steps']:.1f} env steps"
+                     + (f"  ({s} candidates per task)" if s > 1 else ""))
     line = (f"steps: invalid (format) {metrics.get('eval/invalid_step_frac', 0.0):.3f}  "
             f"rejected by the env {metrics.get('eval/env_rejected_frac', 0.0):.3f}")
     if "eval/strategy_format_fail_frac" in metrics:   # absent for flat baselines

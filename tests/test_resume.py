@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAY_CHANGE = {"workdir", "iterations", "env.num_workers", "env.step_timeout_s", "sft.cache_dir",
               "mesh.data", "mesh.fsdp", "mesh.tensor", "ckpt.every", "ckpt.keep", "eval.every",
               "eval.split", "eval.temperature", "eval.max_tasks", "eval.episodes_per_family",
+              "eval.strategy_samples", "eval.strategy_choice", "eval.probe_steps",
               "log.dump_trajectories",
               "distributed.coordinator_address", "distributed.num_processes",
               "distributed.process_id", "distributed.local_device_ids",

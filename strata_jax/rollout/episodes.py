@@ -166,7 +166,8 @@ class Trajectory:
       observations: reset observation, then one per step.
       pieces: the prompt pieces at reset (task description, role name).
       done / crashed / error / success: how it ended (crashed episodes are masked out of the
-        loss). verdict / bad_steps: the self-judgment output and its 1-based bad steps.
+        loss). verdict / bad_steps: the self-judgment output and its 1-based bad steps;
+        judge_tokens: the verdict's generated token count (0 when unjudged).
       revisions: the strategy revisions written during the episode (empty unless the
         rollout's revision option is on).
       family: the task family the env named in its reset info (``info["family"]``; "" when
@@ -183,6 +184,7 @@ class Trajectory:
     success: bool = False
     verdict: str | None = None
     bad_steps: tuple[int, ...] = ()
+    judge_tokens: int = 0
     revisions: list[Revision] = dataclasses.field(default_factory=list)
     family: str = ""
     # loop state

@@ -63,7 +63,7 @@ def judge_stage(policy: Policy, builder: PromptBuilder, trajs: Sequence[Trajecto
     """Self-judgment of the finished episodes, in place (docs/method.md §5.4).
 
     One greedy call per finished, non-crashed trajectory with steps sets its ``verdict`` (the
-    decoded output) and ``bad_steps`` (`parse_bad_steps`). Keys: ``(PURPOSE_JUDGE, task_uid,
+    decoded output), ``bad_steps`` (`parse_bad_steps`) and ``judge_tokens``. Keys: ``(PURPOSE_JUDGE, task_uid,
     strategy_id, trajectory_id)`` (unused by a greedy `sampling`, kept for a sampled judge).
 
     Args:
@@ -88,6 +88,7 @@ def judge_stage(policy: Policy, builder: PromptBuilder, trajs: Sequence[Trajecto
     gens = generate_timed(policy, prompts, keys, sampling, stats, -2)
     for b, tr in enumerate(todo):
         tr.verdict = decode_generation(builder.tokenizer, gens[b])
+        tr.judge_tokens = int(gens[b].length)
         tr.bad_steps = parse_bad_steps(tr.verdict, len(tr.steps))
 
 
