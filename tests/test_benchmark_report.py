@@ -74,3 +74,19 @@ def test_learning_real_runs_are_valid_configs(preset, tmp_path):
         assert (r.num_strategies, r.episodes_per_strategy) == (p["n"], p["m"])
     assert cs["grpo"].env.tasks == ("find-non-living-thing", "lifespan-longest-lived",
                                     "lifespan-shortest-lived")
+
+
+def test_test_time_cells_and_family_rows():
+    """S = 1 is one cell (the protocol) whatever the choosers; per-family figures by name."""
+    import argparse
+
+    from benchmarks.test_time import cell_name, cells, family_rows
+    args = argparse.Namespace(samples=[1, 2, 4], choices=["judge", "critic"], probe_steps=[0, 3])
+    got = [cell_name(*c) for c in cells(args)]
+    assert got == ["s1", "s2_judge", "s2_critic", "s2_judge_probe3", "s2_critic_probe3",
+                   "s4_judge", "s4_critic", "s4_judge_probe3", "s4_critic_probe3"]
+    m = {"eval/success": 0.5, "eval/family/boil/success": 1.0, "eval/family/boil/score": 100.0,
+         "eval/family/boil/sampled_tokens": 640.0, "eval/family/a/b/env_steps": 7.0,
+         "eval/cost/env_steps": 9.0}
+    assert family_rows(m) == {"boil": {"success": 1.0, "score": 100.0, "sampled_tokens": 640.0},
+                              "a/b": {"env_steps": 7.0}}

@@ -1,0 +1,171 @@
+"""Test-time strategy scaling: success vs S and its token cost, per task family.
+
+    python benchmarks/test_time.py --config=configs/sciworld.py:tiny,real --no-checkpoint \\
+        --set env.tasks=find-animal+find-plant env.max_steps=15 --episodes 4
+    python benchmarks/test_time.py --config=configs/sciworld.py:tiny,stapo --choices critic judge
+    python benchmarks/test_time.py --config=configs/builtin.py:tiny --no-checkpoint \\
+        --set model.warm_start= --episodes 1 --samples 1 2          # a CPU smoke run
+    python benchmarks/test_time.py --config=... --table            # the table from the cache
+
+Cells: (S, chooser, probe length) for S in ``--samples`` (default 1 2 4 8), every chooser of
+``--choices`` (S = 1 is the one-strategy eval protocol whatever the chooser: one cell) and every
+``--probe-steps`` (0 = full-episode probes). Each cell is one ``eval.py`` run (the run's newest
+checkpoint, or ``--no-checkpoint`` for the config's model as is) with
+``--strategy_samples=S --strategy_choice=... --probe_steps=...`` on ``--split`` with
+``--episodes`` tasks per family, in its own subprocess; its metrics are cached in
+``--out/<cell>.json``, so a stopped run continues with the cells it has not finished
+(``--force`` replays them). Per family the table gives success, mean score, and the cost per
+task: sampled tokens (strategy candidates, probe and final actions, judge verdicts) and env
+steps; full-episode probes also give the oracle success (any candidate succeeded).
+Measures, never asserts. Results: ``--out/test_time.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cells(args) -> list[tuple[int, str, int]]:
+    """(S, chooser, probe steps) of every cell, S = 1 once."""
+    out = []
+    for s in args.samples:
+        for probe in (args.probe_steps if s > 1 else [0]):
+            for choice in (args.choices if s > 1 else ["-"]):
+                out.append((s, choice, probe))
+    return out
+
+
+def run_workdir(cfg: str, variant: str) -> str:
+    """The run folder of config file `cfg` with `variant` (where its checkpoint is)."""
+    import importlib.util
+    sys.path.insert(0, REPO)
+    spec = importlib.util.spec_from_file_location("_bench_config", cfg)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(variant or None).workdir
+
+
+def cell_name(s: int, choice: str, probe: int) -> str:
+    return "s1" if s == 1 else f"s{s}_{choice}" + (f"_probe{probe}" if probe else "")
+
+
+def family_rows(metrics: dict) -> dict[str, dict]:
+    """Per-family figures from an eval's metrics (eval/family/<fam>/<figure>)."""
+    fams: dict[str, dict] = {}
+    for k, v in metrics.items():
+        m = re.fullmatch(r"eval/family/(.+)/(success|score|sampled_tokens|env_steps)", k)
+        if m:
+            fams.setdefault(m.group(1), {})[m.group(2)] = v
+    return fams
+
+
+def run_cell(args, s: int, choice: str, probe: int) -> dict:
+    name = cell_name(s, choice, probe)
+    cache = os.path.join(args.out, name + ".json")
+    if os.path.exists(cache) and not args.force:
+        return json.load(open(cache))
+    cfg, _, variant = args.config.partition(":")
+    toks = [t for t in variant.split(",") if t] + list(args.set)
+    if args.no_checkpoint:   # nothing to restore: each cell writes into its own folder
+        toks.append(f"workdir={os.path.abspath(os.path.join(args.out, name))}")
+    elif args.set and not any(t.startswith("workdir=") for t in toks):
+        # variant tokens name the run folder; the extra overrides must not rename it
+        toks.append(f"workdir={run_workdir(cfg, variant)}")
+    cmd = [sys.executable, os.path.join(REPO, "eval.py"), f"--config={cfg}:{','.join(toks)}",
+           f"--split={args.split}", f"--episodes_per_family={args.episodes}",
+           f"--strategy_samples={s}", f"--probe_steps={probe}"]
+    if s > 1:
+        cmd.append(f"--strategy_choice={choice}")
+    if args.no_checkpoint:
+        cmd.append("--no_checkpoint")
+    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
+    t0 = time.time()
+    load0 = open("/proc/loadavg").read().split()[0]
+    log_path = os.path.join(args.out, name + ".log")
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.time() - t0
+    text = open(log_path).read()
+    written = re.findall(r"^wrote (.+\.json)$", text, re.M)
+    if proc.returncode or not written:
+        print(f"[{name}] eval.py failed (rc {proc.returncode}); see {log_path}", flush=True)
+        return {"cell": name, "error": proc.returncode or "no metrics file"}
+    metrics = json.load(open(written[0]))
+    res = {"cell": name, "samples": s, "choice": choice if s > 1 else "protocol",
+           "probe_steps": probe, "wall_s": wall, "load_start": load0,
+           "load_end": open("/proc/loadavg").read().split()[0], "command": cmd[1:],
+           "metrics": metrics, "families": family_rows(metrics)}
+    json.dump(res, open(cache, "w"), indent=1)
+    print(f"[{name}] done in {wall:.0f} s: success {metrics['eval/success']:.3f}, "
+          f"{metrics.get('eval/cost/sampled_tokens', float('nan')):.0f} tokens / task", flush=True)
+    return res
+
+
+def print_table(results: list[dict]) -> None:
+    print("| S | choice | probe | family | success | score | sampled tokens / task | "
+          "env steps / task | oracle success | cell wall |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['cell']} | failed: {r['error']} | | | | | | | | |")
+            continue
+        m = r["metrics"]
+        oracle = m.get("eval/tts/oracle_success")
+        rows = sorted(r["families"].items()) + [("(all)", {
+            "success": m["eval/success"], "score": m["eval/score"],
+            "sampled_tokens": m.get("eval/cost/sampled_tokens"),
+            "env_steps": m.get("eval/cost/env_steps")})]
+        for fam, f in rows:
+            tok = f.get("sampled_tokens")
+            steps = f.get("env_steps")
+            print(f"| {r['samples']} | {r['choice']} | {r['probe_steps'] or 'full'} | {fam} | "
+                  f"{f['success']:.2f} | {f['score']:.1f} | "
+                  f"{'-' if tok is None else f'{tok:.0f}'} | "
+                  f"{'-' if steps is None else f'{steps:.1f}'} | "
+                  f"{'-' if oracle is None or fam != '(all)' else f'{oracle:.2f}'} | "
+                  f"{r['wall_s'] / 60:.1f} min (load {r['load_start']}) |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True,
+                    help="config file and variant as for eval.py, e.g. configs/sciworld.py:tiny,real")
+    ap.add_argument("--samples", nargs="+", type=int, default=[1, 2, 4, 8])
+    ap.add_argument("--choices", nargs="+", default=["judge"],
+                    choices=["judge", "critic", "first_action"])
+    ap.add_argument("--probe-steps", nargs="+", type=int, default=[0],
+                    help="probe lengths (0 = full episodes)")
+    ap.add_argument("--split", default="dev")
+    ap.add_argument("--episodes", type=int, default=2, help="tasks per family")
+    ap.add_argument("--no-checkpoint", action="store_true",
+                    help="evaluate the config's model as is (no run checkpoint)")
+    ap.add_argument("--set", nargs="*", default=[], help="extra key=value config overrides")
+    ap.add_argument("--out", default="runs/test_time")
+    ap.add_argument("--force", action="store_true")
+    ap.add_argument("--table", action="store_true", help="print the table of the cached cells")
+    args = ap.parse_args()
+    if any(s < 1 for s in args.samples) or any(p < 0 for p in args.probe_steps):
+        ap.error("--samples must be >= 1 and --probe-steps >= 0")
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for s, choice, probe in cells(args):
+        if args.table:
+            cache = os.path.join(args.out, cell_name(s, choice, probe) + ".json")
+            if os.path.exists(cache):
+                results.append(json.load(open(cache)))
+            continue
+        results.append(run_cell(args, s, choice, probe))
+    json.dump({"args": vars(args), "cells": results},
+              open(os.path.join(args.out, "test_time.json"), "w"), indent=1)
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()
