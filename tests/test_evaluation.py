@@ -34,6 +34,15 @@ def test_summarize_groups_alfworld_by_its_task_type_not_the_game_path():
     assert m["eval/success"] == pytest.approx(1 / 3)
 
 
+def test_per_family_eval_lists_count_alfworld_games_by_task_type():
+    from strata_jax.evaluation import per_family
+    cool = [Task("alfworld", GAME.replace("Fridge-7", f"Fridge-{i}")) for i in range(3)]
+    pick = [Task("alfworld", GAME.replace("pick_cool_then_place_in_recep-Apple",
+                                          f"pick_and_place_simple-Mug{i}")) for i in range(2)]
+    got = per_family(cool + pick, 2)   # 2 per family, not 2 per game file
+    assert got == [cool[0], pick[0], cool[1], pick[1]]
+
+
 def test_format_metrics_omits_strategy_failures_of_a_flat_baseline():
     base = {"eval/success": 0.5, "eval/score": 50.0, "eval/episodes": 2.0, "step": 3,
             "eval/invalid_step_frac": 0.25, "eval/env_rejected_frac": 0.0}
