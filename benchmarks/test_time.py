@@ -136,7 +136,7 @@ def print_table(results: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True,
-                    help="config file and variant as for eval.py, e.g. configs/sciworld.py:tiny,real")
+                    help="config file:variant as for eval.py, e.g. configs/sciworld.py:tiny,real")
     ap.add_argument("--samples", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--choices", nargs="+", default=["judge"],
                     choices=["judge", "critic", "first_action"])

@@ -171,7 +171,8 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     ``_probe<k>`` with ``eval.probe_steps`` = k).
 
     Raises ConfigError (bad config; with use_checkpoint=False a warm start that is not cached;
-    strategy_choice="critic" for a run or model without a critic) and FileNotFoundError (no restorable checkpoint in the run folder).
+    strategy_choice="critic" for a run or model without a critic) and FileNotFoundError (no
+    restorable checkpoint in the run folder).
     """
     import json
     import os
@@ -249,8 +250,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
              if tt.enabled else "") + " ...", flush=True)
     try:
         if tt.enabled:
-            judge = (build_judge_model(c, mesh)
-                     if tt.strategy_choice == "judge" else None)
+            judge = build_judge_model(c, mesh) if tt.strategy_choice == "judge" else None
             metrics, episodes = evaluate_scaled(c, policy, pool, builder, tasks,
                                                 key=ex.seed_key(c, 2, at), critic=critic,
                                                 judge=judge)

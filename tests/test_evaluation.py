@@ -2,11 +2,21 @@
 test-time strategy scaling (strata_jax/test_time.py) with a scripted policy on memory_key."""
 from __future__ import annotations
 
+import re
+
+import jax
+import numpy as np
 import pytest
 
-from envs_bridge import Task
-from strata_jax.evaluation import format_metrics, summarize, task_family
+from configs import builtin
+from envs_bridge import EnvPool, Task
+from strata_jax.evaluation import (eval_rollout_config, evaluate, format_metrics, summarize,
+                                   task_family)
+from strata_jax.models import load_tokenizer
+from strata_jax.rollout import PromptBuilder, ScriptedPolicy, collect_rollout, rollout_stats
 from strata_jax.rollout.episodes import EpisodeSpec, LoopStats, StepRecord, Trajectory
+from strata_jax.test_time import (TestTimeConfig, choose, critic_scorer, evaluate_scaled,
+                                  first_action_votes)
 
 GAME = ("/data/alfworld/json_2.1.1/valid_unseen/pick_cool_then_place_in_recep-Apple-None-"
         "Fridge-7/trial_T20190909_044715_250790/game.tw-pddl")
@@ -52,20 +62,6 @@ def test_format_metrics_omits_strategy_failures_of_a_flat_baseline():
 
 
 # ----------------------------------------------------------------------------- test-time scaling
-
-import re  # noqa: E402
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from configs import builtin  # noqa: E402
-from envs_bridge import EnvPool  # noqa: E402
-from strata_jax.evaluation import eval_rollout_config, evaluate  # noqa: E402
-from strata_jax.models import load_tokenizer  # noqa: E402
-from strata_jax.rollout import PromptBuilder, ScriptedPolicy, collect_rollout, rollout_stats  # noqa: E402
-from strata_jax.test_time import (TestTimeConfig, choose, critic_scorer,  # noqa: E402
-                                  evaluate_scaled, first_action_votes)
-from tests import rollout_fixtures as fx  # noqa: E402
 
 KEY = jax.random.key(5)
 VARIATIONS = (3, 8)
@@ -306,3 +302,22 @@ def test_critic_choice_without_a_critic_is_a_clear_error(tmp_path):
     c.eval.strategy_choice = "vote"
     with pytest.raises(ex.ConfigError, match="strategy_choice must be one of"):
         run_eval(c)
+
+
+def test_choosers_by_hand():
+    def probe(first, steps=2, bad=(), crashed=False, verdict="v"):
+        tr = Trajectory(EpisodeSpec(Task("memory_key", "memory_key"), 0, 0, 0), crashed=crashed,
+                        verdict=verdict, bad_steps=bad)
+        for t in range(steps):
+            tr.steps.append(StepRecord(None, None, "", first if t == 0 else "look",
+                                       first is None and t == 0, "obs"))
+        return tr
+
+    # first actions: invalid, a, b, a, b -> a and b tie at 2; a was taken first (candidate 1)
+    votes = first_action_votes([probe(None), probe("a"), probe("b"), probe("a"), probe("b")])
+    assert votes == [0.0, 2.0, 2.0, 2.0, 2.0] and choose(votes) == 1
+    from strata_jax.test_time import judge_scores
+    scores = judge_scores([probe("a", 4, (1, 2)), probe("a", 4, (3,)), probe("a", 0),
+                           probe("a", 4, crashed=True), probe("a", 4, verdict=None)])
+    assert scores[:2] == [0.5, 0.75] and all(s == float("-inf") for s in scores[2:])
+    assert choose(scores) == 1 and choose([float("-inf")] * 3) == 0

@@ -63,8 +63,9 @@ def judge_stage(policy: Policy, builder: PromptBuilder, trajs: Sequence[Trajecto
     """Self-judgment of the finished episodes, in place (docs/method.md §5.4).
 
     One greedy call per finished, non-crashed trajectory with steps sets its ``verdict`` (the
-    decoded output), ``bad_steps`` (`parse_bad_steps`) and ``judge_tokens``. Keys: ``(PURPOSE_JUDGE, task_uid,
-    strategy_id, trajectory_id)`` (unused by a greedy `sampling`, kept for a sampled judge).
+    decoded output), ``bad_steps`` (`parse_bad_steps`) and ``judge_tokens`` (the verdict's
+    generated token count). Keys: ``(PURPOSE_JUDGE, task_uid, strategy_id, trajectory_id)``
+    (unused by a greedy `sampling`, kept for a sampled judge).
 
     Args:
       policy / builder: the judge's `Policy` and `PromptBuilder` (its tokenizer encodes the
