@@ -176,8 +176,8 @@ def _train(c, workdir, compiles, mesh) -> dict:
                 # eval (with the updated policy, which the next rollout samples from too)
                 policy.set_params(policy_params(state))
                 maybe_eval(done)
-            if status == "done":   # a no-op when that step is on disk already
-                saves.save(state, task_sampler.get_state())
+            if start >= c.iterations:   # nothing to run: the state as it is (a restored step
+                saves.save(state, task_sampler.get_state())   # on disk is not saved again)
     finally:
         flag.uninstall()
         pool.close()

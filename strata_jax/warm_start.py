@@ -67,7 +67,8 @@ EXAMPLE_FORMAT = 2
 
 def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
     """A 12-hex id of everything the warm start depends on (data, prompts, model, init)."""
-    d = dict(format=EXAMPLE_FORMAT, sft={k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"},
+    sft = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"}
+    d = dict(format=EXAMPLE_FORMAT, sft=sft,
              model=dataclasses.asdict(model_cfg), init=[c.model.path, c.model.preset, c.seed,
                                                         c.model.dtype, c.model.tokenizer],
              env=[c.env.name, list(c.env.tasks), c.env.max_prompt_tokens, c.env.history_length,

@@ -180,6 +180,30 @@ def test_sft_learns_and_sampler_reproduces_expert(tok, builder, episodes):
     assert parse_action(text.replace("<|im_end|>", "")).action == episodes[0].steps[0].action
 
 
+def test_sft_from_mesh_sharded_params_compiles_its_step_once(builder, episodes):
+    # A warm start from params placed on the mesh (a checkpoint, or a preset once built): every
+    # step returns params and optimiser state placed as they went in, so steps 2 and 3 reuse
+    # step 1's program (XLA's own choice of output placement compiled a second program).
+    from strata_jax.metrics import CompileCounter
+    from strata_jax.sharding import make_mesh, shard_params
+    examples = [e for ep in episodes for e in sft.render_episode(builder, ep, with_strategy=False)]
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, tie_word_embeddings=True)
+    mesh = make_mesh({"fsdp": -1})
+    params = shard_params(init_params(cfg, jax.random.PRNGKey(0)), cfg, mesh)
+    assert len(params["embed"].sharding.device_set) == 8
+    counter = CompileCounter.install()
+    seen = []
+    scfg = sft.SFTConfig(steps=3, batch_size=10, lr=1e-2, warmup_steps=1, log_every=1)
+    trained, losses = sft.train_sft(params, cfg, examples, scfg,
+                                    log_fn=lambda _: seen.append(counter.count))
+    assert len(seen) == 4                     # the "compiling" line, then one line per step
+    assert seen[1] > seen[0] and seen[3] == seen[2] == seen[1], seen
+    assert losses[0] == pytest.approx(math.log(151936), abs=0.2) and losses[2] < losses[0]
+    for name in ("embed", "final_norm"):   # the params keep their placement on the mesh
+        assert trained[name].sharding == params[name].sharding, name
+
+
 def test_maybe_warm_start_caches(tmp_path, tok, monkeypatch):
     c = builtin.get_config("tiny")
     c.sft.cache_dir = ""   # "" = per run, in <workdir>/warm_start (the default is runs/warm_start)

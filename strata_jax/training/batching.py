@@ -60,8 +60,8 @@ def minibatch_plan(valid: np.ndarray, kind: np.ndarray, mini_batch_size: int, ro
 
     The valid step samples are shuffled and split evenly into n = ceil(#step / mini_batch_size)
     mini-batches (at least 1); the valid strategy samples are shuffled and split evenly over the
-    same n mini-batches (docs/method.md §9.2). Every mini-batch is padded to the same static row count
-    rows = round_up(mini_batch_size + ceil(#strategy / n), row_multiple) so one compilation
+    same n mini-batches (docs/method.md §9.2). Every mini-batch is padded to the same static
+    row count rows = round_up(mini_batch_size + ceil(#strategy / n), row_multiple) so one compilation
     serves every mini-batch and iteration with the same n.
     Returns a list of (idx [rows] int32, real [rows] bool); padding entries point at row 0 with
     real False (the gather marks them invalid).

@@ -122,7 +122,8 @@ score_batch = jax.jit(_score_batch, static_argnames=("model", "cfg", "use_ref", 
 score_batch.__doc__ = """Fill old_logprobs, ref_logprobs, values, value_std of a SampleBatch.
 
 Args: params (policy; LoRA: the adapters), critic_params (`init_critic` tree), ref_params
-(frozen initial policy; ignored unless use_ref or LoRA, where it is the base), batch (R rows, R a multiple of chunk_rows), key (dropout PRNGKey);
+(frozen initial policy; ignored unless use_ref or LoRA, where it is the base), batch (R rows,
+R a multiple of chunk_rows), key (dropout PRNGKey);
 static: model, cfg, use_ref, chunk_rows (rows per lax.map step: peak activation memory),
 use_old (False: no old-logprob pass, old_logprobs left 0; the on-policy update does not read
 them). Returns the batch with old/ref logprobs [R, Tr] f32 (0 off response_mask; ref 0 without
@@ -276,9 +277,9 @@ accumulate_grads.__doc__ = """Mini-batch loss and gradients summed over micro-ba
 
 Args: params, critic_params; mb: SampleBatch (rows a multiple of cfg.micro_batch_size); adv,
 w, targets [rows] f32; base: the frozen base params when LoRA is on (params = adapters;
-gradients are the adapters'), else None; static model, cfg, on_policy (see `micro_loss`). Every micro-batch loss is normalised by the
-WHOLE mini-batch's per-level counts (`loss_normalizers`), so the result does not depend on
-micro_batch_size. Returns (loss f32, grads of params, grads of critic_params, metrics).
+gradients are the adapters'), else None; static model, cfg, on_policy (see `micro_loss`).
+Every micro-batch loss is normalised by the WHOLE mini-batch's per-level counts
+(`loss_normalizers`), so the result does not depend on micro_batch_size. Returns (loss f32, grads of params, grads of critic_params, metrics).
 """
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from strata_jax.models import Qwen2Config
 from strata_jax.sampling import bucket
@@ -34,7 +35,8 @@ def make_sft_batch(examples: Sequence[SFTExample], rows: int, pad_id: int = 1516
     Returns prompt_ids / prompt_mask [rows, Tp] (LEFT-padded, as the SampleBatch) and
     response_ids / response_mask [rows, Tr] (RIGHT-padded); int32 / bool. Tp is a power-of-two
     bucket (floor 64); Tr is rounded up to a multiple of 8 (the LM head over the response
-    columns dominates the step, so padding there costs the most); rows beyond the examples are all-pad with an empty mask (no loss).
+    columns dominates the step, so padding there costs the most); rows beyond the examples are
+    all-pad with an empty mask (no loss).
     The loss mask is exactly ``response_mask``: target tokens, never prompt tokens.
     Raises ValueError for more examples than rows or an empty list.
     """
@@ -79,6 +81,9 @@ class SFTTrainer:
       model_cfg: the model. cfg: `SFTConfig` (optimiser and chunking).
     The optimiser is `training.make_optimizer` (global-norm clip, AdamW) with linear warmup then
     cosine decay to 0 at ``cfg.steps``; params and optimiser state are donated to each step.
+    Params on a mesh (a checkpoint loaded onto it, or a preset placed there) keep their
+    placement through every step (`init` places the optimiser state to match), so the first
+    step's program serves them all.
     """
 
     def __init__(self, model_cfg: Qwen2Config, cfg: SFTConfig) -> None:
@@ -88,6 +93,7 @@ class SFTTrainer:
                            lr_schedule="cosine", decay_steps=cfg.steps)
         self.tx = make_optimizer(tcfg)
         self._step = jax.jit(self._step_fn, donate_argnums=(0, 1))
+        self._pinned = None   # the step with its outputs placed like its inputs (params on a mesh)
         self._eval = jax.jit(functools.partial(sft_loss, model_cfg=model_cfg,
                                                chunk_size=cfg.logprob_chunk))
 
@@ -100,13 +106,29 @@ class SFTTrainer:
         return optax.apply_updates(params, updates), opt_state, loss
 
     def init(self, params: Any) -> Any:
-        """Fresh optimiser state for `params`."""
-        return self.tx.init(params)
+        """Fresh optimiser state for `params`; for params on a mesh, the moments placed like
+        their params and the step counts replicated on that mesh."""
+        opt_state = self.tx.init(params)
+        sharding = jax.tree.leaves(params)[0].sharding
+        if not isinstance(sharding, NamedSharding):
+            return opt_state
+        rep = NamedSharding(sharding.mesh, PartitionSpec())
+        return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding)
+                            else jax.device_put(x, rep), opt_state)
 
     def step(self, params: Any, opt_state: Any, batch: dict[str, np.ndarray]
              ) -> tuple[Any, Any, jax.Array]:
-        """One optimiser step on a `make_sft_batch` batch: (params, opt_state, loss before)."""
-        return self._step(params, opt_state, batch)
+        """One optimiser step on a `make_sft_batch` batch: (params, opt_state, loss before).
+        Params on a mesh come back placed as they went in (the first call's placement)."""
+        sharding = jax.tree.leaves(params)[0].sharding
+        if not isinstance(sharding, NamedSharding):
+            return self._step(params, opt_state, batch)
+        if self._pinned is None:
+            out = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+            rep = NamedSharding(sharding.mesh, PartitionSpec())
+            self._pinned = jax.jit(self._step_fn, donate_argnums=(0, 1),
+                                   out_shardings=(*out, rep))
+        return self._pinned(params, opt_state, batch)
 
     def loss(self, params: Any, batch: dict[str, np.ndarray]) -> float:
         """Token-mean response cross-entropy of a batch (no update)."""

@@ -97,8 +97,8 @@ def play_gold(env: Any, task: Task, noise: float, rng: random.Random,
     """Replay ScienceWorld's gold action sequence on `task` (env built with generate_gold=True),
     inserting a harmless noise action before a gold step with probability `noise`.
 
-    Returns None when the gold path is longer than `max_gold_steps` (docs/method.md §11.1: behaviour
-    cloning uses pairs whose gold length fits)."""
+    Returns None when the gold path is longer than `max_gold_steps` (docs/method.md §11.1:
+    behaviour cloning uses pairs whose gold length fits)."""
     obs, _ = env.reset(task)
     pieces0 = env.prompt_pieces()
     gold = [_parsed(a) for a in env.gold_actions()]

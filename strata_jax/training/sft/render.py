@@ -44,7 +44,8 @@ def plan_text(actions: Sequence[str], max_items: int = 12) -> str:
 
 
 def action_response(action: str, think: str) -> str:
-    """Response text of one step (docs/method.md §2.1 format); the stop token is added at encoding."""
+    """Response text of one step (docs/method.md §2.1 format); the stop token is added at
+    encoding."""
     return f"<think>{think}</think><action>{action}</action>"
 
 
