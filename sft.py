@@ -5,8 +5,8 @@
     python sft.py --config=configs/sciworld.py --config.model.path=/ckpt/Qwen2.5-1.5B-Instruct \
         --config.sft.lr=1e-5 --out=/ckpt/qwen-bc
 
-The initial params are the run's own (`experiment.build_model`: a random ``model.preset`` with
-the vocabulary widened to the tokenizer, or ``model.path``). The result is an HF checkpoint
+The initial params are the run's own before its warm start (`experiment.build_model`: a random
+``model.preset`` with the vocabulary widened to the tokenizer, or ``model.path``). The result is an HF checkpoint
 (config.json + model.safetensors, no tokenizer files) in ``--out`` or, by default, the cache dir
 that ``model.warm_start=sft`` reads (``<sft.cache_dir>/<fingerprint>``, default
 ``runs/warm_start/<fingerprint>``), so every later ``train.py`` / ``eval.py`` of the same setting,
@@ -16,7 +16,7 @@ whatever its variant or workdir, reuses it. To start any run from an export expl
     # or, without the warm-start hook: --config.model.path=<export dir> --config.model.preset=
     #   --config.model.tokenizer=offline   (the export has no tokenizer files)
 
-Data, loss and the cache rules: strata_jax/training/sft.py.
+Data and loss: strata_jax/training/sft/; the cache rules: strata_jax/warm_start.py.
 """
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ flags.mark_flags_as_required(["config"])
 
 
 def run(c, out: str = "", force: bool = False) -> dict:
-    """`strata_jax.training.sft.export_warm_start` (returns {"out", "cached", "meta"})."""
-    from strata_jax.training import sft
-    return sft.export_warm_start(c, out, force, log_fn=print)
+    """`strata_jax.warm_start.export_warm_start` (returns {"out", "cached", "meta"})."""
+    from strata_jax.warm_start import export_warm_start
+    return export_warm_start(c, out, force, log_fn=print)
 
 
 @guarded

@@ -65,22 +65,25 @@ def run(c) -> dict:
 
 
 def _train(c, workdir, compiles, mesh) -> dict:
-    """The run of `run` once the workdir is locked."""
+    """The run of `run` once the workdir is locked: setup, resume, then one explicit loop of
+    ``rollout -> update -> log -> checkpoint -> eval`` per iteration."""
     import jax
-    import numpy as np
 
     from envs_bridge.pool import pool_metrics
     from strata_jax import distributed
     from strata_jax import experiment as ex
-    from strata_jax.evaluation import eval_tasks, evaluate, summarize
+    from strata_jax.evaluation import eval_tasks, evaluate
     from strata_jax.metrics import MetricsWriter, Progress, cpu_seconds
     from strata_jax.rollout import (RolloutConfig, SamplerPolicy, build_judge_model,
-                                    collect_rollout, make_prompt_builder, rollout)
-    from strata_jax.sampling import Sampler, compiled_program_count
-    from strata_jax.training import Checkpointer, Trainer, TrainConfig, run_loop
-    from strata_jax.trajectories import format_episode
+                                    make_prompt_builder)
+    from strata_jax.sampling import Sampler
+    from strata_jax.training import Checkpointer, LoopCheckpoints, Trainer, TrainConfig
+    from strata_jax.warm_start import maybe_warm_start
+
+    # --- setup: model, warm start, sampler, trainer, prompts, tasks ------------------------
     tokenizer = ex.build_tokenizer(c)
     model_cfg, init_params = ex.build_model(c, tokenizer, mesh)
+    init_params = maybe_warm_start(c, model_cfg, init_params, tokenizer, c.workdir, mesh=mesh)
     sampler_mesh = distributed.local_mesh(mesh)   # rollouts are per host: the sampler stays local
     sampler = Sampler(model_cfg, mesh=sampler_mesh, max_cache_len=ex.max_cache_len(c, model_cfg))
     trainer = Trainer(model_cfg, TrainConfig.from_config(c), mesh)
@@ -88,7 +91,11 @@ def _train(c, workdir, compiles, mesh) -> dict:
     builder = make_prompt_builder(tokenizer, c)
     judge = build_judge_model(c, sampler_mesh)   # None: the policy judges itself
     task_sampler = ex.TaskSampler(ex.task_list(c), seed=c.seed)
+    # The reference model is the initial policy, frozen (docs/method.md §8.2). With LoRA the
+    # frozen base is both the reference and the model the adapters ride on (always passed).
+    ref_params = init_params if c.loss.kl_coef or trainer.lora else None
 
+    # --- resume: the newest restorable checkpoint, or a fresh state -------------------------
     ckpt = Checkpointer(os.path.join(workdir, "ckpt"), keep=c.ckpt.keep, every=c.ckpt.every)
     restored = ckpt.restore(trainer.abstract_state(init_params))
     if restored is None:
@@ -99,9 +106,7 @@ def _train(c, workdir, compiles, mesh) -> dict:
         if meta.get("sampler_state"):
             task_sampler.set_state(meta["sampler_state"])
         log.info("resumed from step %d in %s", meta["step"], workdir)
-    # The reference model is the initial policy, frozen (docs/method.md §8.2). With LoRA the frozen
-    # base is both the reference and the model the adapters ride on (always passed).
-    ref_params = init_params if c.loss.kl_coef or trainer.lora else None
+    start = int(jax.device_get(state.step))
 
     def policy_params(state):
         """The sampler's copy of the policy: LoRA adapters merged into the base, cast to the
@@ -110,78 +115,23 @@ def _train(c, workdir, compiles, mesh) -> dict:
         return distributed.to_local(ex.sampler_params(c, merged), model_cfg, sampler_mesh)
 
     policy = SamplerPolicy(sampler, policy_params(state))
-
-    start = int(jax.device_get(state.step))
     # Rows logged after the restored step belong to the lost iterations: drop them on resume.
     writer = MetricsWriter(workdir, enabled=jax.process_index() == 0, resume_step=start)
     progress = Progress(c.iterations, start=start)
     pool = ex.build_pool(c)
-    timing: dict[str, float] = {}
-    latest: dict = {}   # the iteration's RolloutResult, from next_batch to on_metrics
-    last: dict = {}
-
     tasks_for_eval = eval_tasks(c, c.eval.split) if c.eval.every > 0 else []
 
-    def maybe_eval(it):
-        """Every eval.every iterations: the eval protocol on eval.split with the current params.
-        Skipped at the resume step when its eval row was logged before the kill (same params,
-        same key: it would be the same row twice)."""
-        if it == start and "eval/success" in writer.resumed_tags:
+    def maybe_eval(step):
+        """Every eval.every iterations: the eval protocol on eval.split with the policy's
+        current params. Skipped at the resume step when its eval row was logged before the kill
+        (same params, same key: it would be the same row twice)."""
+        if step == start and "eval/success" in writer.resumed_tags:
             return
-        if c.eval.every > 0 and it > 0 and it % c.eval.every == 0 and distributed.is_primary():
-            m, _ = evaluate(c, policy, pool, builder, tasks_for_eval, key=ex.seed_key(c, 2, it))
-            writer.scalars(it, m)
-            log.info("eval at step %d: success %.3f score %.2f", it, m["eval/success"],
+        if c.eval.every > 0 and step > 0 and step % c.eval.every == 0 and distributed.is_primary():
+            m, _ = evaluate(c, policy, pool, builder, tasks_for_eval, key=ex.seed_key(c, 2, step))
+            writer.scalars(step, m)
+            log.info("eval at step %d: success %.3f score %.2f", step, m["eval/success"],
                      m["eval/score"])
-
-    def next_batch(state):
-        it = int(jax.device_get(state.step))
-        policy.set_params(policy_params(state))
-        maybe_eval(it)
-        t0 = time.time()
-        timing.setdefault("_t_iter", (t0, cpu_seconds()))
-        counters = pool.stats()
-        if jax.process_count() > 1:
-            # Multi-host: every host draws the same global task list and rolls out its share
-            # (task uids stay global, so row keys and group ids match a single-process run).
-            mine, uid0 = distributed.host_share(task_sampler.sample(c.rollout.tasks_per_batch))
-            result = collect_rollout(policy, pool, builder, mine, key=ex.seed_key(c, 1, it),
-                                     config=rollout_cfg, task_uid_start=uid0, judge=judge)
-        else:
-            result = rollout(policy, pool, builder, task_sampler.sample,
-                             key=ex.seed_key(c, 1, it), config=rollout_cfg, judge=judge)
-        timing["time/rollout_s"] = time.time() - t0
-        timing.update(pool_metrics(counters, pool.stats()))   # env crashes, restarts, retries
-        timing["_t_update"] = time.time()
-        latest["rollout"] = result
-        # Multi-host: the hosts' batches become one global batch for the sharded update.
-        return distributed.global_batch(result.batch, mesh,
-                                        trainer.cfg.score_rows or trainer.cfg.micro_batch_size)
-
-    def on_metrics(step, metrics):
-        result = latest["rollout"]
-        t_update = time.time() - timing.pop("_t_update")
-        t_iter, cpu_iter = timing.pop("_t_iter")
-        timing["time/iteration_s"] = time.time() - t_iter
-        timing["time/iteration_cpu_s"] = cpu_seconds() - cpu_iter   # this process + its JVMs
-        m = {**result.stats, **metrics, **timing, "time/update_s": t_update,
-             "compile/sampler_programs": float(compiled_program_count()),
-             "compile/count": float(compiles.count), "compile/seconds": compiles.seconds}
-        steps = max(result.stats.get("rollout/steps", 0.0), 1.0)
-        m["perf/env_steps_per_s"] = steps / max(timing["time/rollout_s"], 1e-9)
-        generated = float(np.sum(np.asarray(result.batch.response_mask)))
-        m["perf/sampler_tokens_per_s"] = generated / max(result.stats.get("time/sampler_s", 0), 1e-9)
-        m["perf/train_tokens_per_s"] = m.get("train/tokens", 0.0) / max(t_update, 1e-9)
-        m.update(summarize(result.trajectories, c.env.name, prefix="train"))
-        writer.scalars(step, m)
-        dumps = result.dump()[: c.log.dump_trajectories]
-        writer.trajectories(step, dumps)
-        for k, rec in enumerate(dumps[:TB_EPISODES]):   # TensorBoard's text tab
-            writer.text(step, f"episodes/{k}", "```\n" + format_episode(rec) + "\n```")
-        last.clear()
-        last.update(m)
-        progress.update(step, f"return {m.get('rollout/mean_return', float('nan')):+.3f} "
-                              f"success {m.get('rollout/success_rate', float('nan')):.2f}")
 
     if start < c.iterations:
         log.info("compiling the sampler and the update for iteration %d (the first iteration "
@@ -189,15 +139,48 @@ def _train(c, workdir, compiles, mesh) -> dict:
     else:
         log.info("%s already finished %d of %d iterations; raise --config.iterations to "
                  "continue it", workdir, start, c.iterations)
+
+    # --- the loop ----------------------------------------------------------------------------
     flag = _stop_flag().install()
+    status, last = "done", {}
     try:
-        state, status = run_loop(trainer, state, next_batch, iterations=c.iterations,
-                                 checkpointer=ckpt, ref_params=ref_params,
-                                 sampler_state=task_sampler.get_state, config=c,
-                                 on_metrics=on_metrics, flag=flag)
-        if status == "done":
-            policy.set_params(policy_params(state))
-            maybe_eval(int(jax.device_get(state.step)))
+        with LoopCheckpoints(ckpt, config=c) as saves:
+            saves.mark(state, task_sampler.get_state())
+            maybe_eval(start)   # the resume step's eval, when the kill came before it
+            for step in range(start, c.iterations):
+                saves.mark(state, task_sampler.get_state())   # what an exception saves
+                t_iter, cpu_iter, counters = time.time(), cpu_seconds(), pool.stats()
+                # rollout
+                result = _rollout(c, policy, pool, builder, task_sampler, rollout_cfg, step,
+                                  judge)
+                t_rollout = time.time() - t_iter
+                env_failures = pool_metrics(counters, pool.stats())   # crashes, restarts, ...
+                # update (multi-host: the hosts' batches become one global batch first)
+                t_update = time.time()
+                batch = distributed.global_batch(
+                    result.batch, mesh, trainer.cfg.score_rows or trainer.cfg.micro_batch_size)
+                state, metrics = trainer.update(state, batch, ref_params)
+                done = int(jax.device_get(state.step))
+                # log
+                t_done = time.time()
+                last = _iteration_metrics(
+                    c, result, metrics, env_failures, compiles, rollout_s=t_rollout,
+                    update_s=t_done - t_update, iteration_s=t_done - t_iter,
+                    iteration_cpu_s=cpu_seconds() - cpu_iter)
+                _log_iteration(c, writer, progress, done, last, result)
+                # checkpoint
+                if flag.requested:   # SIGTERM / the first Ctrl-C: save and stop cleanly
+                    saves.save(state, task_sampler.get_state())
+                    status = "preempted"
+                    break
+                if saves.due(done) or done == c.iterations:   # the end: saved before its eval
+                    saves.save(state, task_sampler.get_state())
+                saves.mark(state, task_sampler.get_state())
+                # eval (with the updated policy, which the next rollout samples from too)
+                policy.set_params(policy_params(state))
+                maybe_eval(done)
+            if start >= c.iterations:   # nothing to run: the state as it is (a restored step
+                saves.save(state, task_sampler.get_state())   # on disk is not saved again)
     finally:
         flag.uninstall()
         pool.close()
@@ -206,6 +189,63 @@ def _train(c, workdir, compiles, mesh) -> dict:
     step = int(jax.device_get(state.step))
     log.info("%s at step %d; outputs in %s", status, step, workdir)
     return {"status": status, "step": step, "workdir": workdir, "last_metrics": last}
+
+
+def _rollout(c, policy, pool, builder, task_sampler, rollout_cfg, step, judge=None):
+    """Iteration `step`'s rollout: this host's tasks played with the current policy."""
+    import jax
+
+    from strata_jax import distributed
+    from strata_jax import experiment as ex
+    from strata_jax.rollout import collect_rollout, rollout
+
+    key = ex.seed_key(c, 1, step)
+    if jax.process_count() > 1:
+        # Multi-host: every host draws the same global task list and rolls out its share
+        # (task uids stay global, so row keys and group ids match a single-process run).
+        mine, uid0 = distributed.host_share(task_sampler.sample(c.rollout.tasks_per_batch))
+        return collect_rollout(policy, pool, builder, mine, key=key, config=rollout_cfg,
+                               task_uid_start=uid0, judge=judge)
+    return rollout(policy, pool, builder, task_sampler.sample, key=key, config=rollout_cfg,
+                   judge=judge)
+
+
+def _iteration_metrics(c, result, metrics, env_failures, compiles, *, rollout_s, update_s,
+                       iteration_s, iteration_cpu_s) -> dict:
+    """One iteration's metrics row: the rollout's stats, the update's metrics, env failure
+    counters, wall / CPU seconds (this process + its JVMs), compile counts, throughputs
+    (env steps, sampled and trained tokens per second) and the train episodes' summary."""
+    import numpy as np
+
+    from strata_jax.evaluation import summarize
+    from strata_jax.sampling import compiled_program_count
+
+    m = {**result.stats, **metrics, "time/rollout_s": rollout_s, **env_failures,
+         "time/iteration_s": iteration_s, "time/iteration_cpu_s": iteration_cpu_s,
+         "time/update_s": update_s,
+         "compile/sampler_programs": float(compiled_program_count()),
+         "compile/count": float(compiles.count), "compile/seconds": compiles.seconds}
+    steps = max(result.stats.get("rollout/steps", 0.0), 1.0)
+    m["perf/env_steps_per_s"] = steps / max(rollout_s, 1e-9)
+    generated = float(np.sum(np.asarray(result.batch.response_mask)))
+    m["perf/sampler_tokens_per_s"] = generated / max(result.stats.get("time/sampler_s", 0), 1e-9)
+    m["perf/train_tokens_per_s"] = m.get("train/tokens", 0.0) / max(update_s, 1e-9)
+    m.update(summarize(result.trajectories, c.env.name, prefix="train"))
+    return m
+
+
+def _log_iteration(c, writer, progress, step, m, result) -> None:
+    """Write the metrics row, the trajectory dumps and TensorBoard's sample episodes of
+    iteration `step`, and advance the progress line."""
+    from strata_jax.trajectories import format_episode
+
+    writer.scalars(step, m)
+    dumps = result.dump()[: c.log.dump_trajectories]
+    writer.trajectories(step, dumps)
+    for k, rec in enumerate(dumps[:TB_EPISODES]):   # TensorBoard's text tab
+        writer.text(step, f"episodes/{k}", "```\n" + format_episode(rec) + "\n```")
+    progress.update(step, f"return {m.get('rollout/mean_return', float('nan')):+.3f} "
+                          f"success {m.get('rollout/success_rate', float('nan')):.2f}")
 
 
 def _stop_flag():

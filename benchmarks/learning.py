@@ -66,11 +66,11 @@ def sciworld_config(args, algo: str, seed: int):
 
 def warm_start(make, args, env: str) -> str:
     """Train (or reuse) the env's warm start; returns the export dir."""
-    from strata_jax.training import sft
+    from strata_jax.warm_start import export_warm_start
     c = make(args, "strata", 0)
     out = os.path.join(args.out, f"warm_start_{env}")
     t0 = time.time()
-    res = sft.export_warm_start(c, out, log_fn=print)
+    res = export_warm_start(c, out, log_fn=print)
     m = res["meta"]
     print(f"[{env}] warm start {'(cached) ' if res['cached'] else ''}{out}: "
           f"{m['episodes']} expert episodes, examples {m['examples']}, loss "
@@ -91,12 +91,13 @@ def code_copy_probe(args, export: str, episodes: int = 48) -> dict:
     import numpy as np
     from strata_jax.models import Qwen2Config, load_params, load_tokenizer
     from strata_jax.training import sft
+    from strata_jax.warm_start import sft_examples
     from strata_jax.training.scoring import response_logprobs, response_states
 
     c = memory_key_config(args, "strata", 0)
     c.sft.episodes, c.sft.split, c.sft.noise = episodes, "dev", 0.0
     tok = load_tokenizer(None)
-    examples, _ = sft.sft_examples(c, tok)
+    examples, _ = sft_examples(c, tok)
     cfg = Qwen2Config.from_pretrained(export)
     params = load_params(export, cfg)
     digits = {tok.encode(str(d))[0] for d in range(10)}

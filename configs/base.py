@@ -28,7 +28,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.remat = True           # rematerialisation per decoder layer: True = "dots", False = "none", or "full"
     c.model.warm_start = ""        # "" none; "sft" = behaviour cloning (cached in sft.cache_dir); or an HF export dir
 
-    # --- Behaviour-cloning warm start (strata_jax/training/sft.py; sft.py) -----------------
+    # --- Behaviour-cloning warm start (strata_jax/training/sft/; sft.py) ------------------
     c.sft = ml_collections.ConfigDict()
     c.sft.episodes = 32            # expert episodes (built-in expert_action / ScienceWorld gold)
     c.sft.split = "train"

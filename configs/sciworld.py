@@ -35,7 +35,7 @@ def tiny(c):
     c.rollout.sampler_dtype = "float32"
     c.model.tokenizer = "offline"
     c.model.remat = False
-    # Behaviour cloning on the tiny tasks' gold paths first (strata_jax/training/sft.py), so the
+    # Behaviour cloning on the tiny tasks' gold paths first (strata_jax/training/sft/), so the
     # actions reach ScienceWorld from iteration 1; trained once, cached in sft.cache_dir
     # (runs/warm_start/<fingerprint>), which every variant and eval of this setting finds.
     c.model.warm_start = "sft"

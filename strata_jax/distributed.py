@@ -37,6 +37,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from strata_jax.algos.batch import pad_batch
+
 log = logging.getLogger(__name__)
 
 # Environment variables read when the config leaves a field empty (-1 / "").
@@ -232,24 +234,6 @@ def host_values(x: Any) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def _pad_batch(batch: Any, rows: int, tp: int, tr: int) -> Any:
-    """Pad a numpy SampleBatch to `rows` rows (padding rows: PAD ids, valid False, masks False),
-    prompts LEFT-padded to `tp` columns and every other [R, T] field RIGHT-padded to `tr`."""
-    from strata_jax.algos import PAD_ID
-    from strata_jax.training.update import _ID_FIELDS
-    out = {}
-    for f in dataclasses.fields(batch):
-        x = np.asarray(getattr(batch, f.name))
-        fill = PAD_ID if f.name in _ID_FIELDS else 0
-        x = np.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
-        if x.ndim == 2:  # token columns: zeros / False (masked everywhere)
-            left = f.name.startswith("prompt_")
-            extra = (tp if left else tr) - x.shape[1]
-            x = np.pad(x, [(0, 0), (extra, 0) if left else (0, extra)], constant_values=0)
-        out[f.name] = x
-    return type(batch)(**out)
-
-
 def global_batch(batch: Any, mesh: Mesh, row_multiple: int = 1) -> Any:
     """Assemble the global SampleBatch from every host's local one (pass-through for one process).
 
@@ -281,7 +265,7 @@ def global_batch(batch: Any, mesh: Mesh, row_multiple: int = 1) -> Any:
     # Global rows p*R must split over the batch devices AND be a multiple of row_multiple.
     need = math.lcm(per_host, max(int(row_multiple), 1) // math.gcd(max(int(row_multiple), 1), p))
     rows = -(-rows // need) * need
-    local = _pad_batch(batch, rows, tp, tr)
+    local = pad_batch(batch, rows, tp, tr)
 
     def put(x):
         shape = (p * rows,) + x.shape[1:]

@@ -215,7 +215,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
         model_cfg = trainer.model
         # LoRA adapters need their frozen base (the run's initial params); full fine-tuning
         # needs only the shapes: nothing is loaded or trained besides the checkpoint.
-        base = (ex.build_model(c, tokenizer, mesh, train_warm_start=False)[1] if trainer.lora
+        base = (_initial_params(c, tokenizer, mesh)[1] if trainer.lora
                 else ex.abstract_params(c, model_cfg))
         ckpt = Checkpointer(ckpt_dir, keep=c.ckpt.keep)
         restored = ckpt.restore(trainer.abstract_state(base), step=step)
@@ -234,7 +234,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
                 raise ex.ConfigError(str(e)) from None
         print(f"evaluating checkpoint step {at} of {c.workdir}", flush=True)
     else:
-        model_cfg, params = ex.build_model(c, tokenizer, mesh, train_warm_start=False)
+        model_cfg, params = _initial_params(c, tokenizer, mesh)
         print(f"evaluating the config's model as is ({c.model.path or 'preset ' + c.model.preset}"
               + (f", warm start {c.model.warm_start}" if c.model.warm_start else "") + ")",
               flush=True)
@@ -274,6 +274,16 @@ def run_eval(c, split: str | None = None, step: int | None = None,
                 f.write(json.dumps({"step": at, **rec}, default=str) + "\n")
         metrics["files"] = [stem + ".json", stem + "_trajectories.jsonl"]
     return metrics
+
+
+def _initial_params(c: Any, tokenizer: Any, mesh: Any) -> tuple[Any, Any]:
+    """The run's initial params for evaluation: `experiment.build_model`, then the warm start
+    only when it is already cached (eval never trains one: a ConfigError says to run sft.py)."""
+    from strata_jax import experiment as ex
+    from strata_jax.warm_start import maybe_warm_start
+    model_cfg, params = ex.build_model(c, tokenizer, mesh)
+    return model_cfg, maybe_warm_start(c, model_cfg, params, tokenizer, c.workdir, mesh=mesh,
+                                       train=False)
 
 
 def format_metrics(metrics: dict) -> str:

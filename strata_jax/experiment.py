@@ -3,7 +3,8 @@
 `train.py`, `eval.py`, `sft.py` and the notebook share this assembly so that a config means the
 same thing everywhere:
 
-    config -> validate -> mesh -> tokenizer -> model config + initial params
+    config -> validate -> mesh -> tokenizer -> model config + params
+           [-> warm start: strata_jax/warm_start.py, a separate step]
            -> task lists / TaskSampler -> EnvPool -> Sampler + SamplerPolicy -> PromptBuilder
            -> Trainer + Checkpointer
 
@@ -283,31 +284,25 @@ def abstract_params(c: Any, model_cfg: Qwen2Config) -> Any:
     return jax.eval_shape(lambda k: init_params(model_cfg, k, dtype), jax.random.PRNGKey(0))
 
 
-def build_model(c: Any, tokenizer: Any, mesh: jax.sharding.Mesh | None,
-                train_warm_start: bool = True) -> tuple[Qwen2Config, Any]:
-    """Model config and the INITIAL policy params (also the frozen reference model).
+def build_model(c: Any, tokenizer: Any, mesh: jax.sharding.Mesh | None
+                ) -> tuple[Qwen2Config, Any]:
+    """Model config and the params as built or loaded, before any warm start (the run's
+    initial params are these after `strata_jax.warm_start.maybe_warm_start`).
 
     model.preset: random weights of a named shape (seeded by c.seed), the vocabulary widened to
     hold every tokenizer id. model.path: an HF checkpoint dir, a GGUF file, a model name of
-    `strata_jax.models.fetch` or a hub id (`load_params`; a ConfigError naming --config.model.path when it is missing or cannot be downloaded). Then
-    ``model.warm_start`` (`maybe_warm_start`; with ``train_warm_start=False`` a warm start that
-    is not cached yet is a ConfigError instead of being trained: eval.py). Params are placed
-    with the mesh's logical-axis shardings.
+    `strata_jax.models.fetch` or a hub id (`load_params`; a ConfigError naming
+    --config.model.path when it is missing or cannot be downloaded). Params are in
+    ``model.dtype``, placed with the mesh's logical-axis shardings when `mesh` is given.
     """
-    from strata_jax.training.sft import maybe_warm_start  # lazy: sft imports this module
-
     dtype = jnp.dtype(c.model.dtype)
     cfg = model_config(c, tokenizer)
     if c.model.preset:
         params = init_params(cfg, jax.random.PRNGKey(c.seed), dtype)
-        # model.warm_start: "" none; "sft" = behaviour cloning (cached); or an HF export dir
-        params = maybe_warm_start(c, cfg, params, tokenizer, c.workdir, train=train_warm_start)
         if mesh is not None:
             params = sharding.shard_params(params, cfg, mesh)
         return cfg, params
-    params = load_params(checkpoint_dir(c), cfg, dtype=dtype, mesh=mesh)
-    return cfg, maybe_warm_start(c, cfg, params, tokenizer, c.workdir, mesh=mesh,
-                                 train=train_warm_start)
+    return cfg, load_params(checkpoint_dir(c), cfg, dtype=dtype, mesh=mesh)
 
 
 def sampler_params(c: Any, params: Any) -> Any:

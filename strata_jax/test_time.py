@@ -149,7 +149,7 @@ class CriticScorer:
     """V(h_t) of (prompt, response) rows with a trained critic (`strata_jax.training.critic`).
 
     h_t = the trunk's final hidden state at the last response token, as the trainer reads it
-    (`training.scoring.response_states`; `training.update.score_batch` gives the same values
+    (`training.scoring.response_states`; `training.steps.score_batch` gives the same values
     without dropout). Rows are left-padded (prompts) / right-padded (responses) to
     power-of-two buckets and run `rows_per_call` at a time.
 
@@ -213,7 +213,7 @@ def critic_scorer(trainer: Any, state: Any, base: Any = None) -> CriticScorer:
 
     Raises ValueError when the state has no critic (``train.critic`` resolved to "none":
     every algo but ppo / stapo unless set), saying what to use instead."""
-    from strata_jax.training.update import effective_params
+    from strata_jax.training.steps import effective_params
     cfg = trainer.cfg
     if cfg.critic_kind == "none" or not state.critic_params:
         raise ValueError(f"eval.strategy_choice=critic needs a critic, and this run has none "

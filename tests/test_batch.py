@@ -54,3 +54,20 @@ def test_missing_key_and_mismatched_mask_raise():
         make_sample_batch([dict(prompt_ids=[1], response_ids=[1])])
     with pytest.raises(ValueError, match="response_mask"):
         make_sample_batch([_rec(response_mask=[1])])
+
+
+def test_pad_batch_left_pads_prompts_right_pads_responses():
+    from strata_jax.algos import ID_FIELDS, PAD_ID, pad_batch
+    b = make_sample_batch([dict(prompt_ids=[5, 6], response_ids=[7], task_id=3, trajectory_id=1,
+                                kind=1)], row_multiple=1)
+    p = pad_batch(b, 3, b.prompt_ids.shape[1] + 2, b.response_ids.shape[1] + 1)
+    assert p.prompt_ids.shape == (3, 10) and list(p.prompt_ids[0, -2:]) == [5, 6]
+    assert list(p.prompt_mask[0, :2]) == [False, False] and p.prompt_mask[0].sum() == 2
+    assert p.response_ids.shape == (3, 9) and p.old_logprobs.shape == (3, 9)
+    assert p.response_ids[0, 0] == 7 and not p.response_mask[0, 1:].any()
+    assert list(p.task_id) == [3, PAD_ID, PAD_ID] and list(p.valid) == [True, False, False]
+    for f in ID_FIELDS:   # every id field of a padding row is PAD_ID, every other field 0
+        assert list(getattr(p, f)[1:]) == [PAD_ID, PAD_ID], f
+    assert float(p.score[1:].sum()) == 0.0 and not p.prompt_mask[1:].any()
+    with pytest.raises(ValueError, match="cannot shrink"):
+        pad_batch(b, 0)

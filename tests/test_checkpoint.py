@@ -15,7 +15,7 @@ import pytest
 from strata_jax.models import init_params
 from strata_jax.sharding import make_mesh
 from strata_jax.training import Checkpointer, Trainer, tree_to_numpy
-from tests.trainer_fixtures import TINY, iteration_batch, train_config
+from tests.trainer_fixtures import TINY, iteration_batch, run_loop, train_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -160,7 +160,7 @@ def test_restore_8_device_checkpoint_into_1_device_process(setup, tmp_path):
         np.testing.assert_array_equal(got[str(i)], w)
 
 
-# ---------------------------------------------------------------- exception-path saves (run_loop)
+# ------------------------------------------- exception-path saves (LoopCheckpoints via run_loop)
 
 
 class _InterruptAt:
@@ -186,7 +186,6 @@ def test_exception_path_saves_the_state_before_the_interrupted_iteration(setup, 
     # Ctrl-C in iteration 2: the checkpoint must hold sampler position 4 (iterations 0 and 1)
     # and the state after iteration 1, so the resumed iteration 2 draws the same two tasks.
     from envs_bridge import TaskSampler
-    from strata_jax.training import run_loop
     params, trainer, state0 = setup
     drawn = []
 
@@ -227,7 +226,6 @@ def _step_snapshot(step_dir):
 def test_a_committed_step_is_never_deleted_and_rewritten(setup, tmp_path, monkeypatch):
     # A finished run's forced final save and the first Ctrl-C after a periodic save hit a step
     # already on disk: it must stay as it is (no delete-then-rewrite window, keep=1).
-    from strata_jax.training import run_loop
     params, trainer, state0 = setup
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=1, every=1)
     state, status = run_loop(trainer, state0, lambda s: iteration_batch(int(s.step)),
@@ -295,7 +293,7 @@ def test_a_step_without_its_manifest_was_never_committed(setup, tmp_path):
 def test_full_disk_is_one_clear_error_without_a_second_save(setup, tmp_path, monkeypatch):
     import errno
 
-    from strata_jax.training import CheckpointWriteError, run_loop
+    from strata_jax.training import CheckpointWriteError
     params, trainer, state0 = setup
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3, every=1)
     run_loop(trainer, state0, lambda s: iteration_batch(int(s.step)), iterations=1,

@@ -179,7 +179,7 @@ def test_top_k_minus_one_means_off():
 
 def test_each_variant_has_its_own_run_folder_and_all_share_one_warm_start():
     from strata_jax.models import load_tokenizer
-    from strata_jax.training import sft
+    from strata_jax.warm_start import warm_start_dir
     names = {v: sciworld.get_config(v).workdir
              for v in ("tiny", "tiny,grpo", "grpo,tiny", "tiny,gigpo,matched", "tiny,vanilla",
                        "tiny,optim.lr=1e-5", "tiny,grpo,workdir=/tmp/mine")}
@@ -193,9 +193,9 @@ def test_each_variant_has_its_own_run_folder_and_all_share_one_warm_start():
     dirs = set()
     for v in ("tiny", "tiny,grpo", "tiny,gigpo,matched"):
         c = sciworld.get_config(v)
-        dirs.add(sft.warm_start_dir(c, ex.model_config(c, tok), c.workdir))
+        dirs.add(warm_start_dir(c, ex.model_config(c, tok), c.workdir))
         base.set_override(c, "workdir", "/elsewhere/run")    # another run folder, same cache
-        dirs.add(sft.warm_start_dir(c, ex.model_config(c, tok), c.workdir))
+        dirs.add(warm_start_dir(c, ex.model_config(c, tok), c.workdir))
     assert len(dirs) == 1 and dirs.pop().startswith("runs/warm_start/")
 
 

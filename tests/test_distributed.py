@@ -112,18 +112,6 @@ def test_host_share_union_is_the_global_list():
         host_share(drawn, 0, 4)
 
 
-def test_pad_batch_left_pads_prompts_right_pads_responses():
-    from strata_jax.algos import PAD_ID, make_sample_batch
-    from strata_jax.distributed import _pad_batch
-    b = make_sample_batch([dict(prompt_ids=[5, 6], response_ids=[7], task_id=3, trajectory_id=1,
-                                kind=1)], row_multiple=1)
-    p = _pad_batch(b, rows=3, tp=b.prompt_ids.shape[1] + 2, tr=b.response_ids.shape[1] + 1)
-    assert p.prompt_ids.shape[0] == 3 and list(p.prompt_ids[0, -2:]) == [5, 6]
-    assert list(p.prompt_mask[0, :2]) == [False, False] and p.prompt_mask[0].sum() == 2
-    assert p.response_ids[0, 0] == 7 and not p.response_mask[0, 1:].any()
-    assert list(p.task_id) == [3, PAD_ID, PAD_ID] and list(p.valid) == [True, False, False]
-
-
 # ----------------------------------------------------------------------------- the test
 
 

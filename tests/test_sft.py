@@ -1,4 +1,4 @@
-"""Behaviour-cloning warm start (strata_jax/training/sft.py).
+"""Behaviour-cloning warm start (strata_jax/training/sft/, strata_jax/warm_start.py).
 
 1. The SFT examples are the rollout's own prompts: a real `collect_rollout` (StraTA and flat) on
    memory_key, played by a scripted policy that answers ONLY prompts found among the SFT examples
@@ -9,7 +9,7 @@
 3. SFT of the tiny Qwen2 shape (vocabulary widened to the tokenizer's, as experiment.build_model
    does) on two expert trajectories drives the loss down by > 10x, and greedy decoding through the
    real Sampler then reproduces the expert's response on a training prompt.
-4. The warm-start hook: "" is a no-op, "sft" trains once and then loads the cached export.
+4. The warm-start step: "" is a no-op, "sft" trains once and then loads the cached export.
 """
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ from strata_jax.models import (PRESETS, Qwen2Config, forward, init_params, load_
 from strata_jax.models.tokenizer import IM_END_ID
 from strata_jax.rollout import PromptBuilder, RolloutConfig, ScriptedPolicy, collect_rollout
 from strata_jax.rollout.episodes import action_stop_text
+from strata_jax.rollout.prompts import PromptIds
 from strata_jax.sampling import Sampler, SamplingParams
+from strata_jax import warm_start
 from strata_jax.training import sft
 
 MK_TASKS = [Task("memory_key", "memory_key", s, "train") for s in (0, 1)]
@@ -141,7 +143,7 @@ def test_loss_matches_full_logits():
     for n_p, n_r in ((7, 3), (12, 5)):
         p = tuple(int(x) for x in rng.integers(0, 300, n_p))
         r = tuple(int(x) for x in rng.integers(0, 300, n_r))
-        exs.append(sft.SFTExample(sft.PromptIds((), p, "", ""), r, "", "action", False))
+        exs.append(sft.SFTExample(PromptIds((), p, "", ""), r, "", "action", False))
     batch = sft.make_sft_batch(exs, rows=3, pad_id=0)
     loss, n = jax.jit(lambda p, b: sft.sft_loss(p, cfg, b))(params, batch)
     assert float(n) == 8.0
@@ -178,6 +180,30 @@ def test_sft_learns_and_sampler_reproduces_expert(tok, builder, episodes):
     assert parse_action(text.replace("<|im_end|>", "")).action == episodes[0].steps[0].action
 
 
+def test_sft_from_mesh_sharded_params_compiles_its_step_once(builder, episodes):
+    # A warm start from params placed on the mesh (a checkpoint, or a preset once built): every
+    # step returns params and optimiser state placed as they went in, so steps 2 and 3 reuse
+    # step 1's program (XLA's own choice of output placement compiled a second program).
+    from strata_jax.metrics import CompileCounter
+    from strata_jax.sharding import make_mesh, shard_params
+    examples = [e for ep in episodes for e in sft.render_episode(builder, ep, with_strategy=False)]
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, tie_word_embeddings=True)
+    mesh = make_mesh({"fsdp": -1})
+    params = shard_params(init_params(cfg, jax.random.PRNGKey(0)), cfg, mesh)
+    assert len(params["embed"].sharding.device_set) == 8
+    counter = CompileCounter.install()
+    seen = []
+    scfg = sft.SFTConfig(steps=3, batch_size=10, lr=1e-2, warmup_steps=1, log_every=1)
+    trained, losses = sft.train_sft(params, cfg, examples, scfg,
+                                    log_fn=lambda _: seen.append(counter.count))
+    assert len(seen) == 4                     # the "compiling" line, then one line per step
+    assert seen[1] > seen[0] and seen[3] == seen[2] == seen[1], seen
+    assert losses[0] == pytest.approx(math.log(151936), abs=0.2) and losses[2] < losses[0]
+    for name in ("embed", "final_norm"):   # the params keep their placement on the mesh
+        assert trained[name].sharding == params[name].sharding, name
+
+
 def test_maybe_warm_start_caches(tmp_path, tok, monkeypatch):
     c = builtin.get_config("tiny")
     c.sft.cache_dir = ""   # "" = per run, in <workdir>/warm_start (the default is runs/warm_start)
@@ -187,24 +213,25 @@ def test_maybe_warm_start_caches(tmp_path, tok, monkeypatch):
                       num_heads=2, num_kv_heads=1, head_dim=8, tie_word_embeddings=True)
     params = init_params(cfg, jax.random.PRNGKey(0))
     c.model.warm_start = ""
-    assert sft.maybe_warm_start(c, cfg, params, tok, str(tmp_path)) is params
+    assert warm_start.maybe_warm_start(c, cfg, params, tok, str(tmp_path)) is params
     c.model.warm_start = "sft"
     calls = []
-    real = sft.run_sft
-    monkeypatch.setattr(sft, "run_sft", lambda *a, **k: calls.append(1) or real(*a, **k))
-    p1 = sft.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
-    p2 = sft.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
+    real = warm_start.run_sft
+    monkeypatch.setattr(warm_start, "run_sft", lambda *a, **k: calls.append(1) or real(*a, **k))
+    p1 = warm_start.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
+    p2 = warm_start.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
     assert calls == [1]   # second call loaded the cache
     # A change to the env's data (memory_key code length) is another cache entry.
-    d = sft.warm_start_dir(c, cfg, str(tmp_path))
+    d = warm_start.warm_start_dir(c, cfg, str(tmp_path))
     c.env.code_digits = 2
-    assert sft.warm_start_dir(c, cfg, str(tmp_path)) != d
+    assert warm_start.warm_start_dir(c, cfg, str(tmp_path)) != d
     c.env.code_digits = 1
     np.testing.assert_array_equal(np.asarray(p1["embed"]), np.asarray(p2["embed"]))
     assert not np.array_equal(np.asarray(p1["embed"]), np.asarray(params["embed"]))
-    c.model.warm_start = sft.warm_start_dir(c, cfg, str(tmp_path))   # an explicit export dir
+    c.model.warm_start = warm_start.warm_start_dir(c, cfg, str(tmp_path))   # an explicit export dir
     np.testing.assert_array_equal(
-        np.asarray(sft.maybe_warm_start(c, cfg, params, tok, "unused")["embed"]),
+        np.asarray(warm_start.maybe_warm_start(c, cfg, params, tok, "unused")["embed"]),
         np.asarray(p1["embed"]))
     with pytest.raises(ValueError, match="holds a"):
-        sft.maybe_warm_start(c, dataclasses.replace(cfg, num_layers=2), params, tok, "unused")
+        warm_start.maybe_warm_start(c, dataclasses.replace(cfg, num_layers=2), params, tok,
+                                    "unused")

@@ -217,7 +217,7 @@ def test_remat_and_bf16_options(setup):
 
 
 def _count_score_calls(monkeypatch):
-    from strata_jax.training import update as upd
+    from strata_jax.training import trainer as upd   # where Trainer.score looks it up
     calls, orig = [], upd.score_batch
 
     def spy(*a, **k):
@@ -266,7 +266,7 @@ def test_no_scoring_pass_without_kl_critic_or_second_minibatch(setup, monkeypatc
 
 
 def test_trim_padding_drops_only_padding_columns(setup):
-    from strata_jax.training.update import trim_padding
+    from strata_jax.training.batching import trim_padding
     params, trainer, state = setup
     recs = grpo_records(n_tasks=1, per_task=4, seed=3, prompt_len=(3, 7), resp_len=(2, 6))
     tight = make_batch(recs)                      # widths 8 and 8 (longest 6 and 5)

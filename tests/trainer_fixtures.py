@@ -61,6 +61,36 @@ def iteration_batch(step: int):
     return make_batch(grpo_records(seed=step, scores=scores))
 
 
+def run_loop(trainer, state, next_batch, *, iterations, checkpointer=None, ref_params=None,
+             sampler_state=lambda: None, config=None, flag=None):
+    """The loop tests' stub training loop: train.py's iteration loop without rollout, logging
+    or eval, built on the same `LoopCheckpoints` (cadence, preemption and exception-path saves).
+
+    next_batch: state -> the iteration's SampleBatch; sampler_state: the task sampler's
+    position, saved with each checkpoint; flag: an installed PreemptionFlag (default: one is
+    installed here). Returns (state, "done" | "preempted")."""
+    from strata_jax.training import LoopCheckpoints, PreemptionFlag
+
+    own = flag is None
+    flag = flag or PreemptionFlag().install()
+    try:
+        with LoopCheckpoints(checkpointer, config) as saves:
+            saves.mark(state, sampler_state())
+            while int(state.step) < iterations:
+                saves.mark(state, sampler_state())
+                state, _ = trainer.update(state, next_batch(state), ref_params)
+                if flag.requested:
+                    saves.save(state, sampler_state())
+                    return state, "preempted"
+                if saves.due(int(state.step)):
+                    saves.save(state, sampler_state())
+            saves.save(state, sampler_state())
+            return state, "done"
+    finally:
+        if own:
+            flag.uninstall()
+
+
 def _sigterm_driver(workdir: str) -> None:
     """Run many iterations with periodic checkpoints; iteration 2's batch source announces it
     started (file `started`) and lingers so the test's SIGTERM lands mid-iteration."""
@@ -71,7 +101,7 @@ def _sigterm_driver(workdir: str) -> None:
     import jax
 
     from strata_jax.models import init_params
-    from strata_jax.training import Checkpointer, Trainer, run_loop
+    from strata_jax.training import Checkpointer, Trainer
 
     cfg = train_config()
     params = init_params(TINY, jax.random.PRNGKey(0))

@@ -2,7 +2,8 @@
 
 See docs/method.md §1-§8 for the pinned conventions.
 """
-from strata_jax.algos.batch import KIND_ACTION, KIND_STRATEGY, PAD_ID, SampleBatch, make_sample_batch
+from strata_jax.algos.batch import (ID_FIELDS, KIND_ACTION, KIND_STRATEGY, PAD_ID, SampleBatch,
+                                   make_sample_batch, pad_batch, pad_rows)
 from strata_jax.algos.config import EstimatorConfig, LossConfig
 from strata_jax.algos.dapo_filter import keep_informative_groups
 from strata_jax.algos.estimators import (
@@ -24,7 +25,8 @@ from strata_jax.algos.losses import (
 from strata_jax.algos.stapo import stapo_eta, stapo_weights
 
 __all__ = [
-    "KIND_ACTION", "KIND_STRATEGY", "PAD_ID", "SampleBatch", "make_sample_batch",
+    "ID_FIELDS", "KIND_ACTION", "KIND_STRATEGY", "PAD_ID", "SampleBatch", "make_sample_batch",
+    "pad_batch", "pad_rows",
     "EstimatorConfig", "LossConfig", "keep_informative_groups",
     "ESTIMATORS", "compute_advantages", "get_estimator", "register_estimator", "strategy_rewards",
     "aggregate", "kl_penalty", "loss_mask", "loss_normalizers", "policy_loss_per_token",

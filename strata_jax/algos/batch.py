@@ -37,6 +37,7 @@ Source: docs/method.md §1.2; verl-agent's DataProto fields
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
@@ -131,7 +132,8 @@ class SampleBatch:
         return self.response_ids.shape[1]
 
 
-_ID_FIELDS = ("task_id", "strategy_id", "trajectory_id", "step_index", "kind", "anchor_id")
+ID_FIELDS = ("task_id", "strategy_id", "trajectory_id", "step_index", "kind", "anchor_id")
+"""The id fields of a `SampleBatch`: PAD_ID on padding rows (every other field pads with 0)."""
 _F32_ROW_FIELDS = ("score", "step_reward", "values", "value_std")
 _BOOL_ROW_FIELDS = ("invalid", "judge_flag", "format_fail")
 _TOKEN_F32_FIELDS = ("sampler_logprobs", "old_logprobs", "ref_logprobs")
@@ -204,7 +206,7 @@ def make_sample_batch(
         "valid": np.zeros((R,), bool),
         "strategy_len": np.zeros((R,), np.int32),
     }
-    for f in _ID_FIELDS:
+    for f in ID_FIELDS:
         out[f] = np.full((R,), PAD_ID, np.int32)
     for f in _F32_ROW_FIELDS:
         out[f] = np.zeros((R,), np.float32)
@@ -230,7 +232,7 @@ def make_sample_batch(
                 if v.size != r.size:
                     raise ValueError(f"record {i}: {f} has {v.size} entries for {r.size} tokens")
                 out[f][i, : r.size] = v
-        for f in _ID_FIELDS:
+        for f in ID_FIELDS:
             default = 0 if f in ("strategy_id", "step_index", "anchor_id") else None
             out[f][i] = int(rec.get(f, default))
         for f in _F32_ROW_FIELDS:
@@ -240,3 +242,40 @@ def make_sample_batch(
         out["valid"][i] = bool(rec.get("valid", True))
         out["strategy_len"][i] = int(rec.get("strategy_len", 0))
     return SampleBatch(**out)
+
+
+def pad_batch(batch: SampleBatch, rows: int, prompt_len: int | None = None,
+              response_len: int | None = None) -> SampleBatch:
+    """A numpy copy of `batch` padded to `rows` rows and, optionally, wider token columns.
+
+    Padding rows hold PAD_ID in the `ID_FIELDS` and 0 / False everywhere else (so valid False
+    and all-False masks: no group statistic or loss sees them). `prompt_len` widens the prompt
+    fields ([R, Tp]) on the LEFT, `response_len` every other [R, T] field on the RIGHT, with 0 /
+    False (masked everywhere), keeping the layout of `make_sample_batch`. None keeps a width.
+    Works on numpy or host-addressable jax leaves; returns numpy leaves.
+    Raises ValueError when a target is smaller than the batch.
+    """
+    r, tp, tr = batch.num_rows, batch.prompt_ids.shape[1], batch.response_len
+    prompt_len = tp if prompt_len is None else int(prompt_len)
+    response_len = tr if response_len is None else int(response_len)
+    if rows < r or prompt_len < tp or response_len < tr:
+        raise ValueError(f"pad_batch cannot shrink a batch of {r} rows x ({tp}, {tr}) columns to "
+                         f"{rows} rows x ({prompt_len}, {response_len})")
+    out = {}
+    for f in dataclasses.fields(batch):
+        x = np.asarray(getattr(batch, f.name))
+        fill = PAD_ID if f.name in ID_FIELDS else 0
+        x = np.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+        if x.ndim == 2:
+            left = f.name.startswith("prompt_")
+            extra = (prompt_len if left else response_len) - x.shape[1]
+            x = np.pad(x, [(0, 0), (extra, 0) if left else (0, extra)], constant_values=0)
+        out[f.name] = x
+    return SampleBatch(**out)
+
+
+def pad_rows(batch: SampleBatch, multiple: int) -> SampleBatch:
+    """`batch` with padding rows appended (`pad_batch`) so its row count is a multiple of
+    `multiple`; the batch itself (numpy or jax leaves) when it already is."""
+    extra = (-batch.num_rows) % max(int(multiple), 1)
+    return pad_batch(batch, batch.num_rows + extra) if extra else batch

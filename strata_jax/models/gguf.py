@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from strata_jax.models.chat_template import QWEN25_CHAT_TEMPLATE
 from strata_jax.models.config import Qwen2Config
 
 GGUF_MAGIC = b"GGUF"
@@ -319,7 +320,6 @@ def _gguf_tokenizer(path: str, size: int, mtime_ns: int) -> Any:
 
     template = _field(reader, "tokenizer.chat_template", "", required=False)
     if not template:
-        from strata_jax.models.tokenizer import QWEN25_CHAT_TEMPLATE
         template = QWEN25_CHAT_TEMPLATE
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=token("tokenizer.ggml.eos_token_id"),

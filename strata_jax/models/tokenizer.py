@@ -4,8 +4,8 @@ Offline default: the Qwen BPE files shipped by the PyPI package ``qwen-token-cou
 vocabulary and merges as Qwen2.5, ids up to 151664 identical). That release is Qwen3's: it adds
 ``<tool_response>``, ``</tool_response>``, ``<think>``, ``</think>`` as tokens 151665-151668,
 which Qwen2.5 does not have (it encodes ``<think>`` as ordinary BPE pieces), so they are dropped.
-The Qwen2.5-Instruct chat template is shipped here (`QWEN25_CHAT_TEMPLATE`): it inserts the
-default system prompt when the conversation has none.
+The Qwen2.5-Instruct chat template is shipped in chat_template.py (`QWEN25_CHAT_TEMPLATE`): it
+inserts the default system prompt when the conversation has none.
 Source: docs/design.md §11.3.
 transformers is imported lazily so that ``strata_jax.models`` imports without it.
 """
@@ -17,73 +17,11 @@ import json
 import os
 from typing import Any
 
-DEFAULT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+from strata_jax.models.chat_template import DEFAULT_SYSTEM_PROMPT, QWEN25_CHAT_TEMPLATE
+
 ENDOFTEXT_ID = 151643  # <|endoftext|>: pad token, end of a base-model document
 IM_END_ID = 151645     # <|im_end|>: end of a chat turn
 LAST_QWEN25_TOKEN_ID = 151664  # <|file_sep|>: the last id Qwen2.5's tokenizer defines
-
-# The Qwen2.5-Instruct chat template (tool calls included), as in its tokenizer_config.json.
-QWEN25_CHAT_TEMPLATE = (
-    "{%- if tools %}\n"
-    "    {{- '<|im_start|>system\\n' }}\n"
-    "    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- messages[0]['content'] }}\n"
-    "    {%- else %}\n"
-    "        {{- '" + DEFAULT_SYSTEM_PROMPT + "' }}\n"
-    "    {%- endif %}\n"
-    "    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user "
-    "query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:"
-    "\\n<tools>\" }}\n"
-    "    {%- for tool in tools %}\n"
-    "        {{- \"\\n\" }}\n"
-    "        {{- tool | tojson }}\n"
-    "    {%- endfor %}\n"
-    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name "
-    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": "
-    "<function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n"
-    "{%- else %}\n"
-    "    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
-    "    {%- else %}\n"
-    "        {{- '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' }}\n"
-    "    {%- endif %}\n"
-    "{%- endif %}\n"
-    "{%- for message in messages %}\n"
-    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
-    "(message.role == \"assistant\" and not message.tool_calls) %}\n"
-    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
-    "    {%- elif message.role == \"assistant\" %}\n"
-    "        {{- '<|im_start|>' + message.role }}\n"
-    "        {%- if message.content %}\n"
-    "            {{- '\\n' + message.content }}\n"
-    "        {%- endif %}\n"
-    "        {%- for tool_call in message.tool_calls %}\n"
-    "            {%- if tool_call.function is defined %}\n"
-    "                {%- set tool_call = tool_call.function %}\n"
-    "            {%- endif %}\n"
-    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n"
-    "            {{- tool_call.name }}\n"
-    "            {{- '\", \"arguments\": ' }}\n"
-    "            {{- tool_call.arguments | tojson }}\n"
-    "            {{- '}\\n</tool_call>' }}\n"
-    "        {%- endfor %}\n"
-    "        {{- '<|im_end|>\\n' }}\n"
-    "    {%- elif message.role == \"tool\" %}\n"
-    "        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n"
-    "            {{- '<|im_start|>user' }}\n"
-    "        {%- endif %}\n"
-    "        {{- '\\n<tool_response>\\n' }}\n"
-    "        {{- message.content }}\n"
-    "        {{- '\\n</tool_response>' }}\n"
-    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
-    "            {{- '<|im_end|>\\n' }}\n"
-    "        {%- endif %}\n"
-    "    {%- endif %}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n"
-    "    {{- '<|im_start|>assistant\\n' }}\n"
-    "{%- endif %}\n"
-)
 
 
 def offline_tokenizer_dir() -> str:

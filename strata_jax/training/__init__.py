@@ -1,25 +1,32 @@
 """Trainer: train state, scoring passes, critic, mini-batched PPO update, checkpoints.
 
-See update.py for the update flow (docs/method.md §9) and checkpoint.py for the orbax
-checkpoint layout and resume rules.
+One job per module: state.py (the TrainState and its optimisers), scoring.py (the forward and
+the chunked LM-head logprobs), critic.py, batching.py (host-side batch helpers), steps.py (the
+pure jitted scoring / advantage / mini-batch steps), trainer.py (`Trainer`: the update flow of
+docs/method.md §9 around those steps), checkpoint.py (the orbax layout and resume rules), sft/
+(the behaviour-cloning warm start's data and trainer).
 """
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import (dropout_values, init_critic, init_value_head,
                                         value_from_hidden)
 from strata_jax.training.scoring import response_logprobs, response_states, sequence_inputs
 from strata_jax.training.state import TrainState, create_train_state, lr_schedule, make_optimizer
-from strata_jax.training.update import (Trainer, accumulate_grads, advantages, micro_loss, minibatch_plan,
-                                        pad_rows, score_batch, train_minibatch)
+from strata_jax.algos.batch import pad_rows
+from strata_jax.training.batching import minibatch_plan, num_minibatches, trim_padding
+from strata_jax.training.steps import (accumulate_grads, advantages, effective_params, micro_loss,
+                                       score_batch, train_minibatch)
+from strata_jax.training.trainer import Trainer
 
 __all__ = [
     "TrainConfig", "TrainState", "Trainer", "create_train_state", "make_optimizer",
     "lr_schedule", "init_critic", "init_value_head", "value_from_hidden", "dropout_values",
     "response_states", "response_logprobs", "sequence_inputs", "score_batch", "advantages",
     "train_minibatch", "accumulate_grads", "micro_loss", "minibatch_plan", "pad_rows",
+    "num_minibatches", "trim_padding", "effective_params",
 ]
 from strata_jax.training.checkpoint import (  # noqa: E402
     Checkpointer, CheckpointWriteError, CorruptCheckpointError, PreemptionFlag, tree_to_numpy)
-from strata_jax.training.loop import run_loop  # noqa: E402
+from strata_jax.training.loop import LoopCheckpoints  # noqa: E402
 
 __all__ += ["Checkpointer", "CheckpointWriteError", "CorruptCheckpointError", "PreemptionFlag",
-            "tree_to_numpy", "run_loop"]
+            "tree_to_numpy", "LoopCheckpoints"]

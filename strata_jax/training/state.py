@@ -67,7 +67,12 @@ def make_optimizer(cfg: TrainConfig, critic: bool = False) -> optax.GradientTran
 
 def create_train_state(params: Any, critic_params: Any, rng: jax.Array,
                        cfg: TrainConfig) -> TrainState:
-    """A fresh state at step 0 (optimiser moments zero). rng: a uint32 [2] PRNGKey."""
+    """A fresh state at step 0: optimiser moments zero, step int32 0, rng the uint32 [2] key.
+
+    The one builder of a `TrainState`: `Trainer.init_state` jits it onto the state's
+    shardings and `Trainer.abstract_state` traces it for the restore target, so a fresh and a
+    restored state have the same tree. critic_params: `critic.init_critic` tree ({} = none).
+    Traceable (no host sync)."""
     tx, ctx = make_optimizer(cfg), make_optimizer(cfg, critic=True)
     return TrainState(params=params, opt_state=tx.init(params), critic_params=critic_params,
                       critic_opt_state=ctx.init(critic_params) if critic_params else {},

@@ -1,0 +1,88 @@
+"""Host-side helpers of the update (numpy, outside jit): dropping all-padding columns and the
+mini-batch plan of an epoch (docs/method.md §9.2). The jitted steps they feed are in
+`strata_jax.training.steps`; `Trainer.update` (trainer.py) calls both.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from strata_jax.algos import KIND_ACTION, KIND_STRATEGY, SampleBatch
+from strata_jax.algos.batch import bucket_size
+
+_TOKEN_FIELDS = ("response_ids", "response_mask", "sampler_logprobs", "old_logprobs",
+                 "ref_logprobs")
+_PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
+
+
+def trim_padding(batch: SampleBatch) -> SampleBatch:
+    """Drop the columns that are padding in every row: prompt columns left of the longest
+    prompt and response columns right of the longest response, each kept width rounded up to a
+    `bucket_size` size (..., 48, 64, 96, 128, ...: at most two compiled shapes per octave).
+
+    Scores and losses are unchanged: a causal forward's output at a column depends only on the
+    columns before it, padded keys are masked, RoPE positions count real tokens only, and the
+    dropped response columns are off every mask. Returns the batch unchanged when nothing can
+    be dropped or a field is a multi-process array (not host-addressable). Numpy or jax leaves.
+    """
+    leaves = [getattr(batch, f) for f in _TOKEN_FIELDS + _PROMPT_FIELDS]
+    if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+        return batch
+    pm = np.asarray(batch.prompt_mask, bool)
+    rm = np.asarray(batch.response_mask, bool)
+    tp, tr = pm.shape[1], rm.shape[1]
+    cols_p = np.flatnonzero(pm.any(axis=0))
+    cols_r = np.flatnonzero(rm.any(axis=0))
+    need_p = tp - int(cols_p[0]) if cols_p.size else 1
+    need_r = int(cols_r[-1]) + 1 if cols_r.size else 1
+    new_p = min(tp, bucket_size(need_p, None, 8))
+    new_r = min(tr, bucket_size(need_r, None, 8))
+    if (new_p, new_r) == (tp, tr):
+        return batch
+    out = {f: getattr(batch, f)[:, tp - new_p:] for f in _PROMPT_FIELDS}
+    out.update({f: getattr(batch, f)[:, :new_r] for f in _TOKEN_FIELDS})
+    return batch.replace(**out)
+
+
+def num_minibatches(valid: np.ndarray, kind: np.ndarray, mini_batch_size: int) -> int:
+    """Mini-batches per epoch that `minibatch_plan` makes: ceil(#valid step samples /
+    mini_batch_size) (of the strategy samples when there are no step samples), at least 1."""
+    n_act = int(np.sum(valid & (kind == KIND_ACTION)))
+    n = n_act or int(np.sum(valid & (kind == KIND_STRATEGY)))
+    return max(1, math.ceil(n / mini_batch_size))
+
+
+def minibatch_plan(valid: np.ndarray, kind: np.ndarray, mini_batch_size: int, row_multiple: int,
+                   rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Row indices of each mini-batch of one epoch.
+
+    The valid step samples are shuffled and split evenly into n = ceil(#step / mini_batch_size)
+    mini-batches (at least 1); the valid strategy samples are shuffled and split evenly over the
+    same n mini-batches (docs/method.md §9.2). Every mini-batch is padded to the same static
+    row count rows = round_up(mini_batch_size + ceil(#strategy / n), row_multiple) so one compilation
+    serves every mini-batch and iteration with the same n.
+    Returns a list of (idx [rows] int32, real [rows] bool); padding entries point at row 0 with
+    real False (the gather marks them invalid).
+    """
+    act = np.flatnonzero(valid & (kind == KIND_ACTION))
+    strat = np.flatnonzero(valid & (kind == KIND_STRATEGY))
+    n = num_minibatches(valid, kind, mini_batch_size)
+    act, strat = rng.permutation(act), rng.permutation(strat)
+    a_chunks, s_chunks = np.array_split(act, n), np.array_split(strat, n)
+    share = math.ceil(len(strat) / n)
+    rows = max(mini_batch_size + share, max(len(a) + len(s) for a, s in zip(a_chunks, s_chunks)))
+    rows = int(math.ceil(rows / row_multiple) * row_multiple)
+    plan = []
+    for a, s in zip(a_chunks, s_chunks):
+        real_idx = np.concatenate([a, s]).astype(np.int32)
+        idx = np.zeros(rows, np.int32)
+        idx[: real_idx.size] = real_idx
+        real = np.zeros(rows, bool)
+        real[: real_idx.size] = True
+        plan.append((idx, real))
+    return plan
+
+
+__all__ = ["trim_padding", "num_minibatches", "minibatch_plan"]

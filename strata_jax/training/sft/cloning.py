@@ -1,0 +1,207 @@
+"""Behaviour cloning: batches, the loss and the jitted trainer.
+
+Cross-entropy on response tokens only (the prompt is context, never a target; docs/method.md
+§1.3), token-mean over the batch, AdamW with global-norm clipping (`make_optimizer`), one jitted
+step per batch; prompts are left-padded and responses right-padded to power-of-two buckets so a
+run compiles a handful of programs (docs/design.md §6.3). The forward and the chunked LM-head
+logprobs are the RL trainer's own (`response_states` / `response_logprobs`), so the model
+scores exactly the columns the RL update scores.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from strata_jax.models import Qwen2Config
+from strata_jax.sampling import bucket
+from strata_jax.training.config import TrainConfig
+from strata_jax.training.scoring import response_logprobs, response_states
+from strata_jax.training.sft.config import SFTConfig
+from strata_jax.training.sft.render import SFTExample
+from strata_jax.training.state import make_optimizer
+
+
+def make_sft_batch(examples: Sequence[SFTExample], rows: int, pad_id: int = 151643,
+                   prompt_floor: int = 64, response_multiple: int = 8) -> dict[str, np.ndarray]:
+    """Pad examples into one batch (numpy).
+
+    Returns prompt_ids / prompt_mask [rows, Tp] (LEFT-padded, as the SampleBatch) and
+    response_ids / response_mask [rows, Tr] (RIGHT-padded); int32 / bool. Tp is a power-of-two
+    bucket (floor 64); Tr is rounded up to a multiple of 8 (the LM head over the response
+    columns dominates the step, so padding there costs the most); rows beyond the examples are
+    all-pad with an empty mask (no loss).
+    The loss mask is exactly ``response_mask``: target tokens, never prompt tokens.
+    Raises ValueError for more examples than rows or an empty list.
+    """
+    if not examples or len(examples) > rows:
+        raise ValueError(f"need 1..{rows} examples for a batch of {rows} rows, got {len(examples)}")
+    tp = bucket(max(e.prompt.num_tokens for e in examples), prompt_floor)
+    tr = -(-max(len(e.response_ids) for e in examples) // response_multiple) * response_multiple
+    p_ids = np.full((rows, tp), pad_id, np.int32)
+    p_mask = np.zeros((rows, tp), bool)
+    r_ids = np.full((rows, tr), pad_id, np.int32)
+    r_mask = np.zeros((rows, tr), bool)
+    for b, e in enumerate(examples):
+        ids = e.prompt.ids
+        p_ids[b, tp - len(ids):] = ids
+        p_mask[b, tp - len(ids):] = True
+        r_ids[b, : len(e.response_ids)] = e.response_ids
+        r_mask[b, : len(e.response_ids)] = True
+    # An all-pad row still needs one real prompt token so positions and attention stay finite.
+    for b in range(len(examples), rows):
+        p_mask[b, -1] = True
+    return dict(prompt_ids=p_ids, prompt_mask=p_mask, response_ids=r_ids, response_mask=r_mask)
+
+
+def sft_loss(params: Any, model_cfg: Qwen2Config, batch: dict[str, jax.Array], *,
+             chunk_size: int = 64) -> tuple[jax.Array, jax.Array]:
+    """Token-mean cross-entropy of the response tokens (f32 scalar) and their count.
+
+    loss = -sum(logprob * response_mask) / max(sum(response_mask), 1), logprobs at temperature 1
+    from the trainer's scoring path (`response_states` + chunked `response_logprobs`)."""
+    hidden, _ = response_states(params, model_cfg, batch["prompt_ids"], batch["prompt_mask"],
+                                batch["response_ids"], batch["response_mask"])
+    lp, _ = response_logprobs(params, model_cfg, hidden, batch["response_ids"],
+                              batch["response_mask"], chunk_size=chunk_size)
+    n = jnp.sum(batch["response_mask"].astype(jnp.float32))
+    return -jnp.sum(lp) / jnp.maximum(n, 1.0), n
+
+
+class SFTTrainer:
+    """Jitted behaviour-cloning steps for one model config.
+
+    Args:
+      model_cfg: the model. cfg: `SFTConfig` (optimiser and chunking).
+    The optimiser is `training.make_optimizer` (global-norm clip, AdamW) with linear warmup then
+    cosine decay to 0 at ``cfg.steps``; params and optimiser state are donated to each step.
+    Params on a mesh (a checkpoint loaded onto it, or a preset placed there) keep their
+    placement through every step (`init` places the optimiser state to match), so the first
+    step's program serves them all.
+    """
+
+    def __init__(self, model_cfg: Qwen2Config, cfg: SFTConfig) -> None:
+        self.model_cfg, self.cfg = model_cfg, cfg
+        tcfg = TrainConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                           warmup_steps=min(cfg.warmup_steps, cfg.steps - 1),
+                           lr_schedule="cosine", decay_steps=cfg.steps)
+        self.tx = make_optimizer(tcfg)
+        self._step = jax.jit(self._step_fn, donate_argnums=(0, 1))
+        self._pinned = None   # the step with its outputs placed like its inputs (params on a mesh)
+        self._eval = jax.jit(functools.partial(sft_loss, model_cfg=model_cfg,
+                                               chunk_size=cfg.logprob_chunk))
+
+    def _step_fn(self, params, opt_state, batch):
+        grad_fn = jax.value_and_grad(
+            lambda p: sft_loss(p, self.model_cfg, batch, chunk_size=self.cfg.logprob_chunk),
+            has_aux=True)
+        (loss, n), grads = grad_fn(params)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def init(self, params: Any) -> Any:
+        """Fresh optimiser state for `params`; for params on a mesh, the moments placed like
+        their params and the step counts replicated on that mesh."""
+        opt_state = self.tx.init(params)
+        sharding = jax.tree.leaves(params)[0].sharding
+        if not isinstance(sharding, NamedSharding):
+            return opt_state
+        rep = NamedSharding(sharding.mesh, PartitionSpec())
+        return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding)
+                            else jax.device_put(x, rep), opt_state)
+
+    def step(self, params: Any, opt_state: Any, batch: dict[str, np.ndarray]
+             ) -> tuple[Any, Any, jax.Array]:
+        """One optimiser step on a `make_sft_batch` batch: (params, opt_state, loss before).
+        Params on a mesh come back placed as they went in (the first call's placement)."""
+        sharding = jax.tree.leaves(params)[0].sharding
+        if not isinstance(sharding, NamedSharding):
+            return self._step(params, opt_state, batch)
+        if self._pinned is None:
+            out = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+            rep = NamedSharding(sharding.mesh, PartitionSpec())
+            self._pinned = jax.jit(self._step_fn, donate_argnums=(0, 1),
+                                   out_shardings=(*out, rep))
+        return self._pinned(params, opt_state, batch)
+
+    def loss(self, params: Any, batch: dict[str, np.ndarray]) -> float:
+        """Token-mean response cross-entropy of a batch (no update)."""
+        return float(self._eval(params, batch)[0])
+
+
+def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[list[int]]:
+    """Example indices of every step: epoch-wise shuffles, each batch min(batch_size, n) rows,
+    the examples of a batch sorted by nothing (random) but drawn so every example is seen once
+    per epoch."""
+    rng = np.random.default_rng(seed)
+    order: list[int] = []
+    out = []
+    k = min(batch_size, n)
+    for _ in range(steps):
+        if len(order) < k:
+            order += [int(i) for i in rng.permutation(n)]
+        out.append(order[:k])
+        order = order[k:]
+    return out
+
+
+def train_sft(params: Any, model_cfg: Qwen2Config, examples: Sequence[SFTExample],
+              cfg: SFTConfig, *, pad_id: int = 151643,
+              log_fn: Callable[[str], None] | None = None) -> tuple[Any, list[float]]:
+    """Behaviour cloning: ``cfg.steps`` AdamW steps of `SFTTrainer` over `examples`.
+
+    Batches hold ``min(batch_size, len(examples))`` rows; prompt and response lengths are
+    bucketed per batch. Returns (new params, loss of every step, measured before its update).
+    Raises ValueError on no examples.
+    """
+    if not examples:
+        raise ValueError("train_sft needs at least one example (did the expert play any task?)")
+    trainer = SFTTrainer(model_cfg, cfg)
+    params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)  # donation-safe copy
+    opt_state = trainer.init(params)
+    rows = min(cfg.batch_size, len(examples))
+    losses: list[float] = []
+    t0 = last = time.time()
+    t1 = None   # end of step 1 (which includes compilation): the ETA uses the steps after it
+    if log_fn:
+        log_fn(f"sft: {cfg.steps} steps of {rows} examples; compiling the first step ...")
+    for i, idx in enumerate(batch_order(len(examples), cfg.batch_size, cfg.steps, cfg.seed)):
+        batch = make_sft_batch([examples[j] for j in idx], rows, pad_id)
+        params, opt_state, loss = trainer.step(params, opt_state, batch)
+        losses.append(float(loss))
+        now = time.time()
+        t1 = t1 or now
+        if log_fn and (i % max(cfg.log_every, 1) == 0 or i == cfg.steps - 1
+                       or now - last >= SFT_PROGRESS_S):
+            log_fn(sft_progress(i + 1, cfg.steps, losses[-1], now - t0,
+                                (now - t1) / i if i else None))
+            last = now
+    return params, losses
+
+
+# Seconds between two progress lines of the warm start at most (besides every log_every steps).
+SFT_PROGRESS_S = 20.0
+
+
+def sft_progress(done: int, total: int, loss: float, elapsed_s: float,
+                 step_s: float | None) -> str:
+    """One progress line of `train_sft`: ``sft step 40/250 [###.....] loss 3.1 | 52 s, eta
+    4.1 min``. `step_s` (seconds per step after the first, which compiles) gives the ETA; None
+    (after step 1) prints "eta ?"."""
+    width = 20
+    bar = "#" * int(width * done / max(total, 1))
+    eta = "?" if step_s is None else (f"{step_s * (total - done):.0f} s"
+                                      if step_s * (total - done) < 120
+                                      else f"{step_s * (total - done) / 60:.1f} min")
+    return (f"sft step {done}/{total} [{bar:.<{width}}] loss {loss:.4f} | "
+            f"{elapsed_s:.0f} s, eta {eta}")
+
+
+__all__ = ["make_sft_batch", "sft_loss", "SFTTrainer", "batch_order", "train_sft",
+           "sft_progress", "SFT_PROGRESS_S"]

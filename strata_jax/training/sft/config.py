@@ -1,0 +1,71 @@
+"""Behaviour-cloning settings: `SFTConfig` (``c.sft`` of configs/base.py)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+STRATEGY_MODES = ("both", "strata", "flat")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Behaviour-cloning settings (``c.sft`` of configs/base.py; `from_config`).
+
+    Attributes:
+      episodes: expert episodes collected (tasks drawn without repeats from ``split``).
+      split: task split the experts play.
+      noise: probability that a step is a random action (see experts.py), in [0, 1).
+      strategy_mode: "both" renders every episode with z (StraTA rows: strategy + step prompts
+        with z + judge) AND without (flat baseline rows), so one warm start serves StraTA and the
+        baselines; "strata" or "flat" renders one form only.
+      judge: add judge examples (StraTA form only).
+      think: the text inside <think></think> of every action response.
+      max_plan_items: the plan (z) keeps at most this many numbered items.
+      max_gold_steps: ScienceWorld gold paths longer than this are skipped.
+      steps, batch_size, lr, weight_decay, grad_clip, warmup_steps: optimisation (AdamW, linear
+        warmup then cosine decay to 0 at ``steps``).
+      logprob_chunk: response positions per LM-head chunk.
+      seed: data and batch order seed. log_every: steps between loss log lines.
+      cache_dir: where `strata_jax.warm_start` keeps exports, one sub-folder per fingerprint
+        (configs/base.py: ``runs/warm_start``; "" = ``<workdir>/warm_start``).
+    """
+
+    episodes: int = 32
+    split: str = "train"
+    noise: float = 0.1
+    strategy_mode: str = "both"
+    judge: bool = True
+    think: str = "I follow the plan."
+    max_plan_items: int = 12
+    max_gold_steps: int = 30
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 1e-5
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    warmup_steps: int = 20
+    logprob_chunk: int = 64
+    seed: int = 0
+    log_every: int = 50
+    cache_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if self.strategy_mode not in STRATEGY_MODES:
+            raise ValueError(f"sft.strategy_mode must be one of {STRATEGY_MODES}, "
+                             f"got {self.strategy_mode!r}")
+        if not 0.0 <= self.noise < 1.0:
+            raise ValueError(f"sft.noise must be in [0, 1), got {self.noise}")
+        for name in ("episodes", "steps", "batch_size", "max_plan_items"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def from_config(cls, c: Any, **overrides: Any) -> "SFTConfig":
+        """From ``c.sft`` (missing fields keep the defaults above; unknown ones are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        v = {k: val for k, val in (c.get("sft", None) or {}).items() if k in names}
+        v.update(overrides)
+        return cls(**v)
+
+
+__all__ = ["SFTConfig", "STRATEGY_MODES"]

@@ -1,0 +1,134 @@
+"""Rendering expert episodes into behaviour-cloning examples with the rollout's own prompts.
+
+Every example is rendered with `strata_jax.rollout.PromptBuilder`, i.e. exactly the prompt the
+rollout builds for that state (docs/method.md §3): step prompts with the history window and,
+for StraTA rows, the plan z (`plan_text`: the clean expert's actions, runs merged, numbered) in
+the prefix; the strategy prompt; the judge prompt. Responses are
+``<think>{think}</think><action>{a}</action>``, ``<strategy>{z}</strategy>`` and
+``<bad_steps>none</bad_steps>`` / ``<bad_steps>2, 5</bad_steps>``, as the rollout's sampler
+produces them: ending on the token that completes the stage's stop string (the closing tag,
+`prompts.ACTION_STOP` / `STRATEGY_STOP` / `JUDGE_STOP`), or with ``<|im_end|>`` when the text
+never completes it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from strata_jax.models.tokenizer import IM_END_ID
+from strata_jax.rollout.prompts import (ACTION_STOP, JUDGE_STOP, STRATEGY_STOP, HistoryEntry,
+                                        PromptBuilder, PromptIds)
+from strata_jax.rollout.strategy import check_strategy
+from strata_jax.sampling import build_stop_text
+from strata_jax.training.sft.config import SFTConfig
+from strata_jax.training.sft.experts import ExpertEpisode
+
+KINDS = ("action", "strategy", "judge")
+
+
+def plan_text(actions: Sequence[str], max_items: int = 12) -> str:
+    """The strategy z of an expert plan: runs of one action merged, numbered, one per line.
+
+    >>> plan_text(["go north", "go north", "enter 471"])
+    '1. go north (2 times)\\n2. enter 471'
+    """
+    items: list[list] = []
+    for a in actions:
+        if items and items[-1][0] == a:
+            items[-1][1] += 1
+        else:
+            items.append([a, 1])
+    lines = [f"{i}. {a}" + (f" ({n} times)" if n > 1 else "")
+             for i, (a, n) in enumerate(items[:max_items], start=1)]
+    return "\n".join(lines)
+
+
+def action_response(action: str, think: str) -> str:
+    """Response text of one step (docs/method.md §2.1 format); the stop token is added at
+    encoding."""
+    return f"<think>{think}</think><action>{action}</action>"
+
+
+def judge_response(bad_steps: Sequence[int]) -> str:
+    """Judge answer text: ``<bad_steps>none</bad_steps>`` or ``<bad_steps>2, 5</bad_steps>``."""
+    body = ", ".join(str(i) for i in bad_steps) if bad_steps else "none"
+    return f"<bad_steps>{body}</bad_steps>"
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTExample:
+    """One training example: the rollout's prompt and the target response.
+
+    Attributes:
+      prompt: `PromptIds` from the PromptBuilder (the model sees ``prompt.ids``).
+      response_ids: target ids (the only trained tokens): encode(response_text) up to the token
+        that completes the kind's stop string, else + [<|im_end|>]; what the sampler emits.
+      response_text: the target text. kind: "action" | "strategy" | "judge".
+      with_strategy: StraTA form (z in the prompt / a strategy or judge row).
+      step_index: 0-based step of action rows (-1 otherwise).
+    """
+
+    prompt: PromptIds
+    response_ids: tuple[int, ...]
+    response_text: str
+    kind: str
+    with_strategy: bool
+    step_index: int = -1
+
+
+def _example(builder: PromptBuilder, prompt: PromptIds, text: str, kind: str, strat: bool,
+             t: int = -1) -> SFTExample:
+    ids = builder.encode(text)
+    stop = {"action": ACTION_STOP, "strategy": STRATEGY_STOP, "judge": JUDGE_STOP}[kind]
+    n = build_stop_text(builder.tokenizer, stop).scan(ids)
+    ids = ids[:n] if n else ids + [IM_END_ID]
+    return SFTExample(prompt, tuple(ids), text, kind, strat, t)
+
+
+def render_episode(builder: PromptBuilder, ep: ExpertEpisode, *, with_strategy: bool,
+                   think: str = SFTConfig.think, judge: bool = True,
+                   max_plan_items: int = 12) -> list[SFTExample]:
+    """Examples of one expert episode, rendered exactly as the rollout renders its prompts.
+
+    StraTA form (`with_strategy`): the strategy example (strategy prompt of the first
+    observation -> ``<strategy>{plan}</strategy>``), one action example per step whose prompt
+    holds z = the body of that block as `check_strategy` extracts it (what the rollout prepends),
+    and (``judge``) the judge example listing the noisy steps. Flat form: action examples only.
+    """
+    out: list[SFTExample] = []
+    z = None
+    if with_strategy:
+        text = f"<strategy>{plan_text(ep.plan, max_plan_items)}</strategy>"
+        check = check_strategy(text, False, builder.count_tokens)
+        if check.format_fail:
+            raise ValueError(f"expert strategy fails the strategy format: {check.reason}")
+        z = check.text
+        out.append(_example(builder, builder.strategy_prompt(ep.pieces0, ep.first_observation),
+                            text, "strategy", True))
+    history: list[HistoryEntry] = []
+    for t, s in enumerate(ep.steps):
+        prompt = builder.step_prompt(s.pieces, s.observation, history, z)
+        out.append(_example(builder, prompt, action_response(s.action, think), "action",
+                            with_strategy, t))
+        history.append(HistoryEntry(s.observation, s.action))
+    if with_strategy and judge and history:
+        bad = [t + 1 for t, s in enumerate(ep.steps) if s.noisy]
+        out.append(_example(builder, builder.judge_prompt(ep.pieces0, z, history),
+                            judge_response(bad), "judge", True))
+    return out
+
+
+def build_examples(builder: PromptBuilder, episodes: Sequence[ExpertEpisode],
+                   cfg: SFTConfig) -> list[SFTExample]:
+    """Every example of `episodes` in the forms of ``cfg.strategy_mode``."""
+    forms = {"both": (True, False), "strata": (True,), "flat": (False,)}[cfg.strategy_mode]
+    out = []
+    for ep in episodes:
+        for strat in forms:
+            out += render_episode(builder, ep, with_strategy=strat, think=cfg.think,
+                                  judge=cfg.judge, max_plan_items=cfg.max_plan_items)
+    return out
+
+
+__all__ = ["KINDS", "SFTExample", "plan_text", "action_response", "judge_response",
+           "render_episode", "build_examples"]

@@ -1,0 +1,333 @@
+"""The update's pure jitted functions of (state, arrays), model and train configs static
+(docs/method.md §9); `Trainer` (trainer.py) holds the static pieces and calls them.
+
+* `score_batch` (no grad, chunks of rows via ``lax.map``): pi_old logprobs = the trainer's own
+  recomputation at the train temperature (docs/method.md §9.1), reference logprobs from the
+  frozen initial params (when kl_coef != 0), critic values V(h_t) and their dropout std (PPO:
+  separate critic; STAPO: value head on the policy trunk). They fill the SampleBatch slots
+  old_logprobs / ref_logprobs / values / value_std BEFORE the estimator runs.
+* `advantages`: the estimator registry (`compute_advantages(cfg.algo, ...)`); value targets are
+  the estimator's ``row/value_targets``.
+* `train_minibatch`: micro-batches of `micro_batch_size` rows in a ``lax.scan``
+  (`accumulate_grads`); every level's token-mean is normalised by that level's count over the
+  WHOLE mini-batch (`loss_normalizers`), so the summed micro-batch gradients equal the
+  mini-batch gradient. Micro-batches holding only padding rows are skipped at run time
+  (``lax.cond``). A step with a non-finite loss or gradient is skipped: params, critic and both
+  optimizer states are kept bit-identical and the step is counted in metrics["skipped"].
+
+LoRA (cfg.lora.rank > 0, strata_jax/models/lora.py): ``state.params`` holds only the adapters;
+the frozen base params ride along as ``base`` / ``ref_params``, and every forward runs
+``lora_params(base, adapters)`` (W x + scale * B A x, never the merged W + scale * B A;
+`effective_params`). A PPO critic trunk is its own adapters over the same base.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from strata_jax.algos import (KIND_ACTION, SampleBatch, compute_advantages, loss_mask,
+                              loss_normalizers, ppo_loss, value_loss)
+from strata_jax.models import Qwen2Config
+from strata_jax.models.lora import lora_params
+from strata_jax.training.config import TrainConfig
+from strata_jax.training.critic import dropout_values, value_from_hidden
+from strata_jax.training.scoring import response_logprobs, response_states
+from strata_jax.training.state import TrainState, make_optimizer
+
+Params = dict[str, Any]
+
+# Metrics that are already normalised over the whole mini-batch: summed over micro-batches.
+_SUM_METRICS = ("loss/action", "loss/strategy", "vf_loss")
+_VALUE_METRICS = ("vf_clip_frac", "value_mean", "value_error")
+
+
+def effective_params(trainable: Params, base: Params | None, cfg: TrainConfig) -> Params:
+    """The model params a forward uses: `trainable` itself, or with LoRA on (cfg.lora.rank > 0)
+    ``lora_params(base, trainable, cfg.lora)`` (targeted weights as unmerged `LoraWeight`s: the
+    forward adds scale * (x @ A.T) @ B.T, no merged copy of the weights).
+    Raises ValueError when LoRA is on and base is None."""
+    if not cfg.lora.enabled:
+        return trainable
+    if base is None:
+        raise ValueError("LoRA is on (lora.rank > 0): pass the frozen base params as ref_params "
+                         "(they are the model the adapters ride on and the KL reference)")
+    return lora_params(base, trainable, cfg.lora)
+
+
+def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
+                 model: Qwen2Config, cfg: TrainConfig, use_ref: bool, chunk_rows: int,
+                 use_old: bool = True):
+    r = batch.num_rows
+    n = r // chunk_rows
+    kind = cfg.critic_kind
+    if cfg.lora.enabled:  # adapters -> effective params; the base is the reference
+        params = effective_params(params, ref_params, cfg)
+        if kind == "separate":
+            critic_params = {**critic_params,
+                             "trunk": effective_params(critic_params["trunk"], ref_params, cfg)}
+
+    def split(x):
+        return x.reshape((n, chunk_rows) + x.shape[1:])
+
+    xs = (split(batch.prompt_ids), split(batch.prompt_mask), split(batch.response_ids),
+          split(batch.response_mask), jnp.arange(n), split(batch.valid))
+
+    def one(x):
+        # A chunk of padding rows only (bucketing pads up to 1.5x) costs nothing: same rule as
+        # the training micro-batches.
+        *x, ok = x
+        return jax.lax.cond(jnp.any(ok), compute, skip, tuple(x))
+
+    def skip(x):
+        b, t = x[2].shape
+        z = jnp.zeros((b, t), jnp.float32)
+        return z, z, jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.float32)
+
+    def compute(x):
+        pi, pm, ri, rm, i = x
+        run = dict(compute_dtype=cfg.compute_dtype)
+        lp_kw = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
+                     compute_dtype=cfg.compute_dtype)
+        old = jnp.zeros(ri.shape, jnp.float32)
+        last = None
+        if use_old or kind == "head":
+            h, last = response_states(params, model, pi, pm, ri, rm, **run)
+            if use_old:
+                old, _ = response_logprobs(params, model, h, ri, rm, **lp_kw)
+        ref = jnp.zeros_like(old)
+        if use_ref:
+            hr, _ = response_states(ref_params, model, pi, pm, ri, rm, **run)
+            ref, _ = response_logprobs(ref_params, model, hr, ri, rm, **lp_kw)
+        v = s = jnp.zeros(old.shape[:1], jnp.float32)
+        if kind != "none":
+            if kind == "separate":
+                _, last = response_states(critic_params["trunk"], model, pi, pm, ri, rm, **run)
+            v, s = dropout_values(critic_params["head"], last, jax.random.fold_in(key, i),
+                                  cfg.dropout_passes, cfg.dropout)
+        return old, ref, v, s
+
+    old, ref, v, s = jax.lax.map(one, xs)
+    merge = lambda x: x.reshape((r,) + x.shape[2:])  # noqa: E731
+    valid = batch.valid
+    return batch.replace(old_logprobs=merge(old), ref_logprobs=merge(ref),
+                         values=jnp.where(valid, merge(v), 0.0),
+                         value_std=jnp.where(valid, merge(s), 0.0))
+
+
+score_batch = jax.jit(_score_batch, static_argnames=("model", "cfg", "use_ref", "chunk_rows",
+                                                     "use_old"))
+score_batch.__doc__ = """Fill old_logprobs, ref_logprobs, values, value_std of a SampleBatch.
+
+Args: params (policy; LoRA: the adapters), critic_params (`init_critic` tree), ref_params
+(frozen initial policy; ignored unless use_ref or LoRA, where it is the base), batch (R rows,
+R a multiple of chunk_rows), key (dropout PRNGKey);
+static: model, cfg, use_ref, chunk_rows (rows per lax.map step: peak activation memory),
+use_old (False: no old-logprob pass, old_logprobs left 0; the on-policy update does not read
+them). Returns the batch with old/ref logprobs [R, Tr] f32 (0 off response_mask; ref 0 without
+use_ref), values [R] f32 = V(h_t) without dropout, value_std [R] f32 = std over
+cfg.dropout_passes dropout passes (0 with no critic / dropout 0; 0 on invalid rows).
+"""
+
+
+def _advantages(batch: SampleBatch, step, *, algo: str, est):
+    return compute_advantages(algo, batch, est, step)
+
+
+advantages = jax.jit(_advantages, static_argnames=("algo", "est"))
+
+
+def _gather(batch, adv, w, targets, idx, real):
+    take = lambda x: jnp.take(x, idx, axis=0)  # noqa: E731
+    mb = jax.tree.map(take, batch)
+    mb = mb.replace(valid=mb.valid & real)
+    return mb, take(adv), take(w), take(targets)
+
+
+gather_rows = jax.jit(_gather)
+
+
+def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normalizers, n_values,
+               *, model: Qwen2Config, cfg: TrainConfig, base: Params | None = None,
+               on_policy: bool = False):
+    """Loss of one micro-batch, normalised by whole-mini-batch counts (sums to the mini-batch loss).
+
+    Policy: `ppo_loss` (PPO-clip, dual clip, per-level token means, KL to the reference when
+    kl_coef != 0, entropy bonus) with sample weights w. Critic (when present): `value_loss`
+    over valid step samples with targets and weights w, divided by n_values (the mini-batch's
+    count); for the STAPO head the trunk state h_t enters with gradient scale value_trunk_coef.
+    LoRA: params (and a separate critic's trunk) are adapters over `base` (`effective_params`).
+    on_policy (static): the update is exactly on-policy (one epoch, one mini-batch), so pi_old is
+    the current logprob itself: ``stop_gradient(lp)`` replaces mb.old_logprobs (what the
+    skipped old-logprob pass would have computed, same params and dtype; ratio 1), and the
+    metric "sampler_abs" (token mean of |sampler - pi_old| logprob) is added.
+    Returns (scalar f32, metrics dict of scalars).
+    """
+    params = effective_params(params, base, cfg)
+    h, last = response_states(params, model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                              mb.response_mask, remat=cfg.remat, compute_dtype=cfg.compute_dtype)
+    lp, ent = response_logprobs(params, model, h, mb.response_ids, mb.response_mask,
+                                temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
+                                compute_dtype=cfg.compute_dtype)
+    mask = loss_mask(mb)
+    old = jax.lax.stop_gradient(lp) if on_policy else mb.old_logprobs
+    loss, metrics = ppo_loss(
+        lp, old, adv, mask, mb.kind, config=cfg.loss, sample_weights=w,
+        ref_logprobs=mb.ref_logprobs if cfg.loss.kl_coef else None,
+        entropy=ent if cfg.loss.entropy_coef else None, normalizers=normalizers)
+    kind = cfg.critic_kind
+    if kind != "none":
+        if kind == "head":
+            sg = jax.lax.stop_gradient(last)
+            hv = sg if not cfg.value_trunk_coef else sg + cfg.value_trunk_coef * (last - sg)
+        else:
+            trunk = effective_params(critic_params["trunk"], base, cfg)
+            _, hv = response_states(trunk, model, mb.prompt_ids, mb.prompt_mask,
+                                    mb.response_ids, mb.response_mask,
+                                    remat=cfg.remat, compute_dtype=cfg.compute_dtype)
+        v = value_from_hidden(critic_params["head"], hv)
+        vmask = mb.valid & (mb.kind == KIND_ACTION)
+        vl, vm = value_loss(v, mb.values, targets, vmask, config=cfg.loss, sample_weights=w,
+                            num_samples=n_values)
+        loss = loss + vl
+        metrics = {**metrics, **vm}
+    if on_policy:
+        gap = jnp.where(mask, jnp.abs(mb.sampler_logprobs - jax.lax.stop_gradient(lp)), 0.0)
+        metrics = {**metrics, "sampler_abs": jnp.sum(gap) / jnp.maximum(jnp.sum(mask), 1)}
+    return loss, metrics
+
+
+def _metric_keys(cfg: TrainConfig, on_policy: bool = False) -> tuple[str, ...]:
+    keys = ["loss/action", "loss/strategy", "pg_loss", "clip_frac", "dual_clip_frac",
+            "approx_kl_old", "ratio_mean"]
+    if cfg.loss.kl_coef:
+        keys.append("kl")
+    if cfg.loss.entropy_coef:
+        keys.append("entropy")
+    if cfg.critic_kind != "none":
+        keys += ["vf_loss", *_VALUE_METRICS]
+    if on_policy:
+        keys.append("sampler_abs")
+    return tuple(keys)
+
+
+def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, base=None, *,
+                      model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
+    rows = mb.num_rows
+    m = cfg.micro_batch_size
+    if rows % m:
+        raise ValueError(f"mini-batch rows {rows} must be a multiple of micro_batch_size {m}")
+    valid = mb.valid
+    # Rows outside the loss must not carry NaN into the gradient (0 * NaN = NaN).
+    adv = jnp.where(valid, adv, 0.0)
+    w = jnp.where(valid, w, 0.0)
+    targets = jnp.where(valid, targets, 0.0)
+    mask = loss_mask(mb)
+    norms = loss_normalizers(mask, mb.kind)
+    n_values = jnp.sum(valid & (mb.kind == KIND_ACTION)).astype(jnp.float32)
+    split = lambda x: x.reshape((rows // m, m) + x.shape[1:])  # noqa: E731
+    micro = jax.tree.map(split, (mb, adv, w, targets))
+    keys = _metric_keys(cfg, on_policy)
+    grad_fn = jax.value_and_grad(micro_loss, argnums=(0, 1), has_aux=True)
+    zeros_p = jax.tree.map(jnp.zeros_like, params)
+    zeros_c = jax.tree.map(jnp.zeros_like, critic_params)
+
+    def body(carry, xs):
+        gp, gc, loss_sum, msum, tok, val = carry
+        b, a, ww, tt = xs
+
+        def compute(_):
+            (loss, met), (g1, g2) = grad_fn(params, critic_params, b, a, ww, tt, norms,
+                                             n_values, model=model, cfg=cfg, base=base,
+                                             on_policy=on_policy)
+            return loss, {k: met[k] for k in keys}, g1, g2
+
+        def skip(_):
+            return (jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in keys},
+                    zeros_p, zeros_c)
+
+        # Micro-batches of padding rows only (the tail of a short mini-batch) cost nothing.
+        loss, met, g1, g2 = jax.lax.cond(jnp.any(b.valid), compute, skip, None)
+        n_tok = jnp.sum(loss_mask(b)).astype(jnp.float32)
+        n_val = jnp.sum(b.valid & (b.kind == KIND_ACTION)).astype(jnp.float32)
+        new_m = {}
+        for k in keys:
+            scale = 1.0 if k in _SUM_METRICS else (n_val if k in _VALUE_METRICS else n_tok)
+            new_m[k] = msum[k] + met[k] * scale
+        add = lambda x, y: x + y  # noqa: E731
+        return (jax.tree.map(add, gp, g1), jax.tree.map(add, gc, g2), loss_sum + loss, new_m,
+                tok + n_tok, val + n_val), None
+
+    init = (zeros_p, zeros_c, jnp.zeros((), jnp.float32),
+            {k: jnp.zeros((), jnp.float32) for k in keys}, jnp.zeros((), jnp.float32),
+            jnp.zeros((), jnp.float32))
+    (gp, gc, loss, msum, tok, val), _ = jax.lax.scan(body, init, micro)
+    metrics = {}
+    for k in keys:
+        denom = 1.0 if k in _SUM_METRICS else jnp.maximum(val if k in _VALUE_METRICS else tok, 1.0)
+        metrics[k] = msum[k] / denom
+    metrics["tokens"] = tok
+    return loss, gp, gc, metrics
+
+
+accumulate_grads = jax.jit(_accumulate_grads, static_argnames=("model", "cfg", "on_policy"))
+accumulate_grads.__doc__ = """Mini-batch loss and gradients summed over micro-batches.
+
+Args: params, critic_params; mb: SampleBatch (rows a multiple of cfg.micro_batch_size); adv,
+w, targets [rows] f32; base: the frozen base params when LoRA is on (params = adapters;
+gradients are the adapters'), else None; static model, cfg, on_policy (see `micro_loss`).
+Every micro-batch loss is normalised by the WHOLE mini-batch's per-level counts
+(`loss_normalizers`), so the result does not depend on micro_batch_size. Returns (loss f32, grads of params, grads of critic_params, metrics).
+"""
+
+
+def _train_minibatch(state: TrainState, mb: SampleBatch, adv, w, targets, base=None, *,
+                     model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
+    loss, gp, gc, metrics = _accumulate_grads(state.params, state.critic_params, mb, adv, w,
+                                              targets, base, model=model, cfg=cfg,
+                                              on_policy=on_policy)
+    gnorm = optax.global_norm(gp)
+    cnorm = optax.global_norm(gc) if state.critic_params else jnp.zeros((), jnp.float32)
+    finite = jnp.isfinite(gnorm) & jnp.isfinite(cnorm) & jnp.isfinite(loss)
+    tx, ctx = make_optimizer(cfg), make_optimizer(cfg, critic=True)
+    upd, new_opt = tx.update(gp, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, upd)
+    new_critic, new_copt = state.critic_params, state.critic_opt_state
+    if state.critic_params:
+        cupd, new_copt = ctx.update(gc, state.critic_opt_state, state.critic_params)
+        new_critic = optax.apply_updates(state.critic_params, cupd)
+    # The update itself must be finite too: finite gradients can still give a NaN step (e.g.
+    # Adam's 0/0 with eps = 0), and NaN params would be checkpointed and sampled from.
+    finite = finite & jnp.isfinite(optax.global_norm(upd))
+    if state.critic_params:
+        finite = finite & jnp.isfinite(optax.global_norm(cupd))
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa
+    state = state.replace(params=keep(new_params, state.params),
+                          opt_state=keep(new_opt, state.opt_state),
+                          critic_params=keep(new_critic, state.critic_params),
+                          critic_opt_state=keep(new_copt, state.critic_opt_state))
+    metrics.update(loss=loss, grad_norm=gnorm, critic_grad_norm=cnorm,
+                   skipped=1.0 - finite.astype(jnp.float32))
+    return state, metrics
+
+
+train_minibatch = jax.jit(_train_minibatch, static_argnames=("model", "cfg", "on_policy"))
+_train_minibatch_donated = jax.jit(_train_minibatch, static_argnames=("model", "cfg", "on_policy"),
+                                   donate_argnames=("state",))
+train_minibatch.__doc__ = """One optimizer step on one mini-batch (see the module docstring).
+
+Args: state; mb: SampleBatch of the mini-batch rows (old/ref logprobs and values filled;
+rows a multiple of cfg.micro_batch_size); adv, w, targets: [rows] f32 advantages, sample
+weights, value targets; base: frozen base params when LoRA is on (state.params = adapters, the
+only leaves that change), else None; static: model, cfg, on_policy (the only step of an
+exactly on-policy update: pi_old = stop_gradient of the current logprobs, see `micro_loss`).
+Returns (new state, metrics: loss, grad_norm, critic_grad_norm, skipped (1.0 when the
+non-finite step was skipped), tokens, and the token-mean loss metrics of `ppo_loss` /
+`value_loss`). The step counter `state.step` is NOT advanced here (it counts iterations).
+"""
+
+
+__all__ = ["effective_params", "score_batch", "advantages", "gather_rows", "micro_loss",
+           "accumulate_grads", "train_minibatch"]

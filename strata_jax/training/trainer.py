@@ -1,0 +1,303 @@
+"""The update half of an iteration: scoring passes, advantages, mini-batched PPO steps.
+
+Flow of `Trainer.update(state, batch, ref_params)` (docs/method.md §9):
+
+1. `score_batch` (steps.py; no grad): pi_old logprobs recomputed by the trainer (docs/method.md
+   §9.1), reference logprobs (when kl_coef != 0), critic values and their dropout std, filled
+   into the SampleBatch BEFORE the estimator runs.
+2. `advantages` (steps.py): the estimator registry; value targets from ``row/value_targets``.
+3. `ppo_epochs` passes; each shuffles the valid rows into mini-batches of `mini_batch_size`
+   step samples (evenly split), with the strategy samples spread evenly over the mini-batches
+   (`minibatch_plan`, batching.py).
+4. `train_minibatch` (steps.py): one optimizer step per mini-batch, gradients accumulated over
+   micro-batches; a non-finite step is skipped and counted in metrics["skipped_steps"].
+
+Everything jitted is a pure function of (state, arrays) with the model / train configs static
+(steps.py); `Trainer` only holds the static pieces and the mesh, places batches and states on
+it, and runs the host-side plan.
+
+LoRA (cfg.lora.rank > 0, strata_jax/models/lora.py): `state.params` holds only the adapters
+(and opt_state their AdamW moments, so checkpoints hold only those); the frozen base params are
+passed where the reference params go (`update(state, batch, ref_params=base)`), serve as the
+KL reference for free, and every forward runs ``lora_params(base, adapters)`` (W x + scale * B A x,
+never the merged W + scale * B A; the sampler gets the merged copy via `policy_params`). A PPO
+critic trunk is its own adapters over the same base.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from strata_jax.algos import SampleBatch, loss_mask, pad_rows
+from strata_jax.distributed import host_values
+from strata_jax.models import Qwen2Config, init_params
+from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
+from strata_jax.sharding import logical_to_spec, param_shardings
+from strata_jax.training.batching import minibatch_plan, num_minibatches, trim_padding
+from strata_jax.training.config import TrainConfig
+from strata_jax.training.critic import init_critic
+from strata_jax.training.state import TrainState, create_train_state, make_optimizer
+from strata_jax.training.steps import (_train_minibatch_donated, advantages, gather_rows,
+                                       score_batch, train_minibatch)
+
+Params = dict[str, Any]
+log = logging.getLogger(__name__)
+
+_merge = jax.jit(apply_lora, static_argnums=(2, 3))
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Static pieces of the update (model and train configs, mesh) around the pure jitted steps.
+
+    Args:
+      model: Qwen2Config of the policy (and of the PPO critic).
+      cfg: TrainConfig (``TrainConfig.from_config(c)``).
+      mesh: device mesh (`strata_jax.sharding.make_mesh`); None = default device, no sharding.
+    """
+
+    model: Qwen2Config
+    cfg: TrainConfig
+    mesh: Mesh | None = None
+
+    # -- state -------------------------------------------------------------------------
+
+    @property
+    def lora(self) -> bool:
+        """True when the trainable params are LoRA adapters (cfg.lora.rank > 0)."""
+        return self.cfg.lora.enabled
+
+    def init_state(self, params: Params, key: jax.Array) -> TrainState:
+        """A fresh `TrainState` from policy params (step 0): critic per cfg.critic_kind (PPO: a
+        copy of params + head), zero optimizer moments, rng = a uint32 [2] key derived from key.
+        Everything is placed with `state_shardings` when a mesh is set.
+        LoRA: `params` is the frozen base; the state's params are fresh adapters (B = 0)."""
+        key = jnp.asarray(key, jnp.uint32)
+        if self.lora:
+            params = init_lora(self.model, self.cfg.lora, jax.random.fold_in(key, 0x10A))
+        k_head, k_state = jax.random.split(key)
+        critic = init_critic(self.cfg.critic_kind, params, k_head, self.model.hidden_size,
+                             self.cfg.value_head_init_std)
+
+        def build(params, critic, rng):
+            return create_train_state(params, critic, rng, self.cfg)
+
+        # Always committed to explicit shardings (SingleDeviceSharding without a mesh), so a
+        # fresh and a restored state hit the same compiled update.
+        abstract = jax.eval_shape(build, params, critic, k_state)
+        shardings = self.state_shardings(abstract)
+        return jax.jit(build, out_shardings=shardings)(params, critic, k_state)
+
+    def abstract_state(self, params_like: Params | None = None) -> TrainState:
+        """``jax.ShapeDtypeStruct`` tree of the state with this trainer's target shardings
+        (the restore target for orbax; works for any device count / mesh). params_like: the
+        params tree or its ShapeDtypeStructs (default: float32 random-init shapes); with LoRA
+        the base (ignored: the state's params are the adapters)."""
+        if params_like is None:
+            params_like = jax.eval_shape(lambda k: init_params(self.model, k),
+                                         jax.random.PRNGKey(0))
+        params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_like)
+        cfg = self.cfg
+        if self.lora:  # params_like is the base; the state holds adapters
+            params_like = jax.eval_shape(lambda k: init_lora(self.model, cfg.lora, k),
+                                         jax.random.PRNGKey(0))
+
+        def build(params):
+            critic = init_critic(cfg.critic_kind, params, jax.random.PRNGKey(0),
+                                 self.model.hidden_size, cfg.value_head_init_std)
+            return create_train_state(params, critic, jax.random.PRNGKey(0), cfg)
+
+        abstract = jax.eval_shape(build, params_like)
+        shardings = self.state_shardings(abstract)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            abstract, shardings)
+
+    def state_shardings(self, state_like: TrainState) -> TrainState:
+        """NamedSharding per leaf of a state: params (and the PPO critic trunk) by the logical
+        rules, optimizer moments like their params, everything else replicated."""
+        if self.mesh is None:
+            # What jit gives unsharded arrays: restored states then hit the same compile cache.
+            single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            return jax.tree.map(lambda _: single, state_like)
+        mesh = self.mesh
+        rep = NamedSharding(mesh, PartitionSpec())
+        trainable = lora_shardings if self.lora else param_shardings
+        ps = trainable(state_like.params, self.model, mesh)
+        cs = {}
+        if state_like.critic_params:
+            cs = {"head": jax.tree.map(lambda _: rep, state_like.critic_params["head"])}
+            if "trunk" in state_like.critic_params:
+                cs["trunk"] = trainable(state_like.critic_params["trunk"], self.model, mesh)
+        tx, ctx = make_optimizer(self.cfg), make_optimizer(self.cfg, critic=True)
+        os_ = optax.tree_map_params(tx, lambda _, s: s, state_like.opt_state, ps,
+                                    transform_non_params=lambda _: rep)
+        cos = {}
+        if state_like.critic_params:
+            cos = optax.tree_map_params(ctx, lambda _, s: s, state_like.critic_opt_state, cs,
+                                        transform_non_params=lambda _: rep)
+        return TrainState(params=ps, opt_state=os_, critic_params=cs, critic_opt_state=cos,
+                          step=rep, rng=rep)
+
+    # -- batch placement -----------------------------------------------------------------
+
+    def put_batch(self, batch: SampleBatch) -> SampleBatch:
+        """device_put every field with rows over the ("data", "fsdp") mesh axes (replicated when
+        the row count does not divide)."""
+        if self.mesh is None:
+            dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            return jax.tree.map(lambda x: jax.device_put(x, dev), batch)
+
+        def put(x):
+            x = np.asarray(x) if not isinstance(x, jax.Array) else x
+            spec = logical_to_spec(("batch",) + (None,) * (x.ndim - 1), x.shape, self.mesh)
+            return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+        return jax.tree.map(put, batch)
+
+    def policy_params(self, state: TrainState, base: Params | None = None) -> Params:
+        """Params of the current policy for the sampler / export: state.params, or with LoRA
+        the base with the adapters merged (jitted ``apply_lora``, merged weights in the base's
+        dtype, sharded like the base). Raises ValueError when LoRA is on and base is None."""
+        if not self.lora:
+            return state.params
+        if base is None:
+            raise ValueError("LoRA is on: policy_params needs the frozen base params")
+        dtype = base["embed"].dtype
+        with self._ctx():
+            return _merge(base, state.params, self.cfg.lora, dtype)
+
+    def _ctx(self):
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        return jax.set_mesh(self.mesh)
+
+    # -- the update ----------------------------------------------------------------------
+
+    def on_policy(self, batch: SampleBatch) -> bool:
+        """True when the update is exactly on-policy: one epoch of one mini-batch (so pi_old is
+        the trainer's current logprob and the PPO ratio is 1 by construction), unless
+        cfg.recompute_old asks for the old-logprob pass anyway. A collective on multi-host."""
+        cfg = self.cfg
+        if cfg.recompute_old or cfg.ppo_epochs != 1:
+            return False
+        valid, kind = host_values(batch.valid), host_values(batch.kind)
+        return num_minibatches(valid, kind, cfg.mini_batch_size) == 1
+
+    def score(self, state: TrainState, batch: SampleBatch, ref_params: Params | None,
+              key: jax.Array, use_old: bool = True) -> SampleBatch:
+        """Pad rows, place the batch, and fill old/ref logprobs and values (`score_batch`).
+
+        Only the passes something reads run: the old-logprob pass when use_old, the reference
+        pass when loss.kl_coef != 0, the critic when there is one; with none of them the batch
+        is only padded and placed (no forward)."""
+        cfg = self.cfg
+        chunk = cfg.score_rows or cfg.micro_batch_size
+        use_ref = bool(cfg.loss.kl_coef)
+        if self.lora and ref_params is None:
+            raise ValueError("LoRA is on (lora.rank > 0): pass the frozen base params as "
+                             "ref_params (the model the adapters ride on and the KL reference)")
+        if use_ref and ref_params is None:
+            raise ValueError("loss.kl_coef != 0 needs ref_params (the frozen initial policy "
+                             "params); pass them to update() or set loss.kl_coef = 0")
+        batch = self.put_batch(pad_rows(batch, chunk))
+        if not (use_old or use_ref or cfg.critic_kind != "none"):
+            return batch
+        with self._ctx():
+            return score_batch(state.params, state.critic_params,
+                               ref_params if use_ref or self.lora else None, batch, key,
+                               model=self.model,
+                               cfg=cfg, use_ref=use_ref, chunk_rows=chunk, use_old=use_old)
+
+    def train_on_batch(self, state: TrainState, batch: SampleBatch, adv: jax.Array,
+                       weights: jax.Array, targets: jax.Array, key: jax.Array,
+                       base: Params | None = None, on_policy: bool = False
+                       ) -> tuple[TrainState, list[dict]]:
+        """Epochs x mini-batches of `train_minibatch` on a scored batch with given advantages.
+
+        Args: batch scored (`score`); adv, weights, targets [R] f32; key: shuffling PRNGKey;
+        base: the frozen base params when LoRA is on (else ignored); on_policy: the batch was
+        scored without the old-logprob pass (`Trainer.on_policy`; must plan one mini-batch).
+        Returns (state, per-step metric dicts of device scalars). Does not advance state.step.
+        """
+        cfg = self.cfg
+        # host_values: a multi-host global batch is gathered (every process plans the same steps).
+        valid, kind = host_values(batch.valid), host_values(batch.kind)
+        seed = int(jax.device_get(jax.random.randint(key, (), 0, 2 ** 31 - 1)))
+        rng = np.random.default_rng(seed)
+        out = []
+        with self._ctx():
+            for _ in range(cfg.ppo_epochs):
+                for idx, real in minibatch_plan(valid, kind, cfg.mini_batch_size,
+                                                cfg.micro_batch_size, rng):
+                    mb, a, w, t = gather_rows(batch, adv, weights, targets, jnp.asarray(idx),
+                                              jnp.asarray(real))
+                    step = _train_minibatch_donated if cfg.donate_state else train_minibatch
+                    state, m = step(state, mb, a, w, t, base if self.lora else None,
+                                    model=self.model, cfg=cfg, on_policy=on_policy)
+                    out.append(m)
+        return state, out
+
+    def update(self, state: TrainState, batch: SampleBatch, ref_params: Params | None = None
+               ) -> tuple[TrainState, dict[str, float]]:
+        """One iteration's update: score, advantages, epochs of mini-batch steps; step += 1.
+
+        Redundant work is skipped (same result): all-padding columns are dropped
+        (`trim_padding`, cfg.trim_padding), the old-logprob pass is not run when the update is
+        exactly on-policy (`on_policy`; pi_old = the step's own logprobs under stop_gradient),
+        the reference pass only runs when loss.kl_coef != 0.
+
+        Args: state; batch: the iteration's SampleBatch (numpy or jax; any row count);
+        ref_params: frozen initial policy params (needed when loss.kl_coef != 0, and always with
+        LoRA, where they are the base the adapters ride on).
+        Returns (new state, metrics: host floats — means over optimizer steps of the loss
+        metrics, `skipped_steps` (non-finite steps not applied), `optimizer_steps`, advantage
+        metrics of the estimator, `mismatch/sampler_abs` = mean |sampler - trainer| logprob
+        over loss tokens). Raises ValueError when kl_coef != 0 and ref_params is None.
+        """
+        rng, k_score, k_plan = jax.random.split(jnp.asarray(state.rng, jnp.uint32), 3)
+        if self.cfg.trim_padding:
+            batch = trim_padding(batch)
+        on_policy = self.on_policy(batch)
+        scored = self.score(state, batch, ref_params, k_score, use_old=not on_policy)
+        with self._ctx():
+            adv, w, adv_m = advantages(scored, state.step, algo=self.cfg.algo,
+                                       est=self.cfg.estimator)
+        targets = adv_m.get("row/value_targets", jnp.zeros_like(adv))
+        state, steps = self.train_on_batch(state, scored, adv, w, targets, k_plan, ref_params,
+                                           on_policy=on_policy)
+        state = state.replace(step=state.step + 1, rng=rng)
+        if on_policy:  # measured inside the one step, against the same pi_old
+            mism = steps[0].pop("sampler_abs")
+        else:
+            mask = loss_mask(scored)
+            mism = jnp.sum(jnp.where(mask, jnp.abs(scored.sampler_logprobs
+                                                   - scored.old_logprobs), 0.0)
+                           ) / jnp.maximum(jnp.sum(mask), 1)
+        host_steps, host_adv, mism = jax.device_get(
+            (steps, {k: v for k, v in adv_m.items() if not k.startswith("row/")}, mism))
+        metrics: dict[str, float] = {k: float(v) for k, v in host_adv.items()}
+        for k in (host_steps[0] if host_steps else {}):
+            vals = [float(s[k]) for s in host_steps]
+            metrics[f"train/{k}"] = float(np.mean(vals))
+        metrics["skipped_steps"] = float(sum(float(s["skipped"]) for s in host_steps))
+        metrics["optimizer_steps"] = float(len(host_steps))
+        metrics["mismatch/sampler_abs"] = float(mism)
+        if metrics["skipped_steps"]:
+            log.warning("iteration %d: skipped %d of %d optimizer steps with a non-finite loss or "
+                        "gradient (params and optimizer state left unchanged)",
+                        int(state.step), int(metrics["skipped_steps"]), len(host_steps))
+        return state, metrics
+
+
+__all__ = ["Trainer"]

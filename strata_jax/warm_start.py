@@ -1,0 +1,179 @@
+"""The warm start of a run: an explicit step after `experiment.build_model`.
+
+    model_cfg, params = experiment.build_model(c, tokenizer, mesh)    # builds / loads only
+    params = warm_start.maybe_warm_start(c, model_cfg, params, tokenizer, c.workdir, mesh=mesh)
+
+``model.warm_start``: "" leaves the params as built; "sft" = behaviour cloning
+(`strata_jax.training.sft`) on the run's env, trained on the fly once or loaded from the cached
+HF export in ``<sft.cache_dir>/<fingerprint>/`` (default ``runs/warm_start/<fingerprint>``: one
+folder beside the runs, shared by every variant, run folder and eval of the same setting,
+since the fingerprint covers all the warm start depends on; ``sft.cache_dir=""`` keeps it per
+run in ``<workdir>/warm_start``); any other value is an export directory. ``train.py`` and
+``eval.py`` (`evaluation.run_eval`, which never trains one) call `maybe_warm_start`; ``sft.py``
+runs `export_warm_start`, the warm start alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from envs_bridge import TaskSampler
+from envs_bridge.base import Task
+from strata_jax import experiment as ex
+from strata_jax.models import Qwen2Config, export_params, load_params
+from strata_jax.rollout import make_prompt_builder
+from strata_jax.training.sft import (KINDS, ExpertEpisode, SFTConfig, SFTExample, build_examples,
+                                     collect_expert_episodes, train_sft)
+
+log = logging.getLogger(__name__)
+
+META_FILE = "sft_meta.json"
+
+
+def expert_tasks(c: Any, cfg: SFTConfig) -> list[Task]:
+    """``cfg.episodes`` tasks of the run's env (``c.env.tasks`` filter) from ``cfg.split``,
+    drawn without repeats (TaskSampler, seed ``cfg.seed``)."""
+    return TaskSampler(ex.task_list(c, cfg.split), seed=cfg.seed).sample(cfg.episodes)
+
+
+def sft_examples(c: Any, tokenizer: Any, cfg: SFTConfig | None = None
+                 ) -> tuple[list[SFTExample], list[ExpertEpisode]]:
+    """Expert episodes of run config `c` and their examples, rendered with the run's own
+    `make_prompt_builder(tokenizer, c)` (budget, history window, cumulative prompts)."""
+    cfg = cfg or SFTConfig.from_config(c)
+    kw = ex.env_kwargs(c)
+    eps = collect_expert_episodes(c.env.name, expert_tasks(c, cfg), noise=cfg.noise,
+                                  seed=cfg.seed, max_gold_steps=cfg.max_gold_steps, env_kwargs=kw)
+    if not eps:
+        raise ValueError(f"no expert episode for env {c.env.name!r} (tasks {tuple(c.env.tasks)}): "
+                         "every gold path exceeded sft.max_gold_steps?")
+    return build_examples(make_prompt_builder(tokenizer, c), eps, cfg), eps
+
+
+# Version of the examples' rendering: bump it when prompts or targets change shape, so that a
+# cached warm start trained on the old rendering is not reused (2: targets end at the closing
+# tag where the sampler's stop string ends generation, not at <|im_end|>).
+EXAMPLE_FORMAT = 2
+
+
+def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
+    """A 12-hex id of everything the warm start depends on (data, prompts, model, init)."""
+    sft = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"}
+    d = dict(format=EXAMPLE_FORMAT, sft=sft,
+             model=dataclasses.asdict(model_cfg), init=[c.model.path, c.model.preset, c.seed,
+                                                        c.model.dtype, c.model.tokenizer],
+             env=[c.env.name, list(c.env.tasks), c.env.max_prompt_tokens, c.env.history_length,
+                  c.env.max_steps, bool(c.rollout.cumulative_prompts)],
+             env_kwargs=ex.env_kwargs(c))  # e.g. memory_key's code_digits changes the data
+    return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def run_sft(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any, out_dir: str,
+            cfg: SFTConfig | None = None, log_fn: Callable[[str], None] | None = None
+            ) -> tuple[Any, dict[str, Any]]:
+    """Collect experts, train from `params`, export an HF checkpoint to `out_dir`.
+
+    Writes ``out_dir/config.json`` + ``model.safetensors`` (`export_params`, loadable with
+    ``--config.model.path=out_dir --config.model.tokenizer=offline``: no tokenizer files are
+    written) and ``out_dir/sft_meta.json`` (settings, example counts, losses, wall time).
+    Returns (params, meta).
+    """
+    cfg = cfg or SFTConfig.from_config(c)
+    t0 = time.time()
+    examples, eps = sft_examples(c, tokenizer, cfg)
+    t_data = time.time() - t0
+    counts = {k: sum(e.kind == k for e in examples) for k in KINDS}
+    (log_fn or log.info)(f"sft: {len(eps)} expert episodes ({sum(e.success for e in eps)} "
+                         f"successful, {sum(s.noisy for e in eps for s in e.steps)} noisy steps), "
+                         f"examples {counts}, data {t_data:.1f} s")
+    params, losses = train_sft(params, model_cfg, examples, cfg,
+                               log_fn=log_fn or log.info)
+    os.makedirs(out_dir, exist_ok=True)
+    export_params(params, model_cfg, out_dir)
+    meta = dict(sft=dataclasses.asdict(cfg), episodes=len(eps),
+                expert_success=float(np.mean([e.success for e in eps])), examples=counts,
+                first_loss=losses[0], final_loss=float(np.mean(losses[-10:])),
+                losses=losses[:: max(1, len(losses) // 100)], data_s=t_data,
+                wall_s=time.time() - t0, env=c.env.name, tasks=list(c.env.tasks))
+    with open(os.path.join(out_dir, META_FILE), "w") as f:
+        json.dump(meta, f, indent=1)
+    return params, meta
+
+
+def export_warm_start(c: Any, out: str = "", force: bool = False,
+                      log_fn: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The whole `sft.py` job: the run's tokenizer and initial params as built
+    (`experiment.build_model`, before any warm start), `run_sft`, export to `out` (default
+    `warm_start_dir`). An export whose meta file exists is reused unless `force`.
+
+    Returns {"out": export dir, "cached": bool, "meta": the sft_meta.json dict}.
+    Raises experiment.ConfigError for a config that cannot run (`experiment.validate`)."""
+    ex.validate(c)
+    ex.resolve(c)
+    tokenizer = ex.build_tokenizer(c)
+    model_cfg, params = ex.build_model(c, tokenizer, None)
+    out = out or warm_start_dir(c, model_cfg, c.workdir)
+    meta_file = os.path.join(out, META_FILE)
+    if os.path.isfile(meta_file) and not force:
+        with open(meta_file) as f:
+            return {"out": out, "cached": True, "meta": json.load(f)}
+    _, meta = run_sft(c, model_cfg, params, tokenizer, out, log_fn=log_fn)
+    return {"out": out, "cached": False, "meta": meta}
+
+
+def warm_start_dir(c: Any, model_cfg: Qwen2Config, workdir: str) -> str:
+    """Cache dir of the run's warm start: ``<sft.cache_dir or workdir/warm_start>/<fingerprint>``
+    (nothing is created here)."""
+    cfg = SFTConfig.from_config(c)
+    root = cfg.cache_dir or os.path.join(workdir, "warm_start")
+    return os.path.join(root, fingerprint(c, model_cfg, cfg))
+
+
+def maybe_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any, workdir: str,
+                     mesh: jax.sharding.Mesh | None = None, train: bool = True) -> Any:
+    """The run's initial params after the warm start of ``c.model.warm_start`` (the step
+    after `experiment.build_model`; `workdir` is the run folder, for ``sft.cache_dir=""``).
+
+    "" (default): `params` unchanged. "sft": behaviour cloning from `params` (see `run_sft`),
+    cached: a finished export in `warm_start_dir` is loaded instead of retrained (the meta file
+    is written last, so a killed run retrains). Any other value: a directory with an HF export
+    (e.g. from ``sft.py``) whose config.json must equal `model_cfg`.
+    Returns params in ``c.model.dtype``, placed on `mesh` when given (as `load_params` places).
+    Raises ValueError when a given export has another shape; with ``train=False`` (eval), an
+    "sft" warm start that is not cached is an `experiment.ConfigError` instead of being trained.
+    """
+    ws = str(c.model.get("warm_start", "") or "")
+    if not ws:
+        return params
+    dtype = jnp.dtype(c.model.dtype)
+    if ws != "sft":
+        found = Qwen2Config.from_pretrained(ws)
+        if found != model_cfg:
+            raise ValueError(f"model.warm_start={ws!r} holds a {found} model but the run builds "
+                             f"{model_cfg}; use the same model.preset / path as the SFT run")
+        return load_params(ws, model_cfg, dtype=dtype, mesh=mesh)
+    out = warm_start_dir(c, model_cfg, workdir)
+    if os.path.isfile(os.path.join(out, META_FILE)):
+        log.info("warm start: loading cached behaviour-cloning export %s", out)
+        return load_params(out, model_cfg, dtype=dtype, mesh=mesh)
+    if not train:
+        raise ex.ConfigError(f"the warm start of this config is not cached in {out}; train it "
+                             "first (python sft.py with the same --config) or pass "
+                             "--config.model.warm_start= to use the initial params")
+    log.info("warm start: behaviour cloning into %s (once; every run of this setting reuses "
+             "it)", out)
+    run_sft(c, model_cfg, params, tokenizer, out)
+    return load_params(out, model_cfg, dtype=dtype, mesh=mesh)
+
+
+__all__ = ["maybe_warm_start", "export_warm_start", "run_sft", "warm_start_dir", "fingerprint",
+           "sft_examples", "expert_tasks", "EXAMPLE_FORMAT", "META_FILE"]
