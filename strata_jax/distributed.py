@@ -149,7 +149,8 @@ def check_config(c: Any) -> None:
     """Multi-process constraints on a config (call after `initialize`).
 
     Raises ValueError when rollout.tasks_per_batch is not a multiple of the process count, or
-    for DAPO refill (per-host refill would break the "union = single-process list" rule).
+    for an algorithm with refill (DAPO's dynamic sampling; `algos.table.ALGORITHMS`): per-host
+    refill would break the "union = single-process list" rule.
     """
     p = jax.process_count()
     if p == 1:
@@ -157,9 +158,10 @@ def check_config(c: Any) -> None:
     if int(c.rollout.tasks_per_batch) % p:
         raise ValueError(f"rollout.tasks_per_batch={c.rollout.tasks_per_batch} must be a multiple "
                          f"of the number of processes ({p}): each host rolls out an equal share")
-    if c.algo == "dapo":
-        raise ValueError("algo=dapo (dynamic-sampling refill) is single-process only for now; "
-                         "run it on one host or use another algo")
+    from strata_jax.algos.table import get_algorithm   # lazy: nothing before jax.distributed
+    if get_algorithm(c.algo).refill:
+        raise ValueError(f"algo={c.algo} (dynamic-sampling refill) is single-process only for "
+                         "now; run it on one host or use another algo")
 
 
 def host_share(tasks: Sequence[Any], process_index: int | None = None,

@@ -57,6 +57,7 @@ import optax
 
 from envs_bridge.base import PromptPieces, Task
 from envs_bridge.parsing import parse_action
+from strata_jax.config import read_fields, section_sources
 from strata_jax.models import Qwen2Config, export_params, load_params
 from strata_jax.models.tokenizer import IM_END_ID
 from strata_jax.rollout.prompts import (ACTION_STOP, JUDGE_STOP, STRATEGY_STOP, HistoryEntry,
@@ -98,7 +99,7 @@ class SFTConfig:
       logprob_chunk: response positions per LM-head chunk.
       seed: data and batch order seed. log_every: steps between loss log lines.
       cache_dir: where `maybe_warm_start` keeps exports, one sub-folder per fingerprint
-        (configs/base.py: ``runs/warm_start``; "" = ``<workdir>/warm_start``).
+        ("" = ``<workdir>/warm_start``). Defaults = configs/base.py's ``c.sft``.
     """
 
     episodes: int = 32
@@ -118,7 +119,7 @@ class SFTConfig:
     logprob_chunk: int = 64
     seed: int = 0
     log_every: int = 50
-    cache_dir: str = ""
+    cache_dir: str = "runs/warm_start"
 
     def __post_init__(self) -> None:
         if self.strategy_mode not in STRATEGY_MODES:
@@ -131,10 +132,14 @@ class SFTConfig:
                 raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
+    def config_sources(cls) -> dict[str, str]:
+        """{field: dotted config key}: every field is ``sft.<field>``."""
+        return section_sources(cls, "sft")
+
+    @classmethod
     def from_config(cls, c: Any, **overrides: Any) -> "SFTConfig":
-        """From ``c.sft`` (missing fields keep the defaults above; unknown ones are ignored)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        v = {k: val for k, val in (c.get("sft", None) or {}).items() if k in names}
+        """From ``c.sft``, every field read; a missing or unknown key is a ConfigError."""
+        v = read_fields(cls, c, cls.config_sources(), owned={"sft": ()})
         v.update(overrides)
         return cls(**v)
 

@@ -7,8 +7,8 @@ Flow of `Trainer.update(state, batch, ref_params)` (docs/method.md §9):
    frozen initial params (when kl_coef != 0), critic values V(h_t) and their dropout std (PPO:
    separate critic; STAPO: value head on the policy trunk). They fill the SampleBatch slots
    old_logprobs / ref_logprobs / values / value_std BEFORE the estimator runs.
-2. Advantages from the registry (`compute_advantages(cfg.algo, ...)`); value targets from the
-   estimator's ``row/value_targets``.
+2. Advantages from the registry (`compute_advantages(cfg.estimator_name, ...)`, the algo's
+   estimator); value targets from the estimator's ``row/value_targets``.
 3. `ppo_epochs` passes; each shuffles the valid rows into mini-batches of `mini_batch_size`
    step samples (evenly split), with the strategy samples spread evenly over the mini-batches.
 4. `train_minibatch` (jitted): micro-batches of `micro_batch_size` rows in a ``lax.scan``;
@@ -672,7 +672,7 @@ class Trainer:
         on_policy = self.on_policy(batch)
         scored = self.score(state, batch, ref_params, k_score, use_old=not on_policy)
         with self._ctx():
-            adv, w, adv_m = advantages(scored, state.step, algo=self.cfg.algo,
+            adv, w, adv_m = advantages(scored, state.step, algo=self.cfg.estimator_name,
                                        est=self.cfg.estimator)
         targets = adv_m.get("row/value_targets", jnp.zeros_like(adv))
         state, steps = self.train_on_batch(state, scored, adv, w, targets, k_plan, ref_params,
