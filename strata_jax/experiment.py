@@ -87,7 +87,8 @@ def check_keys(c: Any) -> None:
         section, _, leaf = key.rpartition(".")
         elsewhere = sorted(k for k in known if k.rpartition(".")[2] == leaf)  # train.lr: optim.lr
         same = [k for k in known if k.rpartition(".")[0] == section]
-        hint = f" (did you mean {elsewhere[0]!r}?)" if elsewhere else nearest(key, same or known)
+        hint = (f" (did you mean {' or '.join(repr(k) for k in elsewhere)}?)" if elsewhere
+                else nearest(key, same or known))
         raise ConfigError(f"unknown config field {key!r}{hint}; the fields and their defaults "
                           "are in configs/base.py")
     missing = sorted(required - have)

@@ -213,6 +213,8 @@ def _run(script, *args, env=None):
     ("eval.py", ["--config=configs/sciworld.py:tiny,optim.lrr=1e-5"],
      "eval.py: --config=configs/sciworld.py:tiny,optim.lrr=1e-5: unknown config field "
      "'optim.lrr' (did you mean 'lr'?)."),
+    ("train.py", ["--config=configs/sciworld.py:tiny", "--config.loss.kl_coeff=0.1"],
+     "train.py: --config.loss.kl_coeff names no field of the config (did you mean 'kl_coef'?)."),
     ("train.py", ["--config=configs/sciworld.py:tiny", "--config.rollout.num_strategies=2.7"],
      "train.py: --config.rollout.num_strategies='2.7' is not an integer"),
     ("train.py", ["--config=configs/sciworld.py:tiny", "--config.rollout.top_k=-2"],
