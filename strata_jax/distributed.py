@@ -219,7 +219,7 @@ def to_local(params: Any, model_config: Any, mesh: Mesh) -> Any:
     """
     if jax.process_count() == 1:
         return params
-    from strata_jax.sharding import param_shardings
+    from strata_jax.models.qwen2 import param_shardings
     targets = param_shardings(params, model_config, mesh)
     return jax.tree.map(lambda x, s: jax.device_put(_replicated(x).addressable_data(0), s),
                         params, targets)

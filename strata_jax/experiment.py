@@ -27,7 +27,8 @@ from envs_bridge.registry import get_env_factory, list_envs
 from strata_jax import sharding
 from strata_jax.algos.table import get_algorithm
 from strata_jax.config import ConfigError
-from strata_jax.models import PRESETS, Qwen2Config, init_params, load_params, load_tokenizer
+from strata_jax.models import (PRESETS, Qwen2Config, init_params, load_params, load_tokenizer,
+                               shard_params)
 from strata_jax.models.loading import checkpoint_config, resolve_checkpoint
 
 log = logging.getLogger(__name__)
@@ -362,7 +363,7 @@ def build_model(c: Any, tokenizer: Any, mesh: jax.sharding.Mesh | None,
         # model.warm_start: "" none; "sft" = behaviour cloning (cached); or an HF export dir
         params = maybe_warm_start(c, cfg, params, tokenizer, c.workdir, train=train_warm_start)
         if mesh is not None:
-            params = sharding.shard_params(params, cfg, mesh)
+            params = shard_params(params, cfg, mesh)
         return cfg, params
     params = load_params(checkpoint_dir(c), cfg, dtype=dtype, mesh=mesh)
     return cfg, maybe_warm_start(c, cfg, params, tokenizer, c.workdir, mesh=mesh,

@@ -45,9 +45,9 @@ from strata_jax.algos import (KIND_ACTION, KIND_STRATEGY, PAD_ID, SampleBatch,
                               compute_advantages, loss_mask, loss_normalizers, ppo_loss,
                               value_loss)
 from strata_jax.distributed import host_values
-from strata_jax.models import Qwen2Config
+from strata_jax.models import Qwen2Config, param_shardings
 from strata_jax.models.lora import apply_lora, init_lora, lora_params, lora_shardings
-from strata_jax.sharding import logical_to_spec, param_shardings
+from strata_jax.sharding import logical_to_spec
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import dropout_values, init_critic, value_from_hidden
 from strata_jax.training.scoring import response_logprobs, response_states
