@@ -37,6 +37,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from strata_jax.config import get_dotted
+
 log = logging.getLogger(__name__)
 
 # Environment variables read when the config leaves a field empty (-1 / "").
@@ -47,19 +49,21 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 
 @dataclasses.dataclass(frozen=True)
 class DistributedSettings:
-    """Resolved ``jax.distributed.initialize`` arguments.
+    """Resolved ``jax.distributed.initialize`` arguments (`settings`: the ``c.distributed``
+    fields of the same names, empty ones filled from the environment; no defaults of its own).
 
     coordinator_address: "host:port" of process 0, "auto" (cluster auto-detection: Cloud TPU
       pod slices, SLURM, Open MPI) or "" (single process).
     num_processes, process_id: None = let JAX detect them ("auto").
     local_device_ids: None = every local device.
+    initialization_timeout_s: seconds jax.distributed waits for the other processes.
     """
 
-    coordinator_address: str = ""
-    num_processes: int | None = None
-    process_id: int | None = None
-    local_device_ids: tuple[int, ...] | None = None
-    initialization_timeout_s: int = 300
+    coordinator_address: str
+    num_processes: int | None
+    process_id: int | None
+    local_device_ids: tuple[int, ...] | None
+    initialization_timeout_s: int
 
     @property
     def multi_process(self) -> bool:
@@ -70,27 +74,29 @@ class DistributedSettings:
 
 
 def settings(c: Any, environ: dict[str, str] | None = None) -> DistributedSettings:
-    """`DistributedSettings` from ``c.distributed`` (absent = empty), falling back to the
-    environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) for empty fields.
+    """`DistributedSettings` from ``c.distributed`` (every field read: a missing one is a
+    ConfigError), falling back to the environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+    JAX_PROCESS_ID) for empty ones ("" / -1).
 
     Raises ValueError for an explicit coordinator address without num_processes / process_id,
     or a process_id outside [0, num_processes).
     """
     env = os.environ if environ is None else environ
-    d = c.get("distributed", None) if hasattr(c, "get") else None
-    d = d or {}
+    d = {k: get_dotted(c, f"distributed.{k}") for k in (
+        "coordinator_address", "num_processes", "process_id", "local_device_ids",
+        "initialization_timeout_s")}
 
     def num(key: str, env_key: str) -> int | None:
-        v = d.get(key, -1)
+        v = d[key]
         v = -1 if v is None else int(v)
         if v < 0 and env.get(env_key, "") != "":
             v = int(env[env_key])
         return None if v < 0 else v
 
-    addr = str(d.get("coordinator_address", "") or env.get(ENV_COORDINATOR, ""))
+    addr = str(d["coordinator_address"] or env.get(ENV_COORDINATOR, ""))
     n, pid = num("num_processes", ENV_NUM_PROCESSES), num("process_id", ENV_PROCESS_ID)
-    ids = tuple(int(i) for i in (d.get("local_device_ids", ()) or ())) or None
-    s = DistributedSettings(addr, n, pid, ids, int(d.get("initialization_timeout_s", 300)))
+    ids = tuple(int(i) for i in (d["local_device_ids"] or ())) or None
+    s = DistributedSettings(addr, n, pid, ids, int(d["initialization_timeout_s"]))
     if addr and addr != "auto":
         if n is None or pid is None:
             raise ValueError(

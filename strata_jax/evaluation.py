@@ -59,7 +59,7 @@ def eval_tasks(c: Any, split: str) -> list[Any]:
     from strata_jax import experiment as ex
     tasks = ex.task_list(c, split)
     cap = int(c.eval.max_tasks)
-    k = int(c.eval.get("episodes_per_family", 0))
+    k = int(c.eval.episodes_per_family)
     if not (split == "test" and c.env.eval_list):
         tasks = per_family(tasks, k) if k > 0 else spread_over_families(tasks, len(tasks))
     return list(tasks[:cap]) if cap > 0 else list(tasks)
@@ -192,7 +192,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     builder = make_prompt_builder(tokenizer, c)
     pool = ex.build_pool(c)
     print(f"playing {len(tasks)} episodes on split {split!r} "
-          f"({int(c.eval.get('episodes_per_family', 0))} per family) ...", flush=True)
+          f"({int(c.eval.episodes_per_family)} per family) ...", flush=True)
     try:
         metrics, episodes = evaluate(c, policy, pool, builder, tasks, key=ex.seed_key(c, 2, at))
     finally:

@@ -142,8 +142,7 @@ def validate(c: Any) -> None:
     at_least("ckpt.every", 1)
     at_least("eval.every", 0)
     at_least("eval.max_tasks", 0)
-    if "episodes_per_family" in c.eval:
-        at_least("eval.episodes_per_family", 0)
+    at_least("eval.episodes_per_family", 0)
     at_least("log.dump_trajectories", 0)
     at_least("lora.rank", 0)
     for axis, n in dict(c.mesh).items():
@@ -374,7 +373,7 @@ def sampler_params(c: Any, params: Any) -> Any:
     """The policy params as the sampler reads them: cast to ``rollout.sampler_dtype`` (bf16
     halves the bytes a decode step streams; the trainer keeps fp32 masters and recomputes pi_old
     itself, so the cast only shows up in the logged sampler-trainer mismatch)."""
-    dtype = jnp.dtype(c.rollout.get("sampler_dtype", "") or c.model.dtype)
+    dtype = jnp.dtype(c.rollout.sampler_dtype or c.model.dtype)
     return _cast(params, dtype)
 
 
