@@ -533,7 +533,8 @@ def seed_key(c: Any, *ids: int) -> jax.Array:
 
 
 __all__ = ["ConfigError", "WorkdirLock", "check_env", "check_resume", "RESUME_MAY_CHANGE",
-           "ASSEMBLY_KEYS", "OPTIONAL_KEYS", "config_keys", "check_keys", "validate", "resolve", "build_mesh", "build_tokenizer", "build_model",
+           "ASSEMBLY_KEYS", "OPTIONAL_KEYS", "config_keys", "check_keys", "validate", "resolve",
+           "build_mesh", "build_tokenizer", "build_model",
            "model_config", "abstract_params", "checkpoint_dir",
            "env_kwargs", "task_list", "build_pool", "max_cache_len", "workdir", "seed_key",
            "TaskSampler"]

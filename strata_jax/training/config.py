@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from strata_jax.algos.config import EstimatorConfig, LossConfig
-from strata_jax.algos.table import ALGORITHMS, get_algorithm
+from strata_jax.algos.table import get_algorithm
 from strata_jax.config import read_fields
 from strata_jax.models.lora import LoraConfig
 
@@ -72,8 +72,9 @@ class TrainConfig:
       state passed to `Trainer.update` / `train_on_batch`: one copy of params + moments less at
       the peak, but the caller's state object is dead after the call).
     Critic: critic ("auto": what the algorithm's `ALGORITHMS` entry says: a separate model for
-      ppo, a value head on the policy trunk for stapo, none otherwise), value_trunk_coef (STAPO: gradient of the value loss into the shared trunk
-      is scaled by this; 0 = head only), value_head_init_std (head weights ~ N(0, std^2 / D)),
+      ppo, a value head on the policy trunk for stapo, none otherwise), value_trunk_coef
+      (STAPO: gradient of the value loss into the shared trunk is scaled by this; 0 = head
+      only), value_head_init_std (head weights ~ N(0, std^2 / D)),
       dropout_passes K and dropout p (value uncertainty, docs/method.md §7.3).
     Sub-configs: loss (LossConfig), estimator (EstimatorConfig), algo (a name of
       `algos.table.ALGORITHMS`: its entry gives the estimator and the "auto" critic), lora
@@ -118,8 +119,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         import math
-        if self.algo not in ALGORITHMS:
-            get_algorithm(self.algo)   # ConfigError listing the names
+        get_algorithm(self.algo)   # an unknown name: ConfigError listing ALGORITHMS
         for name in ("lr", "critic_lr"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
