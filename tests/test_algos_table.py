@@ -92,3 +92,17 @@ def test_the_trainer_runs_the_new_entrys_estimator(throwaway):
     ref, _, _ = compute_advantages("grpo", batch, trainer.cfg.estimator)
     np.testing.assert_allclose(np.asarray(ref)[:4], [1.5, -0.5, -0.5, -0.5], rtol=1e-4)
     assert metrics["throwaway/abs_adv_sum"] == pytest.approx(6.0, rel=1e-4)
+
+
+def test_configs_read_the_names_without_starting_jax():
+    """configs/ imports the table (so the algorithm names live in the library), and loading a
+    config still initialises no JAX backend: jax.distributed.initialize must come first."""
+    import os
+    import subprocess
+    import sys
+    code = ("from configs import sciworld; from jax._src import xla_bridge as xb; "
+            "c = sciworld.get_config('tiny,dapo'); print(c.algo, bool(xb._backends))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["dapo", "False"]
