@@ -28,7 +28,7 @@ Prints one line per family, the overall success rate and score, the rollout's in
 env-rejected and strategy-format-failure fractions, and where it wrote: the metrics to
 ``<workdir>/eval_<split>_step<k>.json`` and every episode to
 ``<workdir>/eval_<split>_step<k>_trajectories.jsonl`` (read it with
-``python -m strata_jax.trajectories <that file>``). The work is `strata_jax.evaluation.run_eval`
+``python -m strata_jax.trajectories <that file>``). The work is `strata_jax.eval_run.run_eval`
 (also what the notebook calls).
 """
 from __future__ import annotations
@@ -64,7 +64,8 @@ flags.mark_flags_as_required(["config"])
 @guarded
 def main(argv):
     del argv
-    from strata_jax.evaluation import format_metrics, run_eval
+    from strata_jax.eval_run import run_eval
+    from strata_jax.evaluation import format_metrics
     from strata_jax.metrics import quiet_logs
     quiet_logs()
     c = _CONFIG.value

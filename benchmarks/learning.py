@@ -131,9 +131,10 @@ def code_copy_probe(args, export: str, episodes: int = 48) -> dict:
 def rl_run(make, args, env: str, algo: str, seed: int, export: str) -> dict:
     """One RL run from the export; returns per-iteration metrics."""
     import train
+    from strata_jax.algos.table import get_algorithm
     from strata_jax.metrics import read_jsonl
     c = make(args, algo, seed)
-    if algo == "grpo":
+    if get_algorithm(algo).rollout == "flat":   # a baseline gets StraTA's episode budget
         c.rollout.group_size = c.rollout.num_strategies * c.rollout.episodes_per_strategy
     c.model.warm_start = export    # the run's own init, replaced by the export (shape-checked)
     c.workdir = os.path.join(args.out, env, f"{algo}_s{seed}")

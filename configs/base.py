@@ -3,19 +3,25 @@
 Each experiment file (``sciworld.py``, ``alfworld.py``, ``webshop.py``) starts from
 ``get_base_config()`` and overrides what differs; variants are selected with ``:name``
 (``--config=configs/sciworld.py:tiny``) and single fields with ``--config.x=y``.
-Every pinned value of the method spec (docs/method.md) lives here.
+Every pinned value of the method spec (docs/method.md) lives here, and every field the library
+reads: this file is the one home of the defaults. The library's option dataclasses
+(`LossConfig`, `EstimatorConfig`, `LoraConfig`, `TrainConfig`, `RolloutConfig`, `SFTConfig`)
+read every field from here by name and refuse unknown keys; their own defaults equal these
+(tests/test_config_schema.py), and `strata_jax.experiment.ASSEMBLY_KEYS` lists the rest
+(docs/design.md §3).
 """
 import re
 
 import ml_collections
 
-ALGOS = ("strata", "grpo", "rloo", "gigpo", "ppo", "dapo", "stapo")
+from strata_jax.algos.table import ALGORITHMS
+from strata_jax.config import OverrideError, set_override  # noqa: F401  (the variant parser)
 
 
 def get_base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.algo = "strata"              # one of ALGOS
+    c.algo = "strata"              # a name of strata_jax.algos.table.ALGORITHMS
     c.workdir = "runs/default"
     c.iterations = 150             # one iteration = one rollout followed by its update (docs/method.md §5.8)
 
@@ -84,7 +90,15 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rollout.max_judge_tokens = 256
     c.rollout.cumulative_prompts = False  # STAPO turns this on (docs/method.md §7.1)
     c.rollout.cohorts = 2          # env stepping of one cohort overlaps decoding of the other
-    c.rollout.dapo_max_tries = 10
+    c.rollout.dapo_max_tries = 10   # refill rounds of an algorithm with refill (DAPO)
+    c.rollout.invalid_tail_chars = 30  # chars of a format-invalid output shown in the history
+    # SampleBatch padding: rows / prompt / response widths round up to the smallest listed
+    # bucket (None: rows to a multiple of row_multiple, widths to a multiple of 8)
+    c.rollout.row_buckets = None
+    c.rollout.prompt_buckets = None
+    c.rollout.response_buckets = None
+    c.rollout.row_multiple = 8
+    c.rollout.pad_token_id = 151643  # <|endoftext|>, Qwen2.5's pad (the padding of SampleBatch)
     # Beyond the paper, off by default (docs/method.md §5.9-§5.10): strategy revision after
     # every K steps (0 = off) and / or when stuck ("" = off, "stuck": the last k steps all
     # invalid, one repeated action, or no reward); a separate judge checkpoint ("" = the policy).
@@ -111,12 +125,18 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.adv.gigpo_step_norm = "mean_norm"   # mean_norm | mean_std_norm
     c.adv.gae_gamma = 1.0
     c.adv.gae_lambda = 1.0
+    c.adv.gae_whiten = True        # PPO: whiten the GAE advantages over valid step samples
     c.adv.stapo_weighting = False  # the STAPO selective weights on top of any estimator
     c.adv.stapo_eta = 0.5
-    c.adv.stapo_eta_quantile = -1.0  # < 0: fixed eta
+    c.adv.stapo_eta_quantile = -1.0  # < 0: fixed eta; >= 0: eta = this quantile of |A| ...
+    c.adv.stapo_eta_quantile_end = -1.0  # ... annealed to this one (>= 0) over
+    c.adv.stapo_anneal_steps = 150       # this many training steps
+    c.adv.stapo_w_pos = "one"      # weight of A > eta: one | advantage
     c.adv.stapo_w_neg = 0.3
     c.adv.stapo_floor = 0.0
     c.adv.stapo_uncertainty_coef = 0.5
+    c.adv.stapo_gae_lambda = 0.95
+    c.adv.stapo_whiten = True      # whiten STAPO's GAE advantages before thresholding
     c.adv.stapo_dropout_passes = 4
     c.adv.stapo_dropout = 0.1
 
@@ -129,9 +149,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.loss.strategy_coef = 0.5     # lambda
     c.loss.kl_coef = 0.01
     c.loss.kl_estimator = "k3"
+    c.loss.kl_clamp = 10.0         # |log ratio| clamp of the k3 estimator
     c.loss.entropy_coef = 0.001
     c.loss.value_coef = 0.5
     c.loss.value_clip = 0.5
+    c.loss.seq_level_ratio = False  # ratio = exp(mean log-ratio over the sequence)
 
     # --- Optimisation ---------------------------------------------------------------------
     c.optim = ml_collections.ConfigDict()
@@ -153,6 +175,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.train.decay_steps = 0
     c.train.logprob_chunk = 64     # response positions per LM-head chunk (peak B x chunk x V)
     c.train.score_rows = 0         # rows per chunk of the no-grad scoring passes (0 = micro batch)
+    c.train.adam_eps = 1e-8        # AdamW epsilon (torch's default)
+    c.train.recompute_old = False  # run the old-logprob pass even on-policy (a check: same result)
+    c.train.trim_padding = True    # drop all-padding columns before scoring / training (same out)
+    c.train.donate_state = False   # the optimizer step reuses the state's buffers (less memory)
+    c.train.value_head_init_std = 0.1  # value head weights ~ N(0, std^2 / D)
 
     # --- LoRA (strata_jax/models/lora.py): rank 0 = full fine-tuning ------------------------
     # rank > 0: only adapters train (and are checkpointed); the frozen base is the KL reference.
@@ -225,7 +252,7 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
             if tiny_fn is None:
                 raise ValueError("this config file has no `tiny` variant")
             tiny_fn(c)
-        elif token in ALGOS:
+        elif token in ALGORITHMS:
             c.algo = token
         elif token in ABLATIONS:
             c.rollout.update(ABLATIONS[token])
@@ -245,121 +272,12 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
             _set_dotted(c, key, value)
         else:
             raise ValueError(
-                f"unknown config variant {token!r}; use tiny, real, an algo {ALGOS}, an ablation "
-                f"{tuple(ABLATIONS)}, 'mean', 'matched' or key=value")
+                f"unknown config variant {token!r}; use tiny, real, an algo "
+                f"{tuple(ALGORITHMS)}, an ablation {tuple(ABLATIONS)}, 'mean', 'matched' or "
+                "key=value")
     if suffix and not explicit_workdir:
         c.workdir = "_".join([c.workdir.rstrip("/")] + suffix)
     return c
-
-
-# Declared types of the fields whose default does not say it (a None default, a union, the
-# element type of an empty tuple). Every other field's type is that of its default here (or, for
-# a field only an experiment file adds, e.g. builtin's env.code_digits, of its value there).
-FIELD_TYPES = {
-    "adv.std_ddof": "int|None",               # None = each estimator's pin
-    "model.remat": "remat",                   # True/False or a policy: none | full | dots
-    "distributed.local_device_ids": "tuple[int]",
-}
-REMAT_POLICIES = ("none", "full", "dots")     # strata_jax.training.config.REMAT_POLICIES
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
-
-class OverrideError(ValueError):
-    """A ``key=value`` override that names no field or whose value does not fit the field's type."""
-
-
-def field_type(c: ml_collections.ConfigDict, key: str) -> str:
-    """The declared type of dotted field `key`: "bool", "int", "float", "str", "tuple[str]",
-    "tuple[int]", "int|None" or "remat" (see FIELD_TYPES). Raises OverrideError naming the
-    closest field when `key` names none."""
-    *parents, leaf = key.split(".")
-    node = c
-    for i, p in enumerate(parents):
-        if not isinstance(node, ml_collections.ConfigDict) or p not in node:
-            raise OverrideError(_unknown(node, ".".join(parents[: i + 1]), p))
-        node = node[p]
-    if not isinstance(node, ml_collections.ConfigDict) or leaf not in node \
-            or isinstance(node[leaf], ml_collections.ConfigDict):
-        raise OverrideError(_unknown(node, key, leaf))
-    if key in FIELD_TYPES:
-        return FIELD_TYPES[key]
-    default = node[leaf]
-    if isinstance(default, tuple):
-        return "tuple[int]" if default and all(isinstance(v, int) for v in default) \
-            else "tuple[str]"
-    return {bool: "bool", int: "int", float: "float", str: "str"}.get(type(default), "str")
-
-
-def _unknown(node, key: str, leaf: str) -> str:
-    import difflib
-    names = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-    hint = difflib.get_close_matches(leaf, names, n=1)
-    return f"unknown config field {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-
-
-def parse_value(key: str, kind: str, text: str):
-    """Parse the command-line text of field `key` by its declared type `kind` (`field_type`).
-
-    bool: true/false, 1/0, yes/no, on/off (any case); int: an integer (``1e3`` is 1000,
-    ``2.7`` is refused); float: any finite or infinite float; tuple: ``a+b`` (the colon form
-    cannot hold commas), ``(a, b)`` / ``[a, b]``, or empty for (); int|None: an integer or
-    ``none``; remat: a bool or one of REMAT_POLICIES. Raises OverrideError saying what fits.
-    """
-    t = text.strip()
-    low = t.lower()
-    if kind == "bool" or (kind == "remat" and low in _TRUE + _FALSE):
-        if low in _TRUE or low in _FALSE:
-            return low in _TRUE
-        expect = "true or false" if kind == "bool" else f"true, false or one of {REMAT_POLICIES}"
-        raise OverrideError(f"{key}={text!r} is not a boolean; use {expect}")
-    if kind == "remat":
-        if low in REMAT_POLICIES:
-            return low
-        raise OverrideError(f"{key}={text!r}: use true, false or a remat policy {REMAT_POLICIES}")
-    if kind == "int|None" and low in ("none", "null", ""):
-        return None
-    if kind in ("int", "int|None"):
-        try:
-            return int(t)
-        except ValueError:
-            pass
-        try:
-            f = float(t)
-        except ValueError:
-            f = float("nan")
-        if f == f and f not in (float("inf"), float("-inf")) and f.is_integer():
-            return int(f)
-        raise OverrideError(f"{key}={text!r} is not an integer" +
-                            (" (or none)" if kind == "int|None" else ""))
-    if kind == "float":
-        try:
-            return float(t)
-        except ValueError:
-            raise OverrideError(f"{key}={text!r} is not a number") from None
-    if kind.startswith("tuple"):
-        if t[:1] in "([" and t[-1:] in ")]":
-            items = [v.strip().strip("'\"") for v in t[1:-1].split(",")]
-        else:
-            items = [v.strip() for v in t.split("+")]
-        items = [v for v in items if v]
-        if kind == "tuple[int]":
-            return tuple(parse_value(key, "int", v) for v in items)
-        return tuple(items)
-    return text
-
-
-def set_override(c: ml_collections.ConfigDict, key: str, text: str) -> None:
-    """Set dotted field `key` of `c` from command-line `text`, parsed by the field's declared
-    type (`field_type`, `parse_value`); the one parser of both ``--config.key=text`` and the
-    colon form ``:key=text``. Raises OverrideError on an unknown field or a value that does
-    not fit."""
-    value = parse_value(key, field_type(c, key), text)
-    *parents, leaf = key.split(".")
-    node = c
-    for p in parents:
-        node = node[p]
-    with node.ignore_type():   # a declared union: None -> 1 (std_ddof), True -> "full" (remat)
-        node[leaf] = value
 
 
 def _set_dotted(c: ml_collections.ConfigDict, key: str, value: str) -> None:

@@ -15,6 +15,7 @@ Task: `Task(env=<name>, task_id=<name>, variation=<seed>, split=...)`. Splits ow
 seed ranges: train [0, 1000), dev [1000, 1100), test [1100, 1200). The world is a pure
 function of the seed (`random.Random(seed)`), so M copies of a task are identical.
 Reward 1.0 on success (score 1), else 0; done on success or at the step limit.
+The registry's table (`envs_bridge.registry.BUILTIN`) names each class; nothing registers here.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ import re
 from typing import Any
 
 from envs_bridge.base import PromptPieces, Task, TextEnv
-from envs_bridge.registry import register_env
 
 # ASCII digits only: str.isdigit() also accepts '²', '①', Arabic-Indic digits, ..., which int()
 # either rejects (ValueError, a crashed episode) or silently converts; neither is a guess the
@@ -78,7 +78,6 @@ class _BuiltinEnv(TextEnv):
         }
 
 
-@register_env("memory_key")
 class MemoryKeyEnv(_BuiltinEnv):
     """Vault code shown only at step 1; walk `corridor` rooms north, then `enter <code>`.
 
@@ -146,7 +145,6 @@ class MemoryKeyEnv(_BuiltinEnv):
         return "go north" if self.pos < self.corridor else f"enter {self.code}"
 
 
-@register_env("guess_number")
 class GuessNumberEnv(_BuiltinEnv):
     """Guess a hidden integer in [1, 2^bits]; replies higher / lower; binary search is optimal."""
 
@@ -185,7 +183,6 @@ class GuessNumberEnv(_BuiltinEnv):
         return f"guess {(self.lo + self.hi) // 2}"
 
 
-@register_env("grid_nav")
 class GridNavEnv(_BuiltinEnv):
     """Reach the goal cell on a grid; position and goal are shown every step."""
 

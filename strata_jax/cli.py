@@ -2,7 +2,7 @@
 
 * `parse_flags`: absl's flag parsing, except that every ``--config.<field>=<value>`` override is
   parsed here, by the field's declared type, with the same parser as the colon form
-  (``--config=configs/x.py:tiny,<field>=<value>``; `configs.base.set_override`).
+  (``--config=configs/x.py:tiny,<field>=<value>``; `strata_jax.config.set_override`).
 * `guarded`: wraps an entry point's ``main`` so that a user's mistake (a config that cannot run,
   a missing checkpoint) and Ctrl-C end with one line on stderr instead of a traceback.
 """
@@ -78,7 +78,7 @@ def load_config(spec: str) -> Any:
 
 def parse_flags(argv: Sequence[str]) -> list[str]:
     """absl's flag parsing (for ``app.run(main, flags_parser=parse_flags)``) with the config
-    overrides parsed by `configs.base.set_override`.
+    overrides parsed by `strata_jax.config.set_override`.
 
     The config file (and its colon variant) is loaded first on its own, so a typo there
     (``:tiny,grop``, ``:tiny,optim.lrr=1e-5``, ``:tiny,rollout.self_judgment=flase``) is one
@@ -87,7 +87,7 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     order, each parsed by the field's declared type (a value that does not fit, or a field that
     does not exist, is again one line and exit 2). Returns the positional arguments.
     """
-    from configs.base import OverrideError, set_override
+    from strata_jax.config import OverrideError, set_override
 
     prog = os.path.basename(argv[0]) if argv else "strata_jax"
     rest, overrides, spec = split_config_args(argv)

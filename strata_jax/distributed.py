@@ -38,6 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strata_jax.algos.batch import pad_batch
+from strata_jax.config import get_dotted
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +50,21 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 
 @dataclasses.dataclass(frozen=True)
 class DistributedSettings:
-    """Resolved ``jax.distributed.initialize`` arguments.
+    """Resolved ``jax.distributed.initialize`` arguments (`settings`: the ``c.distributed``
+    fields of the same names, empty ones filled from the environment; no defaults of its own).
 
     coordinator_address: "host:port" of process 0, "auto" (cluster auto-detection: Cloud TPU
       pod slices, SLURM, Open MPI) or "" (single process).
     num_processes, process_id: None = let JAX detect them ("auto").
     local_device_ids: None = every local device.
+    initialization_timeout_s: seconds jax.distributed waits for the other processes.
     """
 
-    coordinator_address: str = ""
-    num_processes: int | None = None
-    process_id: int | None = None
-    local_device_ids: tuple[int, ...] | None = None
-    initialization_timeout_s: int = 300
+    coordinator_address: str
+    num_processes: int | None
+    process_id: int | None
+    local_device_ids: tuple[int, ...] | None
+    initialization_timeout_s: int
 
     @property
     def multi_process(self) -> bool:
@@ -72,27 +75,29 @@ class DistributedSettings:
 
 
 def settings(c: Any, environ: dict[str, str] | None = None) -> DistributedSettings:
-    """`DistributedSettings` from ``c.distributed`` (absent = empty), falling back to the
-    environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) for empty fields.
+    """`DistributedSettings` from ``c.distributed`` (every field read: a missing one is a
+    ConfigError), falling back to the environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+    JAX_PROCESS_ID) for empty ones ("" / -1).
 
     Raises ValueError for an explicit coordinator address without num_processes / process_id,
     or a process_id outside [0, num_processes).
     """
     env = os.environ if environ is None else environ
-    d = c.get("distributed", None) if hasattr(c, "get") else None
-    d = d or {}
+    d = {k: get_dotted(c, f"distributed.{k}") for k in (
+        "coordinator_address", "num_processes", "process_id", "local_device_ids",
+        "initialization_timeout_s")}
 
     def num(key: str, env_key: str) -> int | None:
-        v = d.get(key, -1)
+        v = d[key]
         v = -1 if v is None else int(v)
         if v < 0 and env.get(env_key, "") != "":
             v = int(env[env_key])
         return None if v < 0 else v
 
-    addr = str(d.get("coordinator_address", "") or env.get(ENV_COORDINATOR, ""))
+    addr = str(d["coordinator_address"] or env.get(ENV_COORDINATOR, ""))
     n, pid = num("num_processes", ENV_NUM_PROCESSES), num("process_id", ENV_PROCESS_ID)
-    ids = tuple(int(i) for i in (d.get("local_device_ids", ()) or ())) or None
-    s = DistributedSettings(addr, n, pid, ids, int(d.get("initialization_timeout_s", 300)))
+    ids = tuple(int(i) for i in (d["local_device_ids"] or ())) or None
+    s = DistributedSettings(addr, n, pid, ids, int(d["initialization_timeout_s"]))
     if addr and addr != "auto":
         if n is None or pid is None:
             raise ValueError(
@@ -151,7 +156,8 @@ def check_config(c: Any) -> None:
     """Multi-process constraints on a config (call after `initialize`).
 
     Raises ValueError when rollout.tasks_per_batch is not a multiple of the process count, or
-    for DAPO refill (per-host refill would break the "union = single-process list" rule).
+    for an algorithm with refill (DAPO's dynamic sampling; `algos.table.ALGORITHMS`): per-host
+    refill would break the "union = single-process list" rule.
     """
     p = jax.process_count()
     if p == 1:
@@ -159,9 +165,10 @@ def check_config(c: Any) -> None:
     if int(c.rollout.tasks_per_batch) % p:
         raise ValueError(f"rollout.tasks_per_batch={c.rollout.tasks_per_batch} must be a multiple "
                          f"of the number of processes ({p}): each host rolls out an equal share")
-    if c.algo == "dapo":
-        raise ValueError("algo=dapo (dynamic-sampling refill) is single-process only for now; "
-                         "run it on one host or use another algo")
+    from strata_jax.algos.table import get_algorithm   # lazy: nothing before jax.distributed
+    if get_algorithm(c.algo).refill:
+        raise ValueError(f"algo={c.algo} (dynamic-sampling refill) is single-process only for "
+                         "now; run it on one host or use another algo")
 
 
 def host_share(tasks: Sequence[Any], process_index: int | None = None,
@@ -219,7 +226,7 @@ def to_local(params: Any, model_config: Any, mesh: Mesh) -> Any:
     """
     if jax.process_count() == 1:
         return params
-    from strata_jax.sharding import param_shardings
+    from strata_jax.models.qwen2 import param_shardings
     targets = param_shardings(params, model_config, mesh)
     return jax.tree.map(lambda x, s: jax.device_put(_replicated(x).addressable_data(0), s),
                         params, targets)

@@ -8,15 +8,15 @@ rate (ALFWorld won, WebShop, ScienceWorld score == 100), the mean score (WebShop
 ScienceWorld final score 0-100), overall and per task family. Baselines (flat rollout) are
 evaluated with one episode per task and no strategy.
 
-`run_eval` is eval.py's job (load a checkpoint, play `eval_tasks`, write JSON + episodes);
-`format_metrics` its printed report.
+`format_metrics` is eval.py's printed report; eval.py's job itself (load a checkpoint, play
+`eval_tasks`, write JSON + episodes) is `strata_jax.eval_run.run_eval`, the one module that
+also reaches the test-time scaling, so neither imports the other.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Sequence
 
-import jax
 import numpy as np
 
 from strata_jax.rollout import RolloutConfig, collect_rollout, dump_trajectories, rollout_stats
@@ -75,7 +75,7 @@ def eval_tasks(c: Any, split: str) -> list[Any]:
     from strata_jax import experiment as ex
     tasks = ex.task_list(c, split)
     cap = int(c.eval.max_tasks)
-    k = int(c.eval.get("episodes_per_family", 0))
+    k = int(c.eval.episodes_per_family)
     if not (split == "test" and c.env.eval_list):
         tasks = per_family(tasks, k) if k > 0 else spread_over_families(tasks, len(tasks))
     return list(tasks[:cap]) if cap > 0 else list(tasks)
@@ -130,7 +130,7 @@ def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any],
     per family, ...) plus what the rollout measured, renamed ``rollout/x`` -> ``eval/x``
     (invalid_step_frac, env_rejected_frac, strategy_format_fail_frac (StraTA only),
     mean_episode_steps, ...; `rollout_stats` over all episodes) and the cost per task
-    (`test_time.cost_metrics`: eval/cost/sampled_tokens, eval/cost/env_steps, per family).
+    (`cost_metrics`: eval/cost/sampled_tokens, eval/cost/env_steps, per family).
     Records: `dump_trajectories` of every episode. This is the one-strategy protocol whatever
     ``eval.strategy_samples`` says (train.py's periodic eval); eval.py's `run_eval` runs
     `test_time.evaluate_scaled` when it is > 1.
@@ -150,140 +150,52 @@ def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any],
                                        strategies=rc.mode == "strata").items()
              if k.startswith("rollout/") and k not in ("rollout/episodes", "rollout/success_rate",
                                                        "rollout/crashed_episodes")}
-    from strata_jax.test_time import cost_metrics, protocol_costs
     return ({**summarize(trajs, c.env.name), **stats,
              **cost_metrics(protocol_costs(trajs, groups))}, dump_trajectories(trajs, groups))
 
 
-def run_eval(c, split: str | None = None, step: int | None = None,
-             use_checkpoint: bool = True) -> dict:
-    """Evaluate and return the metrics dict (see strata_jax.evaluation.evaluate) plus "step"
-    and "files" (the JSON and trajectory paths written, process 0 only).
-
-    Loads the run's checkpoint (``<workdir>/ckpt``, the newest restorable or `step`), or with
-    ``use_checkpoint=False`` the config's model (``model.path`` / ``model.preset`` plus a warm
-    start that is already cached), and nothing else: no warm start is ever trained here. Plays
-    `eval_tasks` with `evaluate` and writes ``<workdir>/eval_<split>_step<k>.json`` (metrics)
-    and ``..._trajectories.jsonl`` (every episode, `dump_trajectories` records).
-    With ``eval.strategy_samples`` S > 1 it runs `test_time.evaluate_scaled` instead (the
-    chooser ``eval.strategy_choice``: "critic" takes the checkpoint's critic, "judge" the
-    ``rollout.judge_model`` if set) and the files get the suffix ``_s<S>_<choice>`` (plus
-    ``_probe<k>`` with ``eval.probe_steps`` = k).
-
-    Raises ConfigError (bad config; with use_checkpoint=False a warm start that is not cached;
-    strategy_choice="critic" for a run or model without a critic) and FileNotFoundError (no
-    restorable checkpoint in the run folder).
-    """
-    import json
-    import os
-
-    from strata_jax import experiment as ex
-    from strata_jax.rollout import SamplerPolicy, make_prompt_builder
-    from strata_jax.sampling import Sampler
-    from strata_jax.training import Checkpointer, Trainer, TrainConfig
-
-    from strata_jax.rollout import build_judge_model
-    from strata_jax.test_time import TestTimeConfig, critic_scorer, evaluate_scaled
-
-    ex.validate(c)
-    ex.resolve(c)
-    try:
-        tt = TestTimeConfig.from_config(c)
-    except ValueError as e:
-        raise ex.ConfigError(str(e)) from None
-    wants_critic = tt.enabled and tt.strategy_choice == "critic"
-    if wants_critic and not use_checkpoint:
-        raise ex.ConfigError("eval.strategy_choice=critic needs a trained critic: evaluate a "
-                             "ppo / stapo checkpoint (not --no_checkpoint), or use "
-                             "strategy_choice=judge or first_action")
-    if wants_critic and TrainConfig.from_config(c).critic_kind == "none":
-        raise ex.ConfigError(f"eval.strategy_choice=critic needs a critic and a {c.algo} run "
-                             f"has none (train.critic={c.train.critic!r}); evaluate a ppo / "
-                             "stapo run or use strategy_choice=judge or first_action")
-    ex.check_env(c)   # e.g. the WebShop server answers
-    split = split or c.eval.split
-    ckpt_dir = os.path.join(c.workdir, "ckpt")
-    if use_checkpoint and not os.path.isdir(ckpt_dir):
-        raise FileNotFoundError(f"no checkpoint in {ckpt_dir}; train first (python train.py "
-                                "with the same --config) or pass --no_checkpoint to evaluate "
-                                "config.model as is")
-    mesh = ex.build_mesh(c)
-    tokenizer = ex.build_tokenizer(c)
-    at, critic = 0, None
-    if use_checkpoint:
-        trainer = Trainer(ex.model_config(c, tokenizer), TrainConfig.from_config(c), mesh)
-        model_cfg = trainer.model
-        # LoRA adapters need their frozen base (the run's initial params); full fine-tuning
-        # needs only the shapes: nothing is loaded or trained besides the checkpoint.
-        base = (_initial_params(c, tokenizer, mesh)[1] if trainer.lora
-                else ex.abstract_params(c, model_cfg))
-        ckpt = Checkpointer(ckpt_dir, keep=c.ckpt.keep)
-        restored = ckpt.restore(trainer.abstract_state(base), step=step)
-        ckpt.close()
-        if restored is None:
-            raise FileNotFoundError(f"no restorable checkpoint in {ckpt_dir}"
-                                    + (f" at step {step}" if step is not None else "")
-                                    + "; train first or pass --no_checkpoint")
-        state, meta = restored
-        # LoRA: the adapters merged into the base; otherwise the trained params themselves
-        params, at = trainer.policy_params(state, base), int(meta["step"])
-        if wants_critic:
-            try:
-                critic = critic_scorer(trainer, state, base if trainer.lora else None)
-            except ValueError as e:
-                raise ex.ConfigError(str(e)) from None
-        print(f"evaluating checkpoint step {at} of {c.workdir}", flush=True)
-    else:
-        model_cfg, params = _initial_params(c, tokenizer, mesh)
-        print(f"evaluating the config's model as is ({c.model.path or 'preset ' + c.model.preset}"
-              + (f", warm start {c.model.warm_start}" if c.model.warm_start else "") + ")",
-              flush=True)
-    tasks = eval_tasks(c, split)
-    sampler = Sampler(model_cfg, mesh=mesh, max_cache_len=ex.max_cache_len(c, model_cfg))
-    policy = SamplerPolicy(sampler, ex.sampler_params(c, params))
-    builder = make_prompt_builder(tokenizer, c)
-    pool = ex.build_pool(c)
-    print(f"playing {len(tasks)} tasks on split {split!r} "
-          f"({int(c.eval.get('episodes_per_family', 0))} per family)"
-          + (f", {tt.strategy_samples} candidates each ({tt.strategy_choice} chooses, "
-             + (f"{tt.probe_steps}-step probes)" if tt.probe_steps else "full episodes)")
-             if tt.enabled else "") + " ...", flush=True)
-    try:
-        if tt.enabled:
-            judge = build_judge_model(c, mesh) if tt.strategy_choice == "judge" else None
-            metrics, episodes = evaluate_scaled(c, policy, pool, builder, tasks,
-                                                key=ex.seed_key(c, 2, at), critic=critic,
-                                                judge=judge)
-        else:
-            metrics, episodes = evaluate(c, policy, pool, builder, tasks,
-                                         key=ex.seed_key(c, 2, at))
-    finally:
-        pool.close()
-    metrics["step"] = at
-    metrics["files"] = []
-    if jax.process_index() == 0:   # multi-host: process 0 writes
-        os.makedirs(c.workdir, exist_ok=True)
-        stem = os.path.join(c.workdir, f"eval_{split}_step{at}")
-        if tt.enabled:   # test-time scaling never overwrites the one-strategy protocol's files
-            stem += f"_s{tt.strategy_samples}_{tt.strategy_choice}" + (
-                f"_probe{tt.probe_steps}" if tt.probe_steps else "")
-        with open(stem + ".json", "w") as f:
-            json.dump({k: v for k, v in metrics.items() if k != "files"}, f, indent=1)
-        with open(stem + "_trajectories.jsonl", "w") as f:
-            for rec in episodes:
-                f.write(json.dumps({"step": at, **rec}, default=str) + "\n")
-        metrics["files"] = [stem + ".json", stem + "_trajectories.jsonl"]
-    return metrics
+# ----------------------------------------------------------------------------- cost
 
 
-def _initial_params(c: Any, tokenizer: Any, mesh: Any) -> tuple[Any, Any]:
-    """The run's initial params for evaluation: `experiment.build_model`, then the warm start
-    only when it is already cached (eval never trains one: a ConfigError says to run sft.py)."""
-    from strata_jax import experiment as ex
-    from strata_jax.warm_start import maybe_warm_start
-    model_cfg, params = ex.build_model(c, tokenizer, mesh)
-    return model_cfg, maybe_warm_start(c, model_cfg, params, tokenizer, c.workdir, mesh=mesh,
-                                       train=False)
+def _family(tr: Any) -> str:
+    return tr.family or task_family(tr.spec.task)
+
+
+def episode_tokens(tr: Any) -> int:
+    """Generated tokens of an episode: its actions, revisions and judge verdict."""
+    return (sum(int(s.generation.length) for s in tr.steps)
+            + sum(int(rv.generation.length) for rv in tr.revisions) + int(tr.judge_tokens))
+
+
+def cost_metrics(costs: Sequence[tuple[str, float, float]], prefix: str = "eval"
+                 ) -> dict[str, float]:
+    """Mean cost per task overall and per family from (family, sampled tokens, env steps)
+    triples: <prefix>/cost/sampled_tokens, /cost/env_steps and
+    <prefix>/family/<family>/sampled_tokens, /env_steps."""
+    out: dict[str, float] = {}
+    if not costs:
+        return out
+    by: dict[str, list[tuple[float, float]]] = {}
+    for fam, tok, steps in costs:
+        by.setdefault(fam, []).append((tok, steps))
+    out[f"{prefix}/cost/sampled_tokens"] = float(np.mean([c[1] for c in costs]))
+    out[f"{prefix}/cost/env_steps"] = float(np.mean([c[2] for c in costs]))
+    for fam, vs in sorted(by.items()):
+        out[f"{prefix}/family/{fam}/sampled_tokens"] = float(np.mean([t for t, _ in vs]))
+        out[f"{prefix}/family/{fam}/env_steps"] = float(np.mean([s for _, s in vs]))
+    return out
+
+
+def protocol_costs(trajs: Sequence[Any], groups: Sequence[Any]
+                   ) -> list[tuple[str, float, float]]:
+    """(family, sampled tokens, env steps) per task of a rollout (`cost_metrics`' input):
+    the task's strategy candidates plus its episodes."""
+    strat = {g.task_uid: sum(int(gen.length) for gen in g.generations) for g in groups}
+    by: dict[int, list[Any]] = {}
+    for tr in trajs:
+        by.setdefault(tr.spec.task_uid, []).append(tr)
+    return [(_family(ts[0]), float(strat.get(u, 0) + sum(episode_tokens(t) for t in ts)),
+             float(sum(len(t.steps) for t in ts))) for u, ts in by.items()]
 
 
 def format_metrics(metrics: dict) -> str:

@@ -22,12 +22,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from configs.base import ALGOS
 from envs_bridge import TaskSampler
 from envs_bridge.pool import EnvPool
 from envs_bridge.registry import get_env_factory, list_envs
 from strata_jax import sharding
-from strata_jax.models import PRESETS, Qwen2Config, init_params, load_params, load_tokenizer
+from strata_jax.algos.table import get_algorithm
+from strata_jax.config import ConfigError
+from strata_jax.models import (PRESETS, Qwen2Config, init_params, load_params, load_tokenizer,
+                               shard_params)
 from strata_jax.models.loading import checkpoint_config, resolve_checkpoint
 
 log = logging.getLogger(__name__)
@@ -38,15 +40,72 @@ QWEN25_VOCAB = 151936
 # them and the env's constructor takes them (`env_kwargs`).
 _ENV_KWARGS = ("server_url", "data_dir", "jvm_max_heap_mb", "fetch_valid_actions", "code_digits")
 
+# The config keys the run assembly reads itself (this module, train.py, eval.py, evaluation,
+# distributed, metrics, checkpoints, prompts); the option dataclasses declare theirs
+# (`config_sources` of TrainConfig, RolloutConfig, SFTConfig). configs/base.py holds each.
+ASSEMBLY_KEYS = (
+    "seed", "workdir", "iterations",
+    "model.path", "model.preset", "model.dtype", "model.tokenizer", "model.warm_start",
+    "env.name", "env.split", "env.tasks", "env.max_steps", "env.max_prompt_tokens",
+    "env.history_length", "env.num_workers", "env.step_timeout_s", "env.eval_list",
+    "rollout.sampler_dtype", "rollout.cumulative_prompts",
+    "rollout.judge_model.path", "rollout.judge_model.tokenizer",   # rollout.build_judge_model
+    "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
+    "distributed.local_device_ids", "distributed.initialization_timeout_s",
+    "ckpt.every", "ckpt.keep",
+    "eval.every", "eval.split", "eval.temperature", "eval.max_tasks", "eval.episodes_per_family",
+    "eval.strategy_samples", "eval.strategy_choice", "eval.probe_steps",  # test_time.TestTimeConfig
+    "log.dump_trajectories",
+)
+# Keys a config may leave out: mesh axes (a missing one has size 1) and the env constructor
+# arguments an experiment file adds for its env (`env_kwargs`).
+OPTIONAL_KEYS = tuple(f"mesh.{a}" for a in sharding.MESH_AXES) + \
+    tuple(f"env.{k}" for k in _ENV_KWARGS)
 
-class ConfigError(ValueError):
-    """An experiment config that cannot run; the message says which field to change."""
+
+def config_keys() -> tuple[set[str], set[str]]:
+    """(required, optional) dotted keys of an experiment config: `ASSEMBLY_KEYS` plus every
+    source key of TrainConfig, RolloutConfig and SFTConfig (`config_sources`, the sections
+    loss / adv / lora expanded to their fields) are required; `OPTIONAL_KEYS` may be absent.
+    A config holding any other key is refused (`check_keys`)."""
+    from strata_jax.rollout import RolloutConfig
+    from strata_jax.training import TrainConfig
+    from strata_jax.training.sft import SFTConfig   # sft.py runs it whatever model.warm_start says
+
+    keys = set(ASSEMBLY_KEYS)
+    for cls in (TrainConfig, RolloutConfig, SFTConfig):
+        for name, key in cls.config_sources().items():
+            sub = getattr(cls, "SUBSECTIONS", {}).get(name)
+            keys.update(sub.config_sources().values() if sub else (key,))
+    return keys, set(OPTIONAL_KEYS)
+
+
+def check_keys(c: Any) -> None:
+    """Refuse a config with a key nothing reads (a typo such as ``loss.kl_coeff``: the message
+    names the closest valid key) or without a required one (`config_keys`). Raises ConfigError."""
+    from strata_jax.config import nearest
+    required, optional = config_keys()
+    have = set(_leaves(c.to_dict() if hasattr(c, "to_dict") else c))
+    known = required | optional
+    for key in sorted(have - known):
+        section, _, leaf = key.rpartition(".")
+        elsewhere = sorted(k for k in known if k.rpartition(".")[2] == leaf)  # train.lr: optim.lr
+        same = [k for k in known if k.rpartition(".")[0] == section]
+        hint = (f" (did you mean {' or '.join(repr(k) for k in elsewhere)}?)" if elsewhere
+                else nearest(key, same or known))
+        raise ConfigError(f"unknown config field {key!r}{hint}; the fields and their defaults "
+                          "are in configs/base.py")
+    missing = sorted(required - have)
+    if missing:
+        raise ConfigError(f"the config lacks {', '.join(missing)}: build experiment configs "
+                          "from configs/base.py:get_base_config(), which holds every field")
 
 
 def validate(c: Any) -> None:
     """Check a config before anything is built or written (no model, env, folder or file).
 
-    Raises ConfigError, one line naming the field and what to do, for: an unknown algo or env;
+    Raises ConfigError, one line naming the field and what to do, for: a key nothing reads (the
+    closest valid one named) or a missing one (`check_keys`); an unknown algo or env;
     neither or both of model.path and model.preset; an unknown preset; every size field below
     its minimum (N, M, sigma, group size, tasks per batch, live envs, env steps, token budgets,
     batch sizes, epochs, iterations, checkpoint keep / every, history window, cohorts); the
@@ -59,8 +118,8 @@ def validate(c: Any) -> None:
     """
     import math
 
-    if c.algo not in ALGOS:
-        raise ConfigError(f"unknown algo {c.algo!r}; use one of {ALGOS} (--config.algo=...)")
+    check_keys(c)
+    get_algorithm(c.algo)   # an unknown name is a ConfigError listing ALGORITHMS
     if c.env.name not in list_envs():
         raise ConfigError(f"unknown env {c.env.name!r}; registered envs: {list_envs()}")
 
@@ -86,8 +145,7 @@ def validate(c: Any) -> None:
     at_least("ckpt.every", 1)
     at_least("eval.every", 0)
     at_least("eval.max_tasks", 0)
-    if "episodes_per_family" in c.eval:
-        at_least("eval.episodes_per_family", 0)
+    at_least("eval.episodes_per_family", 0)
     at_least("log.dump_trajectories", 0)
     at_least("lora.rank", 0)
     for axis, n in dict(c.mesh).items():
@@ -226,18 +284,21 @@ def check_resume(c: Any, stored: dict | None) -> None:
 
 
 def resolve(c: Any) -> Any:
-    """Derived settings that follow from the algorithm (done once, logged).
+    """Derived settings that follow from the algorithm's `ALGORITHMS` entry (done once, logged).
 
-    STAPO runs with cumulative prompts (docs/method.md §7.1, §6.5); DAPO uses clip-higher 0.28 unless the
-    config already raised clip_eps_high; ``rollout.top_k=-1`` (off) becomes the sampler's 0.
+    ``cumulative_prompts`` entries (STAPO, docs/method.md §7.1) turn rollout.cumulative_prompts
+    on; a ``clip_eps_high`` entry (DAPO's clip-higher 0.28, §6.5) raises loss.clip_eps_high
+    unless the config already made the clip asymmetric; ``rollout.top_k=-1`` (off) becomes the
+    sampler's 0.
     """
+    alg = get_algorithm(c.algo)
     if c.rollout.top_k == -1:   # vLLM / verl's spelling of "no top-k"; the sampler's is 0
         c.rollout.top_k = 0
-    if c.algo == "stapo" and not c.rollout.cumulative_prompts:
-        log.info("algo=stapo: turning on rollout.cumulative_prompts (docs/method.md §7.1)")
+    if alg.cumulative_prompts and not c.rollout.cumulative_prompts:
+        log.info("algo=%s: turning on rollout.cumulative_prompts (docs/method.md §7.1)", c.algo)
         c.rollout.cumulative_prompts = True
-    if c.algo == "dapo" and c.loss.clip_eps_high == c.loss.clip_eps_low:
-        c.loss.clip_eps_high = 0.28
+    if alg.clip_eps_high is not None and c.loss.clip_eps_high == c.loss.clip_eps_low:
+        c.loss.clip_eps_high = alg.clip_eps_high
     return c
 
 
@@ -300,7 +361,7 @@ def build_model(c: Any, tokenizer: Any, mesh: jax.sharding.Mesh | None
     if c.model.preset:
         params = init_params(cfg, jax.random.PRNGKey(c.seed), dtype)
         if mesh is not None:
-            params = sharding.shard_params(params, cfg, mesh)
+            params = shard_params(params, cfg, mesh)
         return cfg, params
     return cfg, load_params(checkpoint_dir(c), cfg, dtype=dtype, mesh=mesh)
 
@@ -309,7 +370,7 @@ def sampler_params(c: Any, params: Any) -> Any:
     """The policy params as the sampler reads them: cast to ``rollout.sampler_dtype`` (bf16
     halves the bytes a decode step streams; the trainer keeps fp32 masters and recomputes pi_old
     itself, so the cast only shows up in the logged sampler-trainer mismatch)."""
-    dtype = jnp.dtype(c.rollout.get("sampler_dtype", "") or c.model.dtype)
+    dtype = jnp.dtype(c.rollout.sampler_dtype or c.model.dtype)
     return _cast(params, dtype)
 
 
@@ -469,7 +530,8 @@ def seed_key(c: Any, *ids: int) -> jax.Array:
 
 
 __all__ = ["ConfigError", "WorkdirLock", "check_env", "check_resume", "RESUME_MAY_CHANGE",
-           "validate", "resolve", "build_mesh", "build_tokenizer", "build_model",
+           "ASSEMBLY_KEYS", "OPTIONAL_KEYS", "config_keys", "check_keys", "validate", "resolve",
+           "build_mesh", "build_tokenizer", "build_model",
            "model_config", "abstract_params", "checkpoint_dir",
            "env_kwargs", "task_list", "build_pool", "max_cache_len", "workdir", "seed_key",
            "TaskSampler"]

@@ -1,9 +1,12 @@
-"""Device mesh and the single table of logical-axis rules.
+"""Device mesh and the single table of logical-axis rules; knows no model.
 
 Model code names the logical axes of every parameter and activation (``embed``, ``heads``,
 ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``batch``, ``length``, ``layers``, ``norm``);
 `LOGICAL_RULES` maps each to mesh axes (``data``, ``fsdp``, ``tensor``). This is the one place
 that decides how anything is sharded (maxtext-style logical axis rules; docs/design.md §5.2).
+A model provides the logical axes of its params tree (``models.qwen2.param_logical_axes``) and
+turns them into shardings with `tree_shardings` (``models.qwen2.param_shardings``); nothing
+here imports a model.
 
 The mesh uses Auto axis types (``jax.sharding.Mesh``), i.e. the familiar GSPMD semantics: jit
 propagates shardings from the inputs and from `constrain` hints (docs/design.md §5.1).
@@ -123,24 +126,6 @@ def tree_shardings(axes_tree: Any, shapes_tree: Any, mesh: Mesh,
     return jax.tree.map(
         lambda ax, arr: NamedSharding(mesh, logical_to_spec(ax, arr.shape, mesh, rules)),
         axes_tree, shapes_tree, is_leaf=_is_axes)
-
-
-def param_shardings(params: Any, config: Any, mesh: Mesh,
-                    rules: Mapping[str, tuple[str, ...] | None] | None = None) -> Any:
-    """NamedSharding for every leaf of a Qwen2 params pytree (same structure as `params`).
-
-    Args:
-      params: the params pytree, or the same tree of ``jax.ShapeDtypeStruct``.
-      config: the model's ``Qwen2Config``.
-      mesh: the device mesh (`make_mesh`).
-    """
-    from strata_jax.models.qwen2 import param_logical_axes  # late: models imports this module
-    return tree_shardings(param_logical_axes(config, params), params, mesh, rules)
-
-
-def shard_params(params: Any, config: Any, mesh: Mesh) -> Any:
-    """``jax.device_put`` every leaf with its `param_shardings` sharding."""
-    return jax.device_put(params, param_shardings(params, config, mesh))
 
 
 def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:

@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from strata_jax.config import read_fields, section_sources
 from strata_jax.rollout.episodes import EpisodeSpec, LoopStats, Trajectory, run_episodes
 from strata_jax.rollout.judge import JudgeModel, judge_stage
 from strata_jax.rollout.report import dump_trajectories, rollout_stats
@@ -86,11 +87,15 @@ class TestTimeConfig:
         return self.strategy_samples > 1
 
     @classmethod
+    def config_sources(cls) -> dict[str, str]:
+        """{field: dotted config key}: every field is ``eval.<field>``."""
+        return section_sources(cls, "eval")
+
+    @classmethod
     def from_config(cls, c: Any) -> "TestTimeConfig":
-        """From the experiment ConfigDict (configs/base.py ``eval.*``; absent fields: defaults)."""
-        e = c.eval
-        return cls(int(e.get("strategy_samples", 1)), str(e.get("strategy_choice", "judge")),
-                   int(e.get("probe_steps", 0)))
+        """From the experiment ConfigDict (configs/base.py ``eval.*``), every field read; a
+        missing key is a ConfigError."""
+        return cls(**read_fields(cls, c, cls.config_sources()))
 
 
 # ----------------------------------------------------------------------------- choosers
@@ -229,48 +234,6 @@ def critic_scorer(trainer: Any, state: Any, base: Any = None) -> CriticScorer:
 # ----------------------------------------------------------------------------- cost
 
 
-def _family(tr: Trajectory) -> str:
-    from strata_jax.evaluation import task_family
-    return tr.family or task_family(tr.spec.task)
-
-
-def episode_tokens(tr: Trajectory) -> int:
-    """Generated tokens of an episode: its actions, revisions and judge verdict."""
-    return (sum(int(s.generation.length) for s in tr.steps)
-            + sum(int(rv.generation.length) for rv in tr.revisions) + int(tr.judge_tokens))
-
-
-def cost_metrics(costs: Sequence[tuple[str, float, float]], prefix: str = "eval"
-                 ) -> dict[str, float]:
-    """Mean cost per task overall and per family from (family, sampled tokens, env steps)
-    triples: <prefix>/cost/sampled_tokens, /cost/env_steps and
-    <prefix>/family/<family>/sampled_tokens, /env_steps."""
-    out: dict[str, float] = {}
-    if not costs:
-        return out
-    by: dict[str, list[tuple[float, float]]] = {}
-    for fam, tok, steps in costs:
-        by.setdefault(fam, []).append((tok, steps))
-    out[f"{prefix}/cost/sampled_tokens"] = float(np.mean([c[1] for c in costs]))
-    out[f"{prefix}/cost/env_steps"] = float(np.mean([c[2] for c in costs]))
-    for fam, vs in sorted(by.items()):
-        out[f"{prefix}/family/{fam}/sampled_tokens"] = float(np.mean([t for t, _ in vs]))
-        out[f"{prefix}/family/{fam}/env_steps"] = float(np.mean([s for _, s in vs]))
-    return out
-
-
-def protocol_costs(trajs: Sequence[Trajectory], groups: Sequence[StrategyGroup]
-                   ) -> list[tuple[str, float, float]]:
-    """(family, sampled tokens, env steps) per task of a rollout (`cost_metrics`' input):
-    the task's strategy candidates plus its episodes."""
-    strat = {g.task_uid: sum(int(gen.length) for gen in g.generations) for g in groups}
-    by: dict[int, list[Trajectory]] = {}
-    for tr in trajs:
-        by.setdefault(tr.spec.task_uid, []).append(tr)
-    return [(_family(ts[0]), float(strat.get(u, 0) + sum(episode_tokens(t) for t in ts)),
-             float(sum(len(t.steps) for t in ts))) for u, ts in by.items()]
-
-
 # ----------------------------------------------------------------------------- the eval
 
 
@@ -297,7 +260,8 @@ def evaluate_scaled(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequenc
     Raises:
       ValueError: strategy_choice="critic" without a critic, or a bad eval.* setting.
     """
-    from strata_jax.evaluation import eval_rollout_config, summarize
+    from strata_jax.evaluation import (_family, cost_metrics, episode_tokens,
+                                       eval_rollout_config, summarize)
     from strata_jax.models import stop_token_ids
     from strata_jax.rollout.prompts import ACTION_STOP, JUDGE_STOP, STRATEGY_STOP
     from strata_jax.rollout.rollout import _sampling

@@ -9,7 +9,7 @@ HF export in ``<sft.cache_dir>/<fingerprint>/`` (default ``runs/warm_start/<fing
 folder beside the runs, shared by every variant, run folder and eval of the same setting,
 since the fingerprint covers all the warm start depends on; ``sft.cache_dir=""`` keeps it per
 run in ``<workdir>/warm_start``); any other value is an export directory. ``train.py`` and
-``eval.py`` (`evaluation.run_eval`, which never trains one) call `maybe_warm_start`; ``sft.py``
+``eval.py`` (`eval_run.run_eval`, which never trains one) call `maybe_warm_start`; ``sft.py``
 runs `export_warm_start`, the warm start alone.
 """
 from __future__ import annotations

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from strata_jax.algos import (
+    ESTIMATORS,
     EstimatorConfig,
     compute_advantages,
+    get_algorithm,
     get_estimator,
     keep_informative_groups,
     make_sample_batch,
@@ -161,7 +163,7 @@ def test_gae_per_step_sample_terminal_at_last_step():
     np.testing.assert_allclose(adv, [0.3, 0.5, 0.4], **TOL)
     np.testing.assert_allclose(np.asarray(m["row/value_targets"])[:3], [1, 1, 1], **TOL)
     # whitened: mean .4, unbiased std .1 -> -1, 1, 0
-    adv, _, _ = run("ppo", recs)
+    adv, _, _ = run(get_algorithm("ppo").estimator, recs)   # ppo's estimator (the table's)
     np.testing.assert_allclose(adv, [-1.0, 1.0, 0.0], rtol=1e-4, atol=1e-5)
 
 
@@ -376,8 +378,11 @@ def test_dapo_filter_drops_all_equal_groups():
 
 
 def test_registry_names_and_unknown_name():
-    for n in ("grpo", "rloo", "gigpo", "gae", "ppo", "strata", "dapo", "stapo"):
+    assert sorted(ESTIMATORS) == ["gae", "gigpo", "grpo", "rloo", "stapo", "strata"]
+    for n in ESTIMATORS:
         assert callable(get_estimator(n))
+    # algorithm names are the table's, not the registry's: ppo runs gae, dapo runs grpo
+    assert (get_algorithm("ppo").estimator, get_algorithm("dapo").estimator) == ("gae", "grpo")
     with pytest.raises(KeyError, match="registered"):
         get_estimator("nope")
     with pytest.raises(ValueError, match="judge_mode"):
@@ -385,8 +390,17 @@ def test_registry_names_and_unknown_name():
 
 
 def test_config_reads_base_configdict():
-    import ml_collections
-    c = ml_collections.ConfigDict(dict(std_ddof=0, judge_mode="reward", unknown_field=3))
+    from configs.base import get_base_config
+    from strata_jax.config import ConfigError
+    c = get_base_config().adv
+    c.std_ddof, c.judge_mode = 0, "reward"
     ec = EstimatorConfig.from_config(c)
     assert ec.std_ddof == 0 and ec.judge_mode == "reward" and ec.eps == 1e-6
     hash(ec)  # static under jit
+    c.unknown_field = 3                         # a key no field reads is refused ...
+    with pytest.raises(ConfigError, match="unknown config field 'adv.unknown_field'"):
+        EstimatorConfig.from_config(c)
+    del c["unknown_field"]
+    del c["eps"]                                # ... and so is a missing one (no silent default)
+    with pytest.raises(ConfigError, match="lacks 'adv.eps'"):
+        EstimatorConfig.from_config(c)

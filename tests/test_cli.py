@@ -12,6 +12,7 @@ import ml_collections
 import pytest
 
 from configs import base, sciworld
+from strata_jax import config as schema
 from strata_jax import experiment as ex
 from strata_jax.cli import split_config_args
 
@@ -40,6 +41,8 @@ def other_value(key, kind, default):
         return "full", "full"
     if kind == "tuple[int]":
         return "0+1", (0, 1)
+    if kind == "tuple[int]|None":
+        return "8+16", (8, 16)
     if kind == "tuple[str]":
         return "a+b", ("a", "b")
     return "x_" + str(default), "x_" + str(default)
@@ -49,7 +52,7 @@ def all_overrides():
     c = base.get_base_config()
     out = []
     for key, default in leaves(c):
-        kind = base.field_type(c, key)
+        kind = schema.field_type(c, key)
         out.append((key, kind) + other_value(key, kind, default))
     return out
 
@@ -70,7 +73,7 @@ def test_every_base_field_is_overridable_with_a_value_of_its_type():
                                                        "tuple[int]")
     for key, kind, text, want in fields:
         c = base.get_base_config()                 # --config.<key>=<text>
-        base.set_override(c, key, text)
+        schema.set_override(c, key, text)
         colon = base.apply_variant(base.get_base_config(), f"{key}={text}")   # :key=text
         for got in (get(c, key), get(colon, key)):
             assert got == want and type(got) is type(want), (key, kind, text, got)
@@ -104,9 +107,9 @@ def test_cli_overrides_reach_the_config_for_every_field():
     ("optim.lrr", "1e-5", "unknown config field 'optim.lrr' (did you mean 'lr'?)"),
 ])
 def test_both_forms_refuse_what_does_not_fit(key, text, msg):
-    with pytest.raises(base.OverrideError) as e1:
-        base.set_override(base.get_base_config(), key, text)
-    with pytest.raises(base.OverrideError) as e2:
+    with pytest.raises(schema.OverrideError) as e1:
+        schema.set_override(base.get_base_config(), key, text)
+    with pytest.raises(schema.OverrideError) as e2:
         sciworld.get_config(f"tiny,{key}={text}")
     assert str(e1.value) == str(e2.value) == msg
 
@@ -117,9 +120,9 @@ def test_numbers_and_remat_policies_parse_by_declared_type():
     assert isinstance(c.rollout.num_strategies, int) and c.adv.std_ddof is None
     from strata_jax.training import TrainConfig
     assert TrainConfig.from_config(c).remat == "dots"
-    base.set_override(c, "model.remat", "FALSE")
+    schema.set_override(c, "model.remat", "FALSE")
     assert c.model.remat is False and TrainConfig.from_config(c).remat == "none"
-    base.set_override(c, "optim.lr", "1")      # an int text for a float field stays a float
+    schema.set_override(c, "optim.lr", "1")      # an int text for a float field stays a float
     assert c.optim.lr == 1.0 and isinstance(c.optim.lr, float)
 
 
@@ -194,7 +197,7 @@ def test_each_variant_has_its_own_run_folder_and_all_share_one_warm_start():
     for v in ("tiny", "tiny,grpo", "tiny,gigpo,matched"):
         c = sciworld.get_config(v)
         dirs.add(warm_start_dir(c, ex.model_config(c, tok), c.workdir))
-        base.set_override(c, "workdir", "/elsewhere/run")    # another run folder, same cache
+        schema.set_override(c, "workdir", "/elsewhere/run")    # another run folder, same cache
         dirs.add(warm_start_dir(c, ex.model_config(c, tok), c.workdir))
     assert len(dirs) == 1 and dirs.pop().startswith("runs/warm_start/")
 
@@ -210,6 +213,8 @@ def _run(script, *args, env=None):
     ("eval.py", ["--config=configs/sciworld.py:tiny,optim.lrr=1e-5"],
      "eval.py: --config=configs/sciworld.py:tiny,optim.lrr=1e-5: unknown config field "
      "'optim.lrr' (did you mean 'lr'?)."),
+    ("train.py", ["--config=configs/sciworld.py:tiny", "--config.loss.kl_coeff=0.1"],
+     "train.py: --config.loss.kl_coeff names no field of the config (did you mean 'kl_coef'?)."),
     ("train.py", ["--config=configs/sciworld.py:tiny", "--config.rollout.num_strategies=2.7"],
      "train.py: --config.rollout.num_strategies='2.7' is not an integer"),
     ("train.py", ["--config=configs/sciworld.py:tiny", "--config.rollout.top_k=-2"],

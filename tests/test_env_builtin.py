@@ -1,5 +1,6 @@
 """Built-in envs, the env registry, the step bookkeeping and the task sampler."""
 import json
+import os
 import re
 
 import pytest
@@ -24,6 +25,26 @@ def play_expert(env, task):
 
 def test_registry_lists_every_env():
     assert {"memory_key", "guess_number", "grid_nav", "scienceworld", "alfworld", "webshop"} <= set(list_envs())
+
+
+def test_builtin_envs_are_entries_of_the_registry_table_imported_on_first_use():
+    """The registry holds the built-ins itself (no registration as a side effect of importing
+    envs_bridge.builtin): listing them imports nothing, building one imports its module."""
+    import subprocess
+    import sys
+    code = ("import sys; from envs_bridge.registry import BUILTIN, get_env_factory, list_envs; "
+            "names = list_envs(); assert 'envs_bridge.builtin' not in sys.modules; "
+            "assert 'envs_bridge.scienceworld_env' not in sys.modules; "
+            "f = get_env_factory('memory_key'); assert 'envs_bridge.builtin' in sys.modules; "
+            "print(sorted(BUILTIN), f.__name__, names == sorted(BUILTIN))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['alfworld',", "'grid_nav',", "'guess_number',",
+                                  "'memory_key',", "'scienceworld',", "'webshop']",
+                                  "MemoryKeyEnv", "True"]
+    with pytest.raises(ValueError, match="already registered"):
+        register_env("grid_nav", GuessNumberEnv)
     with pytest.raises(KeyError, match="registered envs"):
         make_env("no_such_env")
 

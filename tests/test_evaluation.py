@@ -283,7 +283,7 @@ def test_critic_scorer_gives_the_trainers_values(algo, kind):
 
 def test_critic_choice_without_a_critic_is_a_clear_error(tmp_path):
     from strata_jax import experiment as ex
-    from strata_jax.evaluation import run_eval
+    from strata_jax.eval_run import run_eval
     from strata_jax.models import init_params
     from strata_jax.training import Trainer
     from tests.trainer_fixtures import TINY, train_config

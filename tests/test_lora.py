@@ -207,7 +207,8 @@ def test_update_changes_only_adapters_with_base_as_reference(base, lora_trainer,
 def test_sharded_lora_update_equals_single_device(base, lora_trainer):
     from jax.sharding import PartitionSpec
 
-    from strata_jax.sharding import make_mesh, shard_params
+    from strata_jax.models import shard_params
+    from strata_jax.sharding import make_mesh
     batch = make_batch(grpo_records(seed=2))    # the batch of the tests above: compiles reused
     single, m1 = lora_trainer.update(lora_trainer.init_state(base, jax.random.PRNGKey(1)), batch,
                                      ref_params=base)

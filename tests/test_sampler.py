@@ -12,7 +12,8 @@ from strata_jax.models import load_checkpoint
 from strata_jax.sampling import (FINISH_LENGTH, FINISH_STOP, Sampler, SamplingParams,
                                  compiled_program_count)
 from strata_jax.sampling.stops import build_stop_text_from_bytes
-from strata_jax.sharding import make_mesh, shard_params
+from strata_jax.models import shard_params
+from strata_jax.sharding import make_mesh
 from tests.sampler_fixtures import build_checkpoint, compile_counter, hf_greedy, prompts
 
 N_NEW = 32

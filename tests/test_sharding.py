@@ -7,14 +7,27 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from strata_jax.models import (Qwen2Config, forward, init_cache, init_params,
-                               token_logprobs_and_entropy)
-from strata_jax.sharding import (constrain, logical_to_spec, make_mesh, param_shardings,
-                                 shard_params)
+from strata_jax.models import (Qwen2Config, forward, init_cache, init_params, param_shardings,
+                               shard_params, token_logprobs_and_entropy)
+from strata_jax.sharding import constrain, logical_to_spec, make_mesh
 from tests.model_fixtures import padded_batch
 
 CONFIG = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
+
+
+def test_sharding_utilities_import_no_model():
+    """The rule table and the tree utilities know no model: the model module provides its
+    params' logical axes (`param_logical_axes`) and builds its shardings from them."""
+    import os
+    import subprocess
+    import sys
+    code = ("import sys, strata_jax.sharding; "
+            "print(sorted(m for m in sys.modules if m.startswith('strata_jax')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['strata_jax', 'strata_jax.sharding']"
 
 
 def test_make_mesh_sizes_and_errors():

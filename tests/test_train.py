@@ -299,7 +299,8 @@ def test_per_layer_remat_bounds_backward_memory():
     vec = jnp.ones((batch.num_rows,), jnp.float32)
     temps = {}
     for remat in ("none", "dots", "full"):
-        cfg = TrainConfig(mini_batch_size=8, micro_batch_size=8, remat=remat)
+        cfg = TrainConfig(mini_batch_size=8, micro_batch_size=8, remat=remat,
+                          compute_dtype="float32")
         low = accumulate_grads.lower(params, {}, batch, vec, vec, vec, model=model, cfg=cfg)
         temps[remat] = low.compile().memory_analysis().temp_size_in_bytes
     assert temps["full"] < 0.5 * temps["none"], temps

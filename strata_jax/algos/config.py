@@ -1,24 +1,27 @@
 """Frozen (hashable, jit-static) option sets for the estimators and the loss.
 
-Field names match `configs/base.py` (`c.adv.*`, `c.loss.*`) so `EstimatorConfig.from_config(c.adv)`
-and `LossConfig.from_config(c.loss)` read an ml_collections ConfigDict directly; fields the
-ConfigDict lacks keep the defaults below, which are the pinned values of docs/method.md.
+Field names are the keys of `configs/base.py`'s ``c.adv`` and ``c.loss`` sections, one key per
+field: ``EstimatorConfig.from_config(c.adv)`` and ``LossConfig.from_config(c.loss)`` read every
+field from the section and refuse a missing or unknown key (`strata_jax.config.read_fields`).
+The defaults below are the values of configs/base.py (the pinned values of docs/method.md), for
+library calls and tests; tests/test_config_schema.py keeps the two equal field by field.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
+
+from strata_jax.config import read_fields, section_sources
 
 
-def _from_mapping(cls, cfg: Any, **overrides):
-    names = {f.name for f in dataclasses.fields(cls)}
-    if cfg is None:
-        values = {}
-    elif isinstance(cfg, cls):
+def _from_section(cls, cfg: Any, **overrides):
+    """`cls` from its config section `cfg` (every field read, no other key allowed) or from an
+    instance of `cls`; `overrides` replace fields; then `validate`."""
+    if isinstance(cfg, cls):
         values = dataclasses.asdict(cfg)
     else:
-        items = cfg.items() if hasattr(cfg, "items") else vars(cfg).items()
-        values = {k: v for k, v in items if k in names}
+        values = read_fields(cls, cfg, section_sources(cls, ""), owned={"": ()},
+                             prefix=f"{cls.SECTION}.")
     values.update(overrides)
     obj = cls(**values)
     obj.validate()
@@ -90,6 +93,8 @@ class EstimatorConfig:
     stapo_dropout_passes: int = 4
     stapo_dropout: float = 0.1
 
+    SECTION: ClassVar[str] = "adv"
+
     def validate(self) -> None:
         """Raise ValueError on an unknown mode or an out-of-range option."""
         if self.judge_mode not in ("advantage", "reward"):
@@ -111,9 +116,16 @@ class EstimatorConfig:
         return pinned if self.std_ddof is None else int(self.std_ddof)
 
     @classmethod
-    def from_config(cls, cfg: Any = None, **overrides) -> "EstimatorConfig":
-        """Build from a ConfigDict / mapping / EstimatorConfig (unknown keys ignored)."""
-        return _from_mapping(cls, cfg, **overrides)
+    def config_sources(cls) -> dict[str, str]:
+        """{field: dotted config key}: every field is ``adv.<field>``."""
+        return section_sources(cls, cls.SECTION)
+
+    @classmethod
+    def from_config(cls, cfg: Any, **overrides) -> "EstimatorConfig":
+        """Build from the ``c.adv`` section (a ConfigDict or mapping holding exactly the fields)
+        or an EstimatorConfig; `overrides` replace fields. Raises ConfigError on a missing or
+        unknown key, ValueError on a bad value (`validate`)."""
+        return _from_section(cls, cfg, **overrides)
 
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -154,6 +166,8 @@ class LossConfig:
     value_coef: float = 0.5
     value_clip: float = 0.5
 
+    SECTION: ClassVar[str] = "loss"
+
     def validate(self) -> None:
         """Raise ValueError on an unknown mode, or a missing / negative norm_len."""
         if self.agg_mode not in AGG_MODES:
@@ -168,6 +182,13 @@ class LossConfig:
             raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
 
     @classmethod
-    def from_config(cls, cfg: Any = None, **overrides) -> "LossConfig":
-        """Build from a ConfigDict / mapping / LossConfig (unknown keys ignored)."""
-        return _from_mapping(cls, cfg, **overrides)
+    def config_sources(cls) -> dict[str, str]:
+        """{field: dotted config key}: every field is ``loss.<field>``."""
+        return section_sources(cls, cls.SECTION)
+
+    @classmethod
+    def from_config(cls, cfg: Any, **overrides) -> "LossConfig":
+        """Build from the ``c.loss`` section (a ConfigDict or mapping holding exactly the
+        fields) or a LossConfig; `overrides` replace fields. Raises ConfigError on a missing or
+        unknown key, ValueError on a bad value (`validate`)."""
+        return _from_section(cls, cfg, **overrides)

@@ -16,7 +16,9 @@ Every estimator has ONE signature:
 Use `compute_advantages(name, batch, config, step)`: it looks the estimator up and applies the
 `stapo_weighting` modifier when the config asks for it.
 
-Names: grpo, rloo, gigpo, gae (alias ppo), strata, dapo, stapo. Source: docs/method.md §4-§7.
+Names: grpo, rloo, gigpo, gae, strata, stapo. Which estimator an algorithm (``c.algo``) uses is
+its entry in `strata_jax.algos.table.ALGORITHMS` (ppo -> gae, dapo -> grpo). Source:
+docs/method.md §4-§7.
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ ESTIMATORS: dict[str, Estimator] = {}
 
 
 def register_estimator(*names: str):
-    """Decorator: register an estimator under one or more names (a new algorithm = one line)."""
+    """Decorator: register an estimator under one or more names. A new algorithm is its
+    estimator (this, unless a registered one fits) plus one `table.ALGORITHMS` entry."""
     def deco(fn):
         for n in names:
             ESTIMATORS[n] = fn
@@ -133,19 +136,14 @@ def grpo(b: SampleBatch, c: EstimatorConfig, step=0):
 
     A = (S - mean_g) / (std_g + eps), S = episode return - 0.1 * invalid; size-1 group:
     mean 0, std 1; zero-variance group: 0. Source: docs/method.md §6.1 (verl-agent GRPO).
+    DAPO's advantages are these too: its clip-higher is in the loss (``loss.clip_eps_high``
+    0.28) and its dynamic sampling in `dapo_filter.keep_informative_groups` (docs/method.md §6.5).
     """
     mask = _action_mask(b)
     seg = dense_group_ids([b.task_id], mask)
     adv, st = group_normalize(_step_scores(b, c), seg, mask, norm_by_std=c.norm_by_std,
                               ddof=c.ddof(1), eps=c.eps, singleton="grpo")
     return adv, mask.astype(jnp.float32), advantage_metrics(adv, b, [st])
-
-
-@register_estimator("dapo")
-def dapo(b: SampleBatch, c: EstimatorConfig, step=0):
-    """DAPO advantages = GRPO's; clip-higher lives in the loss (LossConfig.clip_eps_high = 0.28)
-    and dynamic sampling in `dapo_filter.keep_informative_groups` (host side). Source: docs/method.md §6.5."""
-    return grpo(b, c, step)
 
 
 @register_estimator("rloo")
@@ -213,7 +211,7 @@ def _gae(b: SampleBatch, c: EstimatorConfig, lam: float, whiten: bool):
     return adv, targets, mask
 
 
-@register_estimator("gae", "ppo")
+@register_estimator("gae")
 def gae(b: SampleBatch, c: EstimatorConfig, step=0):
     """GAE for PPO per step sample (gamma = lambda = 1 pinned), whitened over valid samples.
 

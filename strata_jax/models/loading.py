@@ -277,7 +277,7 @@ def load_params(path_or_id: str, config: Qwen2Config | None = None,
       path_or_id: local checkpoint dir, GGUF file or hub id (see `resolve_checkpoint`).
       config: model config; default: read from the checkpoint (`checkpoint_config`).
       dtype: param dtype (float32 or bfloat16); None keeps each tensor's stored dtype.
-      mesh: place each array with its ``strata_jax.sharding.param_shardings`` sharding (each
+      mesh: place each array with its ``models.qwen2.param_shardings`` sharding (each
         device reads only its slice); None: the default device.
     Returns: params (module docstring of qwen2.py). A tied checkpoint yields no "lm_head"; an
       "lm_head.weight" present in a tied checkpoint is ignored.
@@ -314,7 +314,7 @@ def load_params(path_or_id: str, config: Qwen2Config | None = None,
 
     shardings = None
     if mesh is not None:
-        from strata_jax.sharding import param_shardings
+        from strata_jax.models.qwen2 import param_shardings
         shardings = param_shardings(jax.tree.map(
             lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes,
             is_leaf=lambda x: isinstance(x, tuple)), config, mesh)

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
+from strata_jax.config import read_fields, section_sources
 from strata_jax.models.config import Qwen2Config
 from strata_jax.models.qwen2 import LoraWeight, Params, layer_shapes, param_logical_axes
 
@@ -58,14 +59,18 @@ class LoraConfig:
       targets: regexes searched in "layers.<i>.<proj>" names; a projection is adapted when any
         matches.
       lr: learning rate of the adapters (replaces optim.lr when LoRA is on); 0 = keep optim.lr.
+    Defaults: configs/base.py's ``c.lora`` (verl-agent's 7B recipe: alpha 64, lr 3e-6; rank 0 =
+    off), kept equal by tests/test_config_schema.py.
     Raises ValueError for a negative rank, a non-positive alpha with rank > 0, an empty targets
     tuple or an invalid regex.
     """
 
     rank: int = 0
-    alpha: float = 16.0
+    alpha: float = 64.0
     targets: tuple[str, ...] = (ALL_LINEAR,)
-    lr: float = 0.0
+    lr: float = 3e-6
+
+    SECTION: ClassVar[str] = "lora"
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -94,17 +99,17 @@ class LoraConfig:
         return self.alpha / self.rank
 
     @classmethod
+    def config_sources(cls) -> dict[str, str]:
+        """{field: dotted config key}: every field is ``lora.<field>``."""
+        return section_sources(cls, cls.SECTION)
+
+    @classmethod
     def from_config(cls, c: Any) -> "LoraConfig":
-        """From the experiment config's ``c.lora`` sub-dict (absent = off); unknown keys ignored."""
-        lora = c.get("lora", None) if hasattr(c, "get") else None
-        if not lora:
-            return cls()
-        kw = {f.name: lora[f.name] for f in dataclasses.fields(cls) if f.name in lora}
-        if "targets" in kw:
-            t = kw["targets"]
-            kw["targets"] = (t,) if isinstance(t, str) else tuple(t)
-        if "rank" in kw:
-            kw["rank"] = int(kw["rank"])
+        """From the experiment config's ``c.lora`` section, every field read (a ``targets``
+        string becomes a 1-tuple). Raises ConfigError on a missing or unknown key."""
+        kw = read_fields(cls, c, cls.config_sources(), owned={cls.SECTION: ()},
+                         convert={"targets": lambda t: (t,) if isinstance(t, str) else tuple(t),
+                                  "rank": int})
         return cls(**kw)
 
 

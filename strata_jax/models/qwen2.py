@@ -35,11 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.models.config import Qwen2Config
-from strata_jax.sharding import constrain
+from strata_jax.sharding import constrain, tree_shardings
 
 Params = dict[str, Any]
 
-# Per-layer weights: name -> (shape builder, logical axes). One table for init and sharding.
+# Per-layer weights: name -> logical axes (shapes: `layer_shapes`). The model's sharding
+# annotation; `sharding.LOGICAL_RULES` maps the names to mesh axes (`param_shardings`).
 _LAYER_AXES: dict[str, tuple[str | None, ...]] = {
     "input_norm": ("norm",),
     "q_proj": ("heads", "embed"),
@@ -82,8 +83,8 @@ def param_shapes(config: Qwen2Config) -> Params:
 def param_logical_axes(config: Qwen2Config, params: Params | None = None) -> Params:
     """Tree of logical-axes tuples with the structure of the params pytree.
 
-    Consumed by ``strata_jax.sharding.param_shardings``. With `params`, the lm_head entry
-    follows the params (present or not) rather than the config.
+    Consumed by `param_shardings`. With `params`, the lm_head entry follows the params
+    (present or not) rather than the config.
     """
     has_head = ("lm_head" in params) if params is not None else not config.tie_word_embeddings
     axes: Params = {
@@ -94,6 +95,24 @@ def param_logical_axes(config: Qwen2Config, params: Params | None = None) -> Par
     if has_head:
         axes["lm_head"] = ("vocab", "embed")
     return axes
+
+
+def param_shardings(params: Any, config: Qwen2Config, mesh: Any, rules: Any = None) -> Any:
+    """NamedSharding for every leaf of a Qwen2 params pytree (same structure as `params`):
+    `param_logical_axes` through `sharding.tree_shardings` (`rules`: override of
+    `sharding.LOGICAL_RULES`).
+
+    Args:
+      params: the params pytree, or the same tree of ``jax.ShapeDtypeStruct``.
+      config: the model's ``Qwen2Config``.
+      mesh: the device mesh (`sharding.make_mesh`).
+    """
+    return tree_shardings(param_logical_axes(config, params), params, mesh, rules)
+
+
+def shard_params(params: Params, config: Qwen2Config, mesh: Any) -> Params:
+    """``jax.device_put`` every leaf with its `param_shardings` sharding."""
+    return jax.device_put(params, param_shardings(params, config, mesh))
 
 
 def init_params(config: Qwen2Config, key: jax.Array, dtype: Any = jnp.float32) -> Params:

@@ -122,8 +122,8 @@ def build_judge_model(c: Any, mesh: Any = None) -> JudgeModel | None:
       ValueError when the judge's context is shorter than that cache; the loaders' errors for
       a missing checkpoint or tokenizer.
     """
-    jm = c.rollout.get("judge_model", None)
-    path = str(jm.get("path", "") or "") if jm is not None else ""
+    jm = c.rollout.judge_model
+    path = str(jm.path or "")
     if not path:
         return None
     import jax.numpy as jnp
@@ -135,7 +135,7 @@ def build_judge_model(c: Any, mesh: Any = None) -> JudgeModel | None:
 
     dtype = jnp.dtype(c.rollout.get("sampler_dtype", "") or c.model.dtype)
     config, params = load_checkpoint(path, dtype=dtype, mesh=mesh)
-    tok_spec = str(jm.get("tokenizer", "") or "")
+    tok_spec = str(jm.tokenizer or "")
     tokenizer = load_tokenizer(None if tok_spec == "offline"
                                else tok_spec or resolve_checkpoint(path))
     need = int(c.env.max_prompt_tokens) + int(c.rollout.max_judge_tokens)

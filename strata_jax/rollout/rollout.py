@@ -42,7 +42,7 @@ Rows of the batch (see `strata_jax.algos.batch` for the contract):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 
@@ -50,6 +50,8 @@ from envs_bridge.base import Task
 from envs_bridge.pool import EnvPool
 from strata_jax.algos.batch import KIND_ACTION, SampleBatch, make_sample_batch
 from strata_jax.algos.dapo_filter import keep_informative_groups
+from strata_jax.algos.table import get_algorithm
+from strata_jax.config import read_fields, section_sources
 from strata_jax.models import stop_token_ids
 from strata_jax.rollout.episodes import (EpisodeSpec, Interval, LoopStats, Trajectory,
                                          anchor_hash, run_episodes)
@@ -66,7 +68,8 @@ from strata_jax.sampling.stops import StopText, build_stop_text
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """Rollout settings (defaults = the paper setting, docs/method.md §5.8; see `from_config`).
+    """Rollout settings (defaults = configs/base.py's ``c.rollout``, the paper setting of
+    docs/method.md §5.8; see `from_config`).
 
     mode: "strata" or "flat". num_strategies N, episodes_per_strategy M, oversample sigma,
     diverse_sampling (FPS), self_judgment; group_size (flat); temperature / top_p / top_k;
@@ -120,24 +123,31 @@ class RolloutConfig:
         """The revision triggers (`RevisionConfig`; validates them)."""
         return RevisionConfig(self.revise_every, self.revise_on, self.revise_stuck_steps)
 
+    # Derived from c.algo's `ALGORITHMS` entry, not set: mode (its rollout), dapo_refill (refill).
+    DERIVED: ClassVar[tuple[str, ...]] = ("mode", "dapo_refill")
+
+    @classmethod
+    def config_sources(cls) -> dict[str, str]:
+        """{field: dotted config key}: ``rollout.<field>`` for every field but `DERIVED`."""
+        return section_sources(cls, "rollout", exclude=cls.DERIVED)
+
     @classmethod
     def from_config(cls, c: Any, **overrides: Any) -> "RolloutConfig":
-        """From the experiment ConfigDict (configs/base.py): ``c.algo == "strata"`` -> StraTA
-        mode, ``"dapo"`` -> flat with refill, anything else -> flat."""
-        r = c.rollout
-        kw = dict(
-            mode="strata" if c.algo == "strata" else "flat",
-            num_strategies=r.num_strategies, episodes_per_strategy=r.episodes_per_strategy,
-            oversample=r.oversample, diverse_sampling=r.diverse_sampling,
-            self_judgment=r.self_judgment, group_size=r.group_size, temperature=r.temperature,
-            top_p=r.top_p, top_k=r.top_k, max_action_tokens=r.max_action_tokens,
-            max_strategy_tokens=r.max_strategy_tokens, max_judge_tokens=r.max_judge_tokens,
-            cohorts=r.cohorts, tasks_per_batch=r.tasks_per_batch,
-            dapo_refill=c.algo == "dapo", dapo_max_tries=r.dapo_max_tries,
-            revise_every=r.revise_every, revise_on=r.revise_on,
-            revise_stuck_steps=r.revise_stuck_steps)
+        """From the experiment ConfigDict (configs/base.py), every field read from its
+        ``rollout.<field>`` key; mode and dapo_refill from ``c.algo``'s `ALGORITHMS` entry
+        (rollout "strata" / "flat", refill). Raises ConfigError on a missing key or an
+        unknown algo."""
+        alg = get_algorithm(c.algo)
+        kw = read_fields(cls, c, cls.config_sources(), convert={
+            k: _buckets for k in ("row_buckets", "prompt_buckets", "response_buckets")})
+        kw.update(mode=alg.rollout, dapo_refill=alg.refill)
         kw.update(overrides)
         return cls(**kw)
+
+
+def _buckets(v: Any) -> tuple[int, ...] | None:
+    """A bucket list of the config (None, or a tuple / list of sizes) as a hashable tuple."""
+    return None if v is None else tuple(int(x) for x in v)
 
 
 def make_prompt_builder(tokenizer: Any, c: Any) -> PromptBuilder:

@@ -26,7 +26,7 @@ changing them does not recompile (only the greedy / top-k-on / top-p-on / stop-s
 switches and the buckets do).
 
 Sharding: pass a ``Mesh`` (``strata_jax.sharding.make_mesh``) and params placed with
-``strata_jax.sharding.shard_params``; rows are split over (data, fsdp) and the cache's kv heads
+``strata_jax.models.shard_params``; rows are split over (data, fsdp) and the cache's kv heads
 over tensor, following ``strata_jax.sharding.LOGICAL_RULES``. The batch bucket is a multiple of
 the number of batch shards.
 """
@@ -224,7 +224,7 @@ class Sampler:
     Args:
       config: the model's ``Qwen2Config`` (static).
       mesh: optional ``jax.sharding.Mesh`` with axes (data, fsdp, tensor); params must then be
-        placed with ``strata_jax.sharding.shard_params``.
+        placed with ``strata_jax.models.shard_params``.
       max_cache_len: the longest prompt + max_new_tokens allowed (default
         ``config.max_position_embeddings``).
       batch_floor, length_floor, new_tokens_floor: smallest bucket for the batch, prompt /

@@ -1,40 +1,52 @@
 """Static (hashable, jit-static) trainer options read from the experiment config.
 
-`TrainConfig.from_config(c)` reads `c.optim`, `c.loss`, `c.adv`, `c.rollout.temperature`,
-`c.model.remat`, `c.algo` and the optional `c.train` sub-dict of ``configs/base.py``; fields the
-ConfigDict lacks keep the defaults below (docs/method.md §5.8, §6.4, §7 pinned values).
+`TrainConfig.from_config(c)` reads every field from its one key of the experiment ConfigDict
+(`TrainConfig.config_sources`): ``c.algo``, ``c.optim.*``, ``c.train.*``, ``c.model.remat``,
+``c.rollout.temperature``, ``c.adv.stapo_dropout(_passes)``, and the ``c.loss`` / ``c.adv`` /
+``c.lora`` sections through their own dataclasses; a missing key, or a key of ``c.optim`` /
+``c.train`` that no field reads, is a ConfigError. The defaults below equal configs/base.py
+(tests/test_config_schema.py checks it field by field); they serve library calls and tests.
 Source: docs/method.md §8-§9 (objective, optimiser), §6.4 (PPO critic), §7.1 (STAPO critic).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from strata_jax.algos.config import EstimatorConfig, LossConfig
+from strata_jax.algos.table import get_algorithm
+from strata_jax.config import read_fields
 from strata_jax.models.lora import LoraConfig
 
 CRITIC_KINDS = ("auto", "none", "separate", "head")
 REMAT_POLICIES = ("none", "full", "dots")
 LR_SCHEDULES = ("constant", "cosine")
 
+# TrainConfig fields read from c.optim / c.train (every key of those sections is one of these).
+_OPTIM_FIELDS = ("lr", "critic_lr", "weight_decay", "grad_clip", "warmup_steps", "ppo_epochs",
+                 "mini_batch_size", "micro_batch_size")
+_TRAIN_FIELDS = ("adam_eps", "lr_schedule", "decay_steps", "compute_dtype", "logprob_chunk",
+                 "score_rows", "recompute_old", "trim_padding", "donate_state", "critic",
+                 "value_trunk_coef", "value_head_init_std")
 
-def _default_norm_len(c: Any, loss: Any) -> dict:
-    """``{"norm_len": n}`` when ``loss.norm_len`` is unset (0 / absent), else ``{}``.
+
+def remat_policy(remat: Any) -> str:
+    """``model.remat`` as a policy name: True -> "dots", False -> "none", a name unchanged."""
+    return "dots" if remat is True else ("none" if remat is False else str(remat))
+
+
+def _default_norm_len(c: Any) -> dict:
+    """``{"norm_len": n}`` when ``loss.norm_len`` is unset (0), else ``{}``.
 
     n is Dr.GRPO's constant: the longest response the rollout can generate, i.e.
-    ``rollout.max_action_tokens``, or with StraTA ``max(max_action_tokens,
-    max_strategy_tokens)`` (strategy rows are trained too). Without a rollout section nothing
-    is filled (`LossConfig.validate` then asks for it when the mode needs it).
+    ``rollout.max_action_tokens``, or when the algorithm trains strategies too (its
+    `ALGORITHMS` entry's levels) ``max(max_action_tokens, max_strategy_tokens)``.
     """
-    if loss is not None:
-        cur = loss.get("norm_len", 0) if hasattr(loss, "get") else getattr(loss, "norm_len", 0)
-        if cur not in (0, None):
-            return {}  # set (a bad value is LossConfig.validate's to report)
-    r = c.get("rollout", None)
-    if r is None or "max_action_tokens" not in r:
-        return {}
+    if c.loss.norm_len not in (0, None):
+        return {}  # set (a bad value is LossConfig.validate's to report)
+    r = c.rollout
     n = int(r.max_action_tokens)
-    if c.get("algo", None) == "strata" and "max_strategy_tokens" in r:
+    if "strategy" in get_algorithm(c.algo).levels:
         n = max(n, int(r.max_strategy_tokens))
     return {"norm_len": n}
 
@@ -47,7 +59,7 @@ class TrainConfig:
       optimizer steps), lr_schedule ("constant" | "cosine" to 0 at `decay_steps` optimizer steps),
       ppo_epochs, mini_batch_size (step samples per optimizer step; strategy samples are spread
       evenly over the mini-batches on top), micro_batch_size (rows per gradient-accumulation unit).
-      adam_eps (c.train.adam_eps): AdamW epsilon (torch's default 1e-8).
+      adam_eps: AdamW epsilon (torch's default 1e-8).
     Model execution: remat ("none" | "full" | "dots": jax.checkpoint policy over the forward),
       compute_dtype ("float32" | "bfloat16": params are cast for the forward, the optimizer keeps
       the stored dtype), logprob_chunk (positions per LM-head chunk), temperature (train
@@ -59,13 +71,16 @@ class TrainConfig:
       widths bucketed; same result), donate_state (the optimizer step reuses the buffers of the
       state passed to `Trainer.update` / `train_on_batch`: one copy of params + moments less at
       the peak, but the caller's state object is dead after the call).
-    Critic: critic ("auto": separate model for ppo/gae, value head on the policy trunk for stapo,
-      none otherwise), value_trunk_coef (STAPO: gradient of the value loss into the shared trunk
-      is scaled by this; 0 = head only), value_head_init_std (head weights ~ N(0, std^2 / D)),
+    Critic: critic ("auto": what the algorithm's `ALGORITHMS` entry says: a separate model for
+      ppo, a value head on the policy trunk for stapo, none otherwise), value_trunk_coef
+      (STAPO: gradient of the value loss into the shared trunk is scaled by this; 0 = head
+      only), value_head_init_std (head weights ~ N(0, std^2 / D)),
       dropout_passes K and dropout p (value uncertainty, docs/method.md §7.3).
-    Sub-configs: loss (LossConfig), estimator (EstimatorConfig), algo (estimator registry name),
-      lora (LoraConfig; rank > 0: the trainable params are LoRA adapters over the frozen base,
-      which is also the KL reference, and lr = lora.lr when that is > 0).
+    Sub-configs: loss (LossConfig), estimator (EstimatorConfig), algo (a name of
+      `algos.table.ALGORITHMS`: its entry gives the estimator and the "auto" critic), lora
+      (LoraConfig; rank > 0: the trainable params are LoRA adapters over the frozen base, which
+      is also the KL reference, and lr = lora.lr when that is > 0).
+    Sources: `config_sources` (one config key per field). Defaults = configs/base.py.
     """
 
     algo: str = "strata"
@@ -80,8 +95,8 @@ class TrainConfig:
     ppo_epochs: int = 1
     mini_batch_size: int = 256
     micro_batch_size: int = 8
-    remat: str = "none"
-    compute_dtype: str = "float32"
+    remat: str = "dots"
+    compute_dtype: str = "bfloat16"
     logprob_chunk: int = 64
     temperature: float = 1.0
     score_rows: int = 0
@@ -97,8 +112,14 @@ class TrainConfig:
     estimator: EstimatorConfig = EstimatorConfig()
     lora: LoraConfig = LoraConfig()
 
+    # Fields read from another dataclass's section, and the conversion of model.remat.
+    SUBSECTIONS: ClassVar[dict[str, type]] = {"loss": LossConfig, "estimator": EstimatorConfig,
+                                              "lora": LoraConfig}
+    CONVERT: ClassVar[dict[str, Any]] = {"remat": remat_policy}
+
     def __post_init__(self) -> None:
         import math
+        get_algorithm(self.algo)   # an unknown name: ConfigError listing ALGORITHMS
         for name in ("lr", "critic_lr"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
@@ -126,51 +147,54 @@ class TrainConfig:
 
     @property
     def critic_kind(self) -> str:
-        """"separate" (PPO / GAE), "head" (STAPO) or "none", resolving "auto" from `algo`."""
+        """"separate", "head" or "none": `critic`, with "auto" resolved by the algorithm's
+        `ALGORITHMS` entry (ppo: separate, stapo: head, the others: none)."""
         if self.critic != "auto":
             return self.critic
-        if self.algo in ("ppo", "gae"):
-            return "separate"
-        if self.algo == "stapo":
-            return "head"
-        return "none"
+        return get_algorithm(self.algo).critic
+
+    @property
+    def estimator_name(self) -> str:
+        """Registry name of the advantage estimator of `algo` (its `ALGORITHMS` entry)."""
+        return get_algorithm(self.algo).estimator
+
+    @classmethod
+    def config_sources(cls) -> dict[str, str]:
+        """{field: dotted config key}, one key per field: ``algo``; ``optim.<field>`` for the
+        optimiser fields; ``train.<field>`` for the execution fields; ``model.remat``
+        (converted: True = "dots", False = "none"); ``rollout.temperature`` (the sampling
+        temperature is the train temperature, docs/method.md §9.1);
+        ``adv.stapo_dropout_passes`` / ``adv.stapo_dropout`` (dropout_passes / dropout); and
+        the sections ``loss``, ``adv``, ``lora`` of the LossConfig / EstimatorConfig /
+        LoraConfig fields. Derived on top (`from_config`): loss.norm_len 0 = the rollout's
+        longest response; lr = lora.lr when LoRA is on and lora.lr > 0."""
+        src = {"algo": "algo"}
+        src.update({k: f"optim.{k}" for k in _OPTIM_FIELDS})
+        src.update({k: f"train.{k}" for k in _TRAIN_FIELDS})
+        src.update(remat="model.remat", temperature="rollout.temperature",
+                   dropout_passes="adv.stapo_dropout_passes", dropout="adv.stapo_dropout")
+        src.update({f: sub.SECTION for f, sub in cls.SUBSECTIONS.items()})
+        return src
 
     @classmethod
     def from_config(cls, c: Any, **overrides) -> "TrainConfig":
-        """Build from the experiment ConfigDict of ``configs/base.py`` (unknown keys ignored).
+        """Build from the experiment ConfigDict of ``configs/base.py``, every field read from
+        its key (`config_sources`); `overrides` replace fields.
 
-        Reads c.algo, c.optim.*, c.loss.* (LossConfig; loss.norm_len 0 = the rollout's
-        longest possible response, see `_default_norm_len`), c.adv.* (EstimatorConfig), c.lora.*
-        (LoraConfig; lora.lr > 0 replaces optim.lr when rank > 0), c.rollout.temperature,
-        c.model.remat (True -> "dots"), c.adv.stapo_dropout(_passes), and any field of this
-        class under c.train (which wins).
+        Derived: loss.norm_len 0 = the rollout's longest possible response (`_default_norm_len`);
+        lr = lora.lr when LoRA is on (rank > 0) and lora.lr > 0. Raises ConfigError on a
+        missing key or an unknown key in ``c.optim`` / ``c.train`` (naming the closest),
+        ValueError on a bad value.
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        v: dict[str, Any] = {"algo": c.algo}
-        optim = c.get("optim", {}) or {}
-        for k in ("lr", "critic_lr", "weight_decay", "grad_clip", "warmup_steps", "ppo_epochs",
-                  "mini_batch_size", "micro_batch_size"):
-            if k in optim:
-                v[k] = optim[k]
-        if "rollout" in c and "temperature" in c.rollout:
-            v["temperature"] = float(c.rollout.temperature)
-        if "model" in c and "remat" in c.model:
-            v["remat"] = "dots" if c.model.remat is True else ("none" if c.model.remat is False
-                                                                else str(c.model.remat))
-        adv = c.get("adv", None)
-        if adv is not None:
-            if "stapo_dropout_passes" in adv:
-                v["dropout_passes"] = int(adv.stapo_dropout_passes)
-            if "stapo_dropout" in adv:
-                v["dropout"] = float(adv.stapo_dropout)
-        loss = c.get("loss", None)
-        v["loss"] = LossConfig.from_config(loss, **_default_norm_len(c, loss))
-        v["estimator"] = EstimatorConfig.from_config(adv)
+        scalar = {k: v for k, v in cls.config_sources().items() if k not in cls.SUBSECTIONS}
+        v = read_fields(cls, c, scalar, convert=cls.CONVERT, owned={"optim": (), "train": ()})
+        v["loss"] = LossConfig.from_config(c.loss, **_default_norm_len(c))
+        v["estimator"] = EstimatorConfig.from_config(c.adv)
         v["lora"] = LoraConfig.from_config(c)
         if v["lora"].enabled and v["lora"].lr > 0:
             v["lr"] = float(v["lora"].lr)
-        for k, val in (c.get("train", None) or {}).items():
-            if k in names:
-                v[k] = val
+        v["temperature"] = float(v["temperature"])
+        v["dropout_passes"] = int(v["dropout_passes"])
+        v["dropout"] = float(v["dropout"])
         v.update(overrides)
         return cls(**v)

@@ -6,7 +6,7 @@
   frozen initial params (when kl_coef != 0), critic values V(h_t) and their dropout std (PPO:
   separate critic; STAPO: value head on the policy trunk). They fill the SampleBatch slots
   old_logprobs / ref_logprobs / values / value_std BEFORE the estimator runs.
-* `advantages`: the estimator registry (`compute_advantages(cfg.algo, ...)`); value targets are
+* `advantages`: the estimator registry (`compute_advantages(cfg.estimator_name, ...)`, the algo's estimator); value targets are
   the estimator's ``row/value_targets``.
 * `train_minibatch`: micro-batches of `micro_batch_size` rows in a ``lax.scan``
   (`accumulate_grads`); every level's token-mean is normalised by that level's count over the

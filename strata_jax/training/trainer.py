@@ -38,9 +38,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strata_jax.algos import SampleBatch, loss_mask, pad_rows
 from strata_jax.distributed import host_values
-from strata_jax.models import Qwen2Config, init_params
+from strata_jax.models import Qwen2Config, init_params, param_shardings
 from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
-from strata_jax.sharding import logical_to_spec, param_shardings
+from strata_jax.sharding import logical_to_spec
 from strata_jax.training.batching import minibatch_plan, num_minibatches, trim_padding
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
@@ -271,7 +271,7 @@ class Trainer:
         on_policy = self.on_policy(batch)
         scored = self.score(state, batch, ref_params, k_score, use_old=not on_policy)
         with self._ctx():
-            adv, w, adv_m = advantages(scored, state.step, algo=self.cfg.algo,
+            adv, w, adv_m = advantages(scored, state.step, algo=self.cfg.estimator_name,
                                        est=self.cfg.estimator)
         targets = adv_m.get("row/value_targets", jnp.zeros_like(adv))
         state, steps = self.train_on_batch(state, scored, adv, w, targets, k_plan, ref_params,

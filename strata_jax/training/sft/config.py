@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from strata_jax.config import read_fields, section_sources
+
 STRATEGY_MODES = ("both", "strata", "flat")
 
 
@@ -47,7 +49,7 @@ class SFTConfig:
     logprob_chunk: int = 64
     seed: int = 0
     log_every: int = 50
-    cache_dir: str = ""
+    cache_dir: str = "runs/warm_start"
 
     def __post_init__(self) -> None:
         if self.strategy_mode not in STRATEGY_MODES:
@@ -60,10 +62,14 @@ class SFTConfig:
                 raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
+    def config_sources(cls) -> dict[str, str]:
+        """{field: dotted config key}: every field is ``sft.<field>``."""
+        return section_sources(cls, "sft")
+
+    @classmethod
     def from_config(cls, c: Any, **overrides: Any) -> "SFTConfig":
-        """From ``c.sft`` (missing fields keep the defaults above; unknown ones are ignored)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        v = {k: val for k, val in (c.get("sft", None) or {}).items() if k in names}
+        """From ``c.sft``, every field read; a missing or unknown key is a ConfigError."""
+        v = read_fields(cls, c, cls.config_sources(), owned={"sft": ()})
         v.update(overrides)
         return cls(**v)
 

@@ -1,0 +1,208 @@
+"""Reading the experiment ConfigDict: its errors, its command-line parser, strict section reads.
+
+An experiment is described by one ``ml_collections.ConfigDict`` (``configs/base.py`` and the
+experiment files built on it; docs/design.md §3). This module is what the library knows about
+that dict without importing ``configs/`` (which is not part of the installed package):
+
+* `ConfigError`: a config that cannot run (every user-facing config mistake is one).
+* `set_override` / `parse_value` / `field_type`: the one parser of command-line text for a
+  dotted field, shared by ``--config.<field>=<text>`` (`strata_jax.cli`) and the variant form
+  ``--config=configs/x.py:<field>=<text>`` (``configs/base.py:apply_variant``).
+* `read_fields`: builds a frozen option dataclass (``LossConfig``, ``TrainConfig``, ...) from
+  the dict, reading every field from its one source key; a missing key or a key of the
+  dataclass's own section that no field reads is a ConfigError naming the closest valid key.
+
+Only the standard library is imported here, so every module may import it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Callable, Iterable, Mapping
+
+
+class ConfigError(ValueError):
+    """An experiment config that cannot run; the message says which field to change."""
+
+
+class OverrideError(ConfigError):
+    """A ``key=value`` override that names no field or whose value does not fit the field's type."""
+
+
+# Declared types of the fields whose default does not say it (a None default, a union, the
+# element type of an empty tuple). Every other field's type is that of its value in the config
+# (configs/base.py, or for a field only an experiment file adds, e.g. env.code_digits, there).
+FIELD_TYPES = {
+    "adv.std_ddof": "int|None",               # None = each estimator's pin
+    "model.remat": "remat",                   # True/False or a policy: none | full | dots
+    "distributed.local_device_ids": "tuple[int]",
+    "rollout.row_buckets": "tuple[int]|None",  # None = round the rows up to row_multiple
+    "rollout.prompt_buckets": "tuple[int]|None",
+    "rollout.response_buckets": "tuple[int]|None",
+}
+REMAT_POLICIES = ("none", "full", "dots")
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _is_dict(node: Any) -> bool:
+    return hasattr(node, "keys") and hasattr(node, "__getitem__") and not isinstance(node, str)
+
+
+def nearest(name: str, names: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of `names` to `name` (difflib), or ""."""
+    hint = difflib.get_close_matches(name, list(names), n=1)
+    return f" (did you mean {hint[0]!r}?)" if hint else ""
+
+
+def _unknown(node: Any, key: str, leaf: str) -> str:
+    names = list(node.keys()) if _is_dict(node) else []
+    return f"unknown config field {key!r}" + nearest(leaf, names)
+
+
+def field_type(c: Any, key: str) -> str:
+    """The declared type of dotted field `key` of config `c`: "bool", "int", "float", "str",
+    "tuple[str]", "tuple[int]", "int|None", "tuple[int]|None" or "remat" (see FIELD_TYPES).
+    Raises OverrideError naming the closest field when `key` names none."""
+    *parents, leaf = key.split(".")
+    node = c
+    for i, p in enumerate(parents):
+        if not _is_dict(node) or p not in node:
+            raise OverrideError(_unknown(node, ".".join(parents[: i + 1]), p))
+        node = node[p]
+    if not _is_dict(node) or leaf not in node or _is_dict(node[leaf]):
+        raise OverrideError(_unknown(node, key, leaf))
+    if key in FIELD_TYPES:
+        return FIELD_TYPES[key]
+    default = node[leaf]
+    if isinstance(default, tuple):
+        return "tuple[int]" if default and all(isinstance(v, int) for v in default) \
+            else "tuple[str]"
+    return {bool: "bool", int: "int", float: "float", str: "str"}.get(type(default), "str")
+
+
+def parse_value(key: str, kind: str, text: str):
+    """Parse the command-line text of field `key` by its declared type `kind` (`field_type`).
+
+    bool: true/false, 1/0, yes/no, on/off (any case); int: an integer (``1e3`` is 1000,
+    ``2.7`` is refused); float: any finite or infinite float; tuple: ``a+b`` (the colon form
+    cannot hold commas), ``(a, b)`` / ``[a, b]``, or empty for (); int|None: an integer or
+    ``none``; tuple[int]|None: a tuple of integers or ``none``; remat: a bool or one of
+    REMAT_POLICIES. Raises OverrideError saying what fits.
+    """
+    t = text.strip()
+    low = t.lower()
+    if kind == "bool" or (kind == "remat" and low in _TRUE + _FALSE):
+        if low in _TRUE or low in _FALSE:
+            return low in _TRUE
+        expect = "true or false" if kind == "bool" else f"true, false or one of {REMAT_POLICIES}"
+        raise OverrideError(f"{key}={text!r} is not a boolean; use {expect}")
+    if kind == "remat":
+        if low in REMAT_POLICIES:
+            return low
+        raise OverrideError(f"{key}={text!r}: use true, false or a remat policy {REMAT_POLICIES}")
+    if kind.endswith("|None") and low in ("none", "null", ""):
+        return None
+    if kind == "tuple[int]|None":
+        kind = "tuple[int]"
+    if kind in ("int", "int|None"):
+        try:
+            return int(t)
+        except ValueError:
+            pass
+        try:
+            f = float(t)
+        except ValueError:
+            f = float("nan")
+        if f == f and f not in (float("inf"), float("-inf")) and f.is_integer():
+            return int(f)
+        raise OverrideError(f"{key}={text!r} is not an integer" +
+                            (" (or none)" if kind == "int|None" else ""))
+    if kind == "float":
+        try:
+            return float(t)
+        except ValueError:
+            raise OverrideError(f"{key}={text!r} is not a number") from None
+    if kind.startswith("tuple"):
+        if t[:1] in "([" and t[-1:] in ")]":
+            items = [v.strip().strip("'\"") for v in t[1:-1].split(",")]
+        else:
+            items = [v.strip() for v in t.split("+")]
+        items = [v for v in items if v]
+        if kind == "tuple[int]":
+            return tuple(parse_value(key, "int", v) for v in items)
+        return tuple(items)
+    return text
+
+
+def set_override(c: Any, key: str, text: str) -> None:
+    """Set dotted field `key` of ConfigDict `c` from command-line `text`, parsed by the field's
+    declared type (`field_type`, `parse_value`); the one parser of both ``--config.key=text``
+    and the colon form ``:key=text``. Raises OverrideError on an unknown field or a value that
+    does not fit."""
+    value = parse_value(key, field_type(c, key), text)
+    *parents, leaf = key.split(".")
+    node = c
+    for p in parents:
+        node = node[p]
+    with node.ignore_type():   # a declared union: None -> 1 (std_ddof), True -> "full" (remat)
+        node[leaf] = value
+
+
+def get_dotted(c: Any, dotted: str, prefix: str = "") -> Any:
+    """The value of dotted field `dotted` of `c` (`prefix`: the dotted path of `c` itself in the
+    experiment config, for the message). Raises ConfigError naming the closest key when a level
+    is missing."""
+    node = c
+    for k in dotted.split("."):
+        if not _is_dict(node) or k not in node:
+            names = list(node.keys()) if _is_dict(node) else []
+            raise ConfigError(f"the config lacks {prefix + dotted!r}{nearest(k, names)}: every "
+                              "field is declared in configs/base.py; build configs from its "
+                              "get_base_config()")
+        node = node[k]
+    return node
+
+
+def read_fields(cls: type, c: Any, sources: Mapping[str, str],
+                convert: Mapping[str, Callable[[Any], Any]] | None = None,
+                owned: Mapping[str, Iterable[str]] | None = None,
+                prefix: str = "") -> dict[str, Any]:
+    """Read the constructor arguments of dataclass `cls` from ConfigDict `c`, strictly.
+
+    Args:
+      cls: the option dataclass (for the messages).
+      c: the experiment ConfigDict, or one of its sections (then `prefix` is its dotted path
+        plus ".", e.g. "adv.", for the messages).
+      sources: {field: dotted key of `c`}: every field read here comes from exactly one key;
+        there is no fallback to the dataclass default (a missing key is a ConfigError).
+      convert: optional {field: function} applied to the value read (e.g. model.remat's bool).
+      owned: optional {section of `c` ("" = `c` itself): extra key names}: every key of that
+        section must be the source of a field here or one of the extra names (read elsewhere);
+        any other key is a ConfigError naming the closest valid key (a typo such as
+        ``loss.kl_coeff``).
+    Returns {field: value}. Raises ConfigError.
+    """
+    convert = convert or {}
+    for section, extra in (owned or {}).items():
+        node = get_dotted(c, section, prefix) if section else c
+        valid = {k.split(".")[-1] for k in sources.values()
+                 if k.rpartition(".")[0] == section} | set(extra)
+        for k in node.keys():
+            if k not in valid:
+                where = prefix + (f"{section}.{k}" if section else k)
+                raise ConfigError(f"unknown config field {where!r}{nearest(k, valid)}: no "
+                                  f"{cls.__name__} field reads it (the fields and their "
+                                  "defaults are in configs/base.py)")
+    out = {}
+    for name, key in sources.items():
+        v = get_dotted(c, key, prefix)
+        out[name] = convert[name](v) if name in convert else v
+    return out
+
+
+def section_sources(cls: type, section: str, exclude: Iterable[str] = ()) -> dict[str, str]:
+    """{field: "<section>.<field>"} for every field of dataclass `cls` not in `exclude` (a
+    section whose keys are the dataclass's field names); `section` "" = top level."""
+    skip = set(exclude)
+    return {f.name: f"{section}.{f.name}" if section else f.name
+            for f in dataclasses.fields(cls) if f.name not in skip}
