@@ -103,6 +103,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     # every K steps (0 = off) and / or when stuck ("" = off, "stuck": the last k steps all
     # invalid, one repeated action, or no reward); a separate judge checkpoint ("" = the policy).
     c.rollout.revise_every = 0
+    # Append a one-line answer template (the exact <think>/<action> and <strategy> tag layout)
+    # to the step and strategy instructions: off in the paper setting (docs/method.md §3).
+    c.rollout.format_examples = False
     c.rollout.revise_on = ""
     c.rollout.revise_stuck_steps = 3   # k
     c.rollout.judge_model = ml_collections.ConfigDict()

@@ -50,6 +50,7 @@ ASSEMBLY_KEYS = (
     "env.history_length", "env.num_workers", "env.step_timeout_s", "env.eval_list",
     "rollout.sampler_dtype", "rollout.cumulative_prompts",
     "rollout.judge_model.path", "rollout.judge_model.tokenizer",   # rollout.build_judge_model
+    "rollout.format_examples",                                      # rollout.make_prompt_builder
     "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
     "distributed.local_device_ids", "distributed.initialization_timeout_s",
     "ckpt.every", "ckpt.keep",

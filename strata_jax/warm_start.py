@@ -74,6 +74,8 @@ def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
              env=[c.env.name, list(c.env.tasks), c.env.max_prompt_tokens, c.env.history_length,
                   c.env.max_steps, bool(c.rollout.cumulative_prompts)],
              env_kwargs=ex.env_kwargs(c))  # e.g. memory_key's code_digits changes the data
+    if c.rollout.format_examples:   # other instructions in every rendered prompt (absent when
+        d["format_examples"] = True  # off, so existing fingerprints stay valid)
     return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

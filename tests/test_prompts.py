@@ -165,3 +165,26 @@ def test_decoded_model_text_reenters_the_history_as_plain_text(tok):
     assert text.endswith("</action><|endoftext|>") and "<|im_start|>" in text
     p = PromptBuilder(tok, 4096).step_prompt(PIECES, "obs", [HistoryEntry("obs", text)])
     assert _specials(p) == [IM_START, IM_END, IM_START, IM_END, IM_START]
+
+
+def test_format_examples_append_the_answer_templates_only_when_on(tok):
+    """rollout.format_examples: the step and strategy instructions end with the one-line answer
+    templates; off (the paper setting) the prompts are exactly the default builder's."""
+    from configs import builtin
+    from strata_jax.rollout import make_prompt_builder
+    from strata_jax.rollout.prompts import (STEP_FORMAT_EXAMPLE, STEP_INSTRUCTION,
+                                            STRATEGY_FORMAT_EXAMPLE, STRATEGY_INSTRUCTION)
+    pieces = PromptPieces("TestEnv", "open the vault", ("go north",), None)
+    c = builtin.get_config("tiny")
+    off = make_prompt_builder(tok, c)
+    c.rollout.format_examples = True
+    on = make_prompt_builder(tok, c)
+    plain = PromptBuilder(tok, c.env.max_prompt_tokens, c.env.history_length)
+    step_off = tok.decode(off.step_prompt(pieces, "a room", [], "plan").ids)
+    step_on = tok.decode(on.step_prompt(pieces, "a room", [], "plan").ids)
+    assert step_off == tok.decode(plain.step_prompt(pieces, "a room", [], "plan").ids)
+    assert STEP_INSTRUCTION in step_off and STEP_FORMAT_EXAMPLE not in step_off
+    assert STEP_INSTRUCTION + STEP_FORMAT_EXAMPLE in step_on
+    strat_on = tok.decode(on.strategy_prompt(pieces, "a room").ids)
+    assert STRATEGY_INSTRUCTION + STRATEGY_FORMAT_EXAMPLE in strat_on
+    assert step_on.replace(STEP_FORMAT_EXAMPLE, "") == step_off

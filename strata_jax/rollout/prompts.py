@@ -58,6 +58,14 @@ INVALID_NOTICE = ("Note: your last output had no valid action (it needs <think>.
 STEP_INSTRUCTION = ("Now think step by step about what to do next inside <think></think>, then "
                     "give exactly one action inside <action></action> after </think>; only the "
                     "first action block after </think> is executed.")
+# Optional answer templates (``rollout.format_examples``, off in the paper setting): one line
+# showing the exact tag layout, appended to the step / strategy instruction. A small pretrained
+# model that knows the task often writes the action inside <think> or a plan without tags;
+# the template states the layout the parser needs without suggesting any particular action.
+STEP_FORMAT_EXAMPLE = (" Answer in exactly this form and write nothing after it: "
+                       "<think>your reasoning</think><action>one action</action>")
+STRATEGY_FORMAT_EXAMPLE = (" Answer in exactly this form: <strategy>1. first sub-goal "
+                           "2. next sub-goal ...</strategy>")
 STRATEGY_INSTRUCTION = ("Before acting, write a concise, ordered plan of the sub-goals that "
                         "solve this task inside <strategy></strategy>. Do not give any action.")
 # Strategy revision (an option, docs/method.md §5.9): the step prompt's prefix (with the plan in
@@ -145,13 +153,17 @@ class PromptBuilder:
       history_length: (obs, action) pairs shown (pinned 2); None = the whole trajectory
         (cumulative prompts, STAPO).
       judge_obs_chars: each observation in the judge prompt is cut to this many characters.
+      format_examples: append `STEP_FORMAT_EXAMPLE` / `STRATEGY_FORMAT_EXAMPLE` (the exact tag
+        layout) to the step and strategy instructions (``rollout.format_examples``; off = the
+        paper's prompts, docs/method.md §3).
     Raises:
       ValueError: a tokenizer whose chat template does not place the content in one user turn,
         or that cannot tokenise special-token strings as plain text (``split_special_tokens``).
     """
 
     def __init__(self, tokenizer: Any, max_prompt_tokens: int = 4096,
-                 history_length: int | None = 2, judge_obs_chars: int = 200) -> None:
+                 history_length: int | None = 2, judge_obs_chars: int = 200,
+                 format_examples: bool = False) -> None:
         if max_prompt_tokens < 16:
             raise ValueError(f"max_prompt_tokens must be >= 16, got {max_prompt_tokens}")
         if history_length is not None and history_length < 0:
@@ -160,6 +172,9 @@ class PromptBuilder:
         self.max_prompt_tokens = int(max_prompt_tokens)
         self.history_length = history_length
         self.judge_obs_chars = int(judge_obs_chars)
+        self.step_instruction = STEP_INSTRUCTION + (STEP_FORMAT_EXAMPLE if format_examples else "")
+        self.strategy_instruction = STRATEGY_INSTRUCTION + (
+            STRATEGY_FORMAT_EXAMPLE if format_examples else "")
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}],
                                                  tokenize=False, add_generation_prompt=True)
         if rendered.count(_MARK) != 1:
@@ -265,7 +280,7 @@ class PromptBuilder:
           ValueError: the fixed parts alone exceed the budget.
         """
         tail = ((INVALID_NOTICE + "\n") if invalid_notice else "") + self.actions_text(pieces) \
-            + STEP_INSTRUCTION
+            + self.step_instruction
         return self._history_prompt(pieces, observation, history, strategy, tail)
 
     def revision_prompt(self, pieces: PromptPieces, observation: str,
@@ -312,7 +327,7 @@ class PromptBuilder:
 
         def render(obs: str, h: int) -> PromptIds:
             return self._make(prefix, f"Current observation: {obs}\n" + self.actions_text(pieces)
-                              + STRATEGY_INSTRUCTION)
+                              + self.strategy_instruction)
 
         return self._fit(render, observation, 0)
 

@@ -152,9 +152,11 @@ def _buckets(v: Any) -> tuple[int, ...] | None:
 
 def make_prompt_builder(tokenizer: Any, c: Any) -> PromptBuilder:
     """`PromptBuilder` from the experiment config: env.max_prompt_tokens, env.history_length,
-    and the whole trajectory (history_length=None) when rollout.cumulative_prompts."""
+    the whole trajectory (history_length=None) when rollout.cumulative_prompts, and the answer
+    templates when rollout.format_examples."""
     hist = None if c.rollout.cumulative_prompts else c.env.history_length
-    return PromptBuilder(tokenizer, c.env.max_prompt_tokens, hist)
+    return PromptBuilder(tokenizer, c.env.max_prompt_tokens, hist,
+                         format_examples=bool(c.rollout.format_examples))
 
 
 @dataclasses.dataclass
