@@ -112,7 +112,8 @@ def _train(c, workdir, compiles, mesh) -> dict:
         """The sampler's copy of the policy: LoRA adapters merged into the base, cast to the
         sampler dtype, and (multi-host) gathered onto this host's devices."""
         merged = trainer.policy_params(state, init_params)
-        return distributed.to_local(ex.sampler_params(c, merged), model_cfg, sampler_mesh)
+        local = distributed.to_local(ex.sampler_params(c, merged), model_cfg, sampler_mesh)
+        return ex.sampler_layout(c, model_cfg, local)
 
     policy = SamplerPolicy(sampler, policy_params(state))
     # Rows logged after the restored step belong to the lost iterations: drop them on resume.

@@ -23,6 +23,15 @@ Also measured in the same run:
     python benchmarks/sampler.py --batch 8 --frameworks jax
     python benchmarks/sampler.py --preset qwen2.5-1.5b --batch 64 --dtype bfloat16   # GPU
     python benchmarks/sampler.py --batch 8 --frameworks jax --stop-text   # + stop-string check
+    python benchmarks/sampler.py --batch 8 32 --frameworks jax \
+        --sampler-layout fuse_qkv,fuse_gate_up          # stored vs prepared sampler copy
+
+``--sampler-layout SPEC`` also times the sampler's inference copy made by
+``strata_jax.models.qwen2.prepare_sampler_params`` in the same worker, its repeats interleaved
+with the stored [out, in] layout's (same load), and checks the greedy tokens are identical.
+SPEC is a comma list of ``fuse_qkv``, ``fuse_gate_up`` and projection names stored
+pre-transposed [in, out] (``SAMPLER_PROJECTIONS``, named after fusion, e.g. ``qkv_proj``,
+``down_proj``, ``lm_head``).
 
 ``--stop-text`` turns on the rollout's action stop string (``</think>``, ``<action>``, ``</action>``,
 the offline tokenizer's [32, V] table, one gather per row and step) so its cost can be read
@@ -186,6 +195,22 @@ def rates_worker(args) -> dict:
     return hardware_rates(jax, jnp, jnp.dtype(args.dtype), big)
 
 
+def parse_layout(spec: str) -> dict:
+    """``fuse_qkv,fuse_gate_up,down_proj,...`` -> prepare_sampler_params keyword arguments."""
+    from strata_jax.models.qwen2 import SAMPLER_PROJECTIONS
+    kw: dict = {"fuse_qkv": False, "fuse_gate_up": False, "in_out": []}
+    for tok in filter(None, (t.strip() for t in spec.split(","))):
+        if tok in ("fuse_qkv", "fuse_gate_up"):
+            kw[tok] = True
+        elif tok in SAMPLER_PROJECTIONS:
+            kw["in_out"].append(tok)
+        else:
+            raise SystemExit(f"--sampler-layout: unknown item {tok!r}; use fuse_qkv, "
+                             f"fuse_gate_up or one of {', '.join(SAMPLER_PROJECTIONS)}")
+    kw["in_out"] = tuple(kw["in_out"])
+    return kw
+
+
 def jax_worker(args) -> dict:
     import jax
     import jax.numpy as jnp
@@ -216,23 +241,44 @@ def jax_worker(args) -> dict:
     sp_greedy = SamplingParams(greedy=not args.sample, temperature=1.0,
                                max_new_tokens=args.new_tokens)
 
-    def run(n_new):
+    copies = {"stored": params}
+    if args.sampler_layout:
+        from strata_jax.models.qwen2 import prepare_sampler_params
+        copies["prepared"] = prepare_sampler_params(params, config,
+                                                    **parse_layout(args.sampler_layout))
+        jax.block_until_ready(copies["prepared"])
+    tokens = {}
+
+    def run(n_new, which="stored"):
         sp = SamplingParams(greedy=sp_greedy.greedy, max_new_tokens=n_new, stop_text=stop)
         t = time.perf_counter()
-        out = sampler.generate(params, prompts, sp, keys)
+        out = sampler.generate(copies[which], prompts, sp, keys)
         assert out.lengths.min() == n_new
+        tokens[which] = out.token_ids
         return time.perf_counter() - t
 
     t_c = time.perf_counter()
     run(1), run(args.new_tokens)  # compile both programs
     compile_s = time.perf_counter() - t_c
+    same = None
+    if "prepared" in copies:
+        run(1, "prepared"), run(args.new_tokens, "prepared")
+        same = float((tokens["prepared"] == tokens["stored"]).mean())
     # The decode loop is one jitted program (no host sync per token), so the prefill is timed
     # as a 1-token generate right before each N-token one: decode = t(N) - t(1) of the same
     # repeat (adjacent calls, same load), and it is only reported when that is measurable.
-    runs = []
+    # With --sampler-layout the two copies' repeats alternate, so both see the same load.
+    all_runs: dict = {k: [] for k in copies}
     for _ in range(args.repeats):
-        t1, tn = run(1), run(args.new_tokens)
-        runs.append({"total": tn, "prefill": t1, "decode": tn - t1})
+        for which in copies:
+            t1, tn = run(1, which), run(args.new_tokens, which)
+            all_runs[which].append({"total": tn, "prefill": t1, "decode": tn - t1})
+    runs = all_runs["stored"]
+    extra = {}
+    if "prepared" in copies:
+        extra = {"runs_prepared": all_runs["prepared"], "layout_tokens_same": same,
+                 "layout": args.sampler_layout}
+        del copies["prepared"]
     ceiling = matmul_ceiling(jax, jnp, params, config, args.batch, args.repeats)
     mem = {"rss_mib": _rss_mib(), "rss_loaded_mib": rss_loaded}
     stats = jax.devices()[0].memory_stats() or {}
@@ -243,7 +289,7 @@ def jax_worker(args) -> dict:
                           params["embed"].size * params["embed"].dtype.itemsize)
     costs = step_costs(config, args.batch, args.prompt_len + args.new_tokens, read,
                        dtype.itemsize)
-    return {"runs": runs, "compile_s": compile_s, "matmul_step_s": ceiling,
+    return {"runs": runs, **extra, "compile_s": compile_s, "matmul_step_s": ceiling,
             "param_bytes": param_bytes, **costs, **mem,
             "backend": jax.default_backend(), "devices": len(jax.devices())}
 
@@ -260,6 +306,8 @@ def _spawn(kind: str, args, batch: int, ckpt: str | None) -> dict:
         cmd += ["--sample"]
     if args.stop_text:
         cmd += ["--stop-text"]
+    if args.sampler_layout and kind == "jax":
+        cmd += ["--sampler-layout", args.sampler_layout]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -313,6 +361,20 @@ def report(batch: int, prompt_len: int, new: int, jx: dict | None, hf: dict | No
                    if sj["decode_tps"] and sh["decode_tps"] else "decode not measurable")
             print(f"ratio jax / transformers (medians): {dec}, total "
                   f"{sh['total'] / sj['total']:.2f}x")
+        if "runs_prepared" in jx:
+            sp = summarize(jx["runs_prepared"], batch, new)
+            print(f"strata-jax, sampler copy [{jx['layout']}] (repeats interleaved with the "
+                  f"stored layout's): {_fmt(sp, repeats)} | greedy tokens identical to the "
+                  f"stored layout's: {jx['layout_tokens_same']:.1%}")
+            if sp["decode_tps"] and sj["decode_tps"]:
+                p_step = sp["decode"] / (new - 1)
+                roof = max(jx["bytes"] / (rates["bandwidth_gbs"] * 1e9),
+                           jx["flops"] / (rates["matmul_gflops"] * 1e9))
+                vs_hf = (f", {sp['decode_tps'] / sh['decode_tps']:.2f}x transformers"
+                         if hf and sh["decode_tps"] else "")
+                print(f"  prepared / stored decode: {sp['decode_tps'] / sj['decode_tps']:.2f}x"
+                      f"{vs_hf}; step {p_step * 1e3:.1f} ms, roofline reached "
+                      f"{roof / p_step:.0%}")
         if sj["decode_tps"] is None:
             return
         step = sj["decode"] / (new - 1)
@@ -350,6 +412,10 @@ def main() -> None:
     p.add_argument("--model", default=None,
                    help="a real HF checkpoint dir (fp32) for both frameworks instead of random "
                         "weights of --preset")
+    p.add_argument("--sampler-layout", default=None,
+                   help="also time the sampler copy prepare_sampler_params makes with this "
+                        "layout (comma list: fuse_qkv, fuse_gate_up, projection names stored "
+                        "[in, out]), interleaved with the stored layout in the same worker")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

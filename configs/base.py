@@ -82,6 +82,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rollout.diverse_sampling = True     # FPS on; False = the first N candidates
     c.rollout.self_judgment = True
     c.rollout.sampler_dtype = "bfloat16"  # params cast for the sampler (half the bytes per decode step)
+    c.rollout.sampler_layout = ""  # sampler copy's weight layout: "" = HF [out, in]; "in_out" (docs/design.md §12)
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0

@@ -51,6 +51,7 @@ ASSEMBLY_KEYS = (
     "rollout.sampler_dtype", "rollout.cumulative_prompts",
     "rollout.judge_model.path", "rollout.judge_model.tokenizer",   # rollout.build_judge_model
     "rollout.format_examples",                                      # rollout.make_prompt_builder
+    "rollout.sampler_layout",                                       # sampler_layout
     "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
     "distributed.local_device_ids", "distributed.initialization_timeout_s",
     "ckpt.every", "ckpt.keep",
@@ -373,6 +374,44 @@ def sampler_params(c: Any, params: Any) -> Any:
     itself, so the cast only shows up in the logged sampler-trainer mismatch)."""
     dtype = jnp.dtype(c.rollout.sampler_dtype or c.model.dtype)
     return _cast(params, dtype)
+
+
+def sampler_layout(c: Any, config: Qwen2Config, params: Any) -> Any:
+    """The sampler's copy in the layout of ``rollout.sampler_layout`` (call it after
+    `sampler_params` and after any host-local gathering, on the copy the sampler reads).
+
+    "" keeps the stored HF [out, in] layout; otherwise a comma list for
+    `strata_jax.models.qwen2.prepare_sampler_params`: ``fuse_qkv``, ``fuse_gate_up`` and
+    projection names stored pre-transposed [in, out] (``SAMPLER_PROJECTIONS``), or "in_out" for
+    every decoder projection [in, out] (docs/design.md §12). The trainer's params are not
+    touched. When the sampler dtype equals the model dtype (no cast copy), the prepared copy
+    costs one more copy of the transformed weights. Raises ConfigError for an unknown name.
+    """
+    spec = str(c.rollout.sampler_layout or "")
+    if not spec:
+        return params
+    from strata_jax.models.qwen2 import SAMPLER_PROJECTIONS, prepare_sampler_params
+    kw: dict[str, Any] = {"fuse_qkv": False, "fuse_gate_up": False}
+    in_out: list[str] = []
+    for tok in filter(None, (t.strip() for t in spec.split(","))):
+        if tok in ("fuse_qkv", "fuse_gate_up"):
+            kw[tok] = True
+        elif tok == "in_out":
+            in_out += ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj"]
+        elif tok in SAMPLER_PROJECTIONS:
+            in_out.append(tok)
+        else:
+            raise ConfigError(f"rollout.sampler_layout: unknown item {tok!r}; use in_out, "
+                              f"fuse_qkv, fuse_gate_up or one of {', '.join(SAMPLER_PROJECTIONS)}")
+    if kw["fuse_qkv"] and "q_proj" in in_out:
+        in_out = [n for n in in_out if n not in ("q_proj", "k_proj", "v_proj")] + ["qkv_proj"]
+    if kw["fuse_gate_up"] and "gate_proj" in in_out:
+        in_out = [n for n in in_out if n not in ("gate_proj", "up_proj")] + ["gate_up_proj"]
+    try:
+        return prepare_sampler_params(params, config, in_out=tuple(dict.fromkeys(in_out)), **kw)
+    except ValueError as e:
+        raise ConfigError(f"rollout.sampler_layout={spec!r}: {e}") from None
 
 
 @jax.jit

@@ -14,12 +14,17 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax.models.config import Qwen2Config
+from strata_jax.models.qwen2 import InOutWeight
 
 Params = dict[str, Any]
 
 
-def lm_head_weight(params: Params, config: Qwen2Config) -> jax.Array:
-    """The [V, D] output matrix: the embedding when tied, else ``params["lm_head"]``."""
+def lm_head_weight(params: Params, config: Qwen2Config) -> Any:
+    """The [V, D] output matrix: the embedding when tied, else ``params["lm_head"]``; or the
+    pre-transposed [D, V] ``InOutWeight`` of an inference copy (`prepare_sampler_params`),
+    which takes precedence over a tied embedding."""
+    if isinstance(params.get("lm_head"), InOutWeight):
+        return params["lm_head"]
     if config.tie_word_embeddings:
         return params["embed"]
     if "lm_head" not in params:
@@ -27,12 +32,15 @@ def lm_head_weight(params: Params, config: Qwen2Config) -> jax.Array:
     return params["lm_head"]
 
 
-def _logits(hidden: jax.Array, w: jax.Array) -> jax.Array:
+def _logits(hidden: jax.Array, w: Any) -> jax.Array:
     # bf16 x bf16 products are exact in fp32, so accumulating in fp32 equals the fp32 matmul
     # without materialising an fp32 copy of the [V, D] matrix.
+    spec = "...d,vd->...v"
+    if isinstance(w, InOutWeight):
+        w, spec = w.w, "...d,dv->...v"
     if hidden.dtype != w.dtype:
         hidden, w = hidden.astype(jnp.float32), w.astype(jnp.float32)
-    return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, hidden, w, preferred_element_type=jnp.float32)
 
 
 def logits_from_hidden(params: Params, config: Qwen2Config, hidden: jax.Array) -> jax.Array:

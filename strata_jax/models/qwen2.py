@@ -213,14 +213,105 @@ class LoraWeight:
     scale: float = dataclasses.field(metadata=dict(static=True), default=1.0)
 
 
-def _linear(x: jax.Array, w: jax.Array | LoraWeight, b: jax.Array | None = None) -> jax.Array:
-    if isinstance(w, LoraWeight):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class InOutWeight:
+    """A projection stored pre-transposed, ``w`` [in, out], so the matmul is ``x @ w``.
+
+    Only in an inference copy made by `prepare_sampler_params` (the trainer's params keep HF's
+    [out, in], which LoRA, loading, export and sharding rely on); `_linear` and the LM head
+    dispatch on the type, so the same `forward` runs either copy.
+    """
+
+    w: jax.Array
+
+
+def _linear(x: jax.Array, w: jax.Array | LoraWeight | InOutWeight,
+            b: jax.Array | None = None) -> jax.Array:
+    if isinstance(w, InOutWeight):
+        y = jnp.einsum("btd,df->btf", x, w.w)
+    elif isinstance(w, LoraWeight):
         y = jnp.einsum("btd,fd->btf", x, w.w)
         low = jnp.einsum("btd,rd->btr", x, w.a.astype(x.dtype))
         y = y + (w.scale * jnp.einsum("btr,fr->btf", low, w.b.astype(x.dtype))).astype(y.dtype)
     else:
         y = jnp.einsum("btd,fd->btf", x, w)
     return y if b is None else y + b
+
+
+# Names `prepare_sampler_params` accepts in ``in_out`` (after fusion: q/k/v become qkv_proj,
+# gate/up become gate_up_proj when fused).
+SAMPLER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj",
+                       "up_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
+def prepare_sampler_params(params: Params, config: Qwen2Config, *, fuse_qkv: bool = False,
+                           fuse_gate_up: bool = False,
+                           in_out: tuple[str, ...] = ()) -> Params:
+    """An inference copy of the params in the layout the decode step runs fastest with.
+
+    The trainer's params keep HF's [out, in] layout (module docstring); this returns a new
+    pytree for `forward` / `logits_from_hidden` only (the sampler's copy), leaving `params`
+    untouched. Per layer, ``fuse_qkv`` replaces q/k/v_proj and their biases by one
+    ``qkv_proj`` [H*Dh + 2*K*Dh, D] and ``qkv_bias``; ``fuse_gate_up`` replaces gate/up_proj
+    by ``gate_up_proj`` [2F, D] (gate rows first). Every name in ``in_out`` (from
+    `SAMPLER_PROJECTIONS`, named after fusion) is stored pre-transposed as an `InOutWeight`
+    [in, out]; "lm_head" adds a [D, V] output matrix (a second copy of the embedding when
+    tied). Values are exactly the same numbers, so greedy decoding is unchanged up to the
+    float summation order of the matmuls.
+
+    Args:
+      params: the params pytree (plain arrays, any float dtype; no LoRA adapters: merge them
+        first, as the trainer's ``policy_params`` does).
+      config: the model's config.
+      fuse_qkv, fuse_gate_up, in_out: the layout (static; each combination is one program).
+    Returns: the prepared pytree (new arrays; call it under ``jax.jit`` or let it run eagerly).
+    Raises:
+      ValueError: an unknown or not-applicable ``in_out`` name, or LoRA adapters in `params`.
+    """
+    in_out = tuple(in_out)
+    names = set(SAMPLER_PROJECTIONS)
+    names -= {"q_proj", "k_proj", "v_proj"} if fuse_qkv else {"qkv_proj"}
+    names -= {"gate_proj", "up_proj"} if fuse_gate_up else {"gate_up_proj"}
+    bad = [n for n in in_out if n not in names]
+    if bad:
+        raise ValueError(f"in_out names {bad} do not apply with fuse_qkv={fuse_qkv}, "
+                         f"fuse_gate_up={fuse_gate_up}; choose from {sorted(names)}")
+    if any(isinstance(x, (LoraWeight, InOutWeight)) for x in jax.tree.leaves(
+            params, is_leaf=lambda x: isinstance(x, (LoraWeight, InOutWeight)))):
+        raise ValueError("prepare_sampler_params needs plain [out, in] arrays: merge LoRA "
+                         "adapters first and prepare the trainer's params only once")
+    return _prepare(params, config=config, fuse_qkv=bool(fuse_qkv),
+                    fuse_gate_up=bool(fuse_gate_up), in_out=in_out)
+
+
+def _prepare_impl(params: Params, *, config: Qwen2Config, fuse_qkv: bool, fuse_gate_up: bool,
+                  in_out: tuple[str, ...]) -> Params:
+    def put(name, w):
+        return InOutWeight(w.T) if name in in_out else w
+
+    layers = []
+    for layer in params["layers"]:
+        new = {k: v for k, v in layer.items()}
+        if fuse_qkv:
+            new["qkv_proj"] = jnp.concatenate([new.pop("q_proj"), new.pop("k_proj"),
+                                               new.pop("v_proj")], axis=0)
+            new["qkv_bias"] = jnp.concatenate([new.pop("q_bias"), new.pop("k_bias"),
+                                               new.pop("v_bias")], axis=0)
+        if fuse_gate_up:
+            new["gate_up_proj"] = jnp.concatenate([new.pop("gate_proj"), new.pop("up_proj")],
+                                                  axis=0)
+        layers.append({k: put(k, v) for k, v in new.items()})
+    out = {k: v for k, v in params.items() if k != "layers"}
+    out["layers"] = layers
+    if "lm_head" in in_out:
+        head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+        out["lm_head"] = InOutWeight(head.T)
+    return out
+
+
+_prepare = jax.jit(_prepare_impl, static_argnames=("config", "fuse_qkv", "fuse_gate_up",
+                                                   "in_out"))
 
 
 def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -270,9 +361,14 @@ def _qkv(x: jax.Array, layer: Params, cos: jax.Array, sin: jax.Array,
     b, t, _ = x.shape
     nh, nk, dh = config.num_heads, config.num_kv_heads, config.head_dim
     h = rms_norm(x, layer["input_norm"], config.rms_norm_eps)
-    q = _linear(h, layer["q_proj"], layer["q_bias"]).reshape(b, t, nh, dh)
-    k = _linear(h, layer["k_proj"], layer["k_bias"]).reshape(b, t, nk, dh)
-    v = _linear(h, layer["v_proj"], layer["v_bias"]).reshape(b, t, nk, dh)
+    if "qkv_proj" in layer:   # fused inference copy (prepare_sampler_params): one matmul
+        qkv = _linear(h, layer["qkv_proj"], layer["qkv_bias"])
+        q, k, v = jnp.split(qkv, [nh * dh, (nh + nk) * dh], axis=-1)
+        q, k, v = q.reshape(b, t, nh, dh), k.reshape(b, t, nk, dh), v.reshape(b, t, nk, dh)
+    else:
+        q = _linear(h, layer["q_proj"], layer["q_bias"]).reshape(b, t, nh, dh)
+        k = _linear(h, layer["k_proj"], layer["k_bias"]).reshape(b, t, nk, dh)
+        v = _linear(h, layer["v_proj"], layer["v_bias"]).reshape(b, t, nk, dh)
     q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
     k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -284,8 +380,13 @@ def _post_attention(x: jax.Array, attn: jax.Array, layer: Params,
     """The rest of a decoder layer: residual + o_proj(attn), then residual + SwiGLU MLP."""
     x = constrain(x + _linear(attn, layer["o_proj"]), ("batch", "length", "embed"))
     h = rms_norm(x, layer["post_norm"], config.rms_norm_eps)
-    gate = constrain(_linear(h, layer["gate_proj"]), ("batch", "length", "mlp"))
-    up = constrain(_linear(h, layer["up_proj"]), ("batch", "length", "mlp"))
+    if "gate_up_proj" in layer:   # fused inference copy (prepare_sampler_params)
+        gate, up = jnp.split(_linear(h, layer["gate_up_proj"]), 2, axis=-1)
+    else:
+        gate = _linear(h, layer["gate_proj"])
+        up = _linear(h, layer["up_proj"])
+    gate = constrain(gate, ("batch", "length", "mlp"))
+    up = constrain(up, ("batch", "length", "mlp"))
     x = x + _linear(jax.nn.silu(gate) * up, layer["down_proj"])
     return constrain(x, ("batch", "length", "embed"))
 
