@@ -27,7 +27,7 @@ Also measured in the same run:
         --sampler-layout fuse_qkv,fuse_gate_up          # stored vs prepared sampler copy
 
 ``--sampler-layout SPEC`` also times the sampler's inference copy made by
-``strata_jax.models.qwen2.prepare_sampler_params`` in the same worker, its repeats interleaved
+``strata_jax.models.sampler_layout.prepare_sampler_params`` in the same worker, its repeats interleaved
 with the stored [out, in] layout's (same load), and checks the greedy tokens are identical.
 SPEC is a comma list of ``fuse_qkv``, ``fuse_gate_up`` and projection names stored
 pre-transposed [in, out] (``SAMPLER_PROJECTIONS``, named after fusion, e.g. ``qkv_proj``,
@@ -197,18 +197,11 @@ def rates_worker(args) -> dict:
 
 def parse_layout(spec: str) -> dict:
     """``fuse_qkv,fuse_gate_up,down_proj,...`` -> prepare_sampler_params keyword arguments."""
-    from strata_jax.models.qwen2 import SAMPLER_PROJECTIONS
-    kw: dict = {"fuse_qkv": False, "fuse_gate_up": False, "in_out": []}
-    for tok in filter(None, (t.strip() for t in spec.split(","))):
-        if tok in ("fuse_qkv", "fuse_gate_up"):
-            kw[tok] = True
-        elif tok in SAMPLER_PROJECTIONS:
-            kw["in_out"].append(tok)
-        else:
-            raise SystemExit(f"--sampler-layout: unknown item {tok!r}; use fuse_qkv, "
-                             f"fuse_gate_up or one of {', '.join(SAMPLER_PROJECTIONS)}")
-    kw["in_out"] = tuple(kw["in_out"])
-    return kw
+    from strata_jax.models.sampler_layout import parse_sampler_layout
+    try:
+        return parse_sampler_layout(spec)
+    except ValueError as e:
+        raise SystemExit(f"--sampler-layout: {e}") from None
 
 
 def jax_worker(args) -> dict:
@@ -243,7 +236,7 @@ def jax_worker(args) -> dict:
 
     copies = {"stored": params}
     if args.sampler_layout:
-        from strata_jax.models.qwen2 import prepare_sampler_params
+        from strata_jax.models.sampler_layout import prepare_sampler_params
         copies["prepared"] = prepare_sampler_params(params, config,
                                                     **parse_layout(args.sampler_layout))
         jax.block_until_ready(copies["prepared"])
