@@ -20,14 +20,7 @@ from strata_jax.training.sft import SFTConfig
 OPTION_CLASSES = (LossConfig, EstimatorConfig, LoraConfig, SFTConfig, TrainConfig, RolloutConfig)
 
 
-def _leaves(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_leaves(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+from strata_jax.validation import _leaves  # noqa: E402  (the {dotted field: value} walk)
 
 
 @pytest.mark.parametrize("cls", OPTION_CLASSES, ids=lambda c: c.__name__)
