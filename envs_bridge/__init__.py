@@ -9,7 +9,7 @@ from envs_bridge.base import Env, EnvError, PromptPieces, Task, TextEnv
 from envs_bridge.parsing import ParsedAction, contains_cjk, parse_action
 from envs_bridge.pool import EnvPool, StepOutcome, Ticket
 from envs_bridge.registry import get_env_factory, list_envs, make_env, register_env
-from envs_bridge.sampler import TaskSampler
+from envs_bridge.task_sampler import TaskSampler
 
 __all__ = [
     "Env", "EnvError", "PromptPieces", "Task", "TextEnv", "ParsedAction", "contains_cjk", "parse_action",

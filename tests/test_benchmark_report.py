@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.sampler import summarize
+from benchmarks.decode import summarize
 
 
 def test_sampler_summary_medians_spread_and_unmeasurable():

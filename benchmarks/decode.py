@@ -19,11 +19,11 @@ Also measured in the same run:
   matmuls (every layer's q, k, v, o, gate, up, down on [B, D] with the real weights, then the
   output layer), i.e. the step time with attention, norms, sampling and loop overhead free.
 
-    python benchmarks/sampler.py                       # CPU, jax + transformers, batch 1 8 32
-    python benchmarks/sampler.py --batch 8 --frameworks jax
-    python benchmarks/sampler.py --preset qwen2.5-1.5b --batch 64 --dtype bfloat16   # GPU
-    python benchmarks/sampler.py --batch 8 --frameworks jax --stop-text   # + stop-string check
-    python benchmarks/sampler.py --batch 8 32 --frameworks jax \
+    python benchmarks/decode.py                       # CPU, jax + transformers, batch 1 8 32
+    python benchmarks/decode.py --batch 8 --frameworks jax
+    python benchmarks/decode.py --preset qwen2.5-1.5b --batch 64 --dtype bfloat16   # GPU
+    python benchmarks/decode.py --batch 8 --frameworks jax --stop-text   # + stop-string check
+    python benchmarks/decode.py --batch 8 32 --frameworks jax \
         --sampler-layout fuse_qkv,fuse_gate_up          # stored vs prepared sampler copy
 
 ``--sampler-layout SPEC`` also times the sampler's inference copy made by
@@ -443,7 +443,7 @@ def main() -> None:
             t = time.perf_counter()
             subprocess.run([sys.executable, "-c",
                             f"import sys; sys.path.insert(0, {REPO!r}); "
-                            f"from benchmarks.sampler import write_checkpoint; "
+                            f"from benchmarks.decode import write_checkpoint; "
                             f"write_checkpoint({args.preset!r}, {ckpt!r})"], check=True)
             print(f"random {args.preset} checkpoint written in {time.perf_counter() - t:.0f} s")
         rates = _spawn("rates", args, args.batch[0], None) if "jax" in frameworks else {}
