@@ -185,7 +185,8 @@ def test_sft_from_mesh_sharded_params_compiles_its_step_once(builder, episodes):
     # step returns params and optimiser state placed as they went in, so steps 2 and 3 reuse
     # step 1's program (XLA's own choice of output placement compiled a second program).
     from strata_jax.metrics import CompileCounter
-    from strata_jax.sharding import make_mesh, shard_params
+    from strata_jax.models import shard_params
+    from strata_jax.sharding import make_mesh
     examples = [e for ep in episodes for e in sft.render_episode(builder, ep, with_strategy=False)]
     cfg = Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=8, tie_word_embeddings=True)
