@@ -11,3 +11,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs_after_each_module():
+    """The whole suite runs in one process: drop JAX's compiled programs and traced functions
+    after each test module (module fixtures holding models are gone by then), so memory does not
+    accumulate over ~50 modules (one full run grew past 16 GB and was killed for memory)."""
+    yield
+    import sys
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
