@@ -105,7 +105,9 @@ def run_cell(args, model: str, env: str, prompting: str) -> dict:
     workdir = os.path.join(args.out, name)
     metrics = json.load(open(os.path.join(workdir, "eval_dev_step0.json")))
     res = {"model": model, "env": env, "prompting": prompting, "wall_s": wall,
-           "peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
+           # RUSAGE_CHILDREN's max is over every child this process waited for so far: the
+           # largest cell's peak up to now, not this cell's own (run one cell to get its own)
+           "max_child_rss_gb_so_far": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
            "load_start": load0, "load_end": open("/proc/loadavg").read().split()[0],
            "variant": variant, "metrics": metrics,
            "families": family_rows(os.path.join(workdir, "eval_dev_step0_trajectories.jsonl"), env)}
