@@ -25,11 +25,12 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks._cells import cached_cell  # noqa: E402
 
 
 def cells(args) -> list[tuple[int, str, int]]:
@@ -45,7 +46,6 @@ def cells(args) -> list[tuple[int, str, int]]:
 def run_workdir(cfg: str, variant: str) -> str:
     """The run folder of config file `cfg` with `variant` (where its checkpoint is)."""
     import importlib.util
-    sys.path.insert(0, REPO)
     spec = importlib.util.spec_from_file_location("_bench_config", cfg)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -68,9 +68,6 @@ def family_rows(metrics: dict) -> dict[str, dict]:
 
 def run_cell(args, s: int, choice: str, probe: int) -> dict:
     name = cell_name(s, choice, probe)
-    cache = os.path.join(args.out, name + ".json")
-    if os.path.exists(cache) and not args.force:
-        return json.load(open(cache))
     cfg, _, variant = args.config.partition(":")
     toks = [t for t in variant.split(",") if t] + list(args.set)
     if args.no_checkpoint:   # nothing to restore: each cell writes into its own folder
@@ -85,27 +82,19 @@ def run_cell(args, s: int, choice: str, probe: int) -> dict:
         cmd.append(f"--strategy_choice={choice}")
     if args.no_checkpoint:
         cmd.append("--no_checkpoint")
-    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
-    t0 = time.time()
-    load0 = open("/proc/loadavg").read().split()[0]
-    log_path = os.path.join(args.out, name + ".log")
-    with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    wall = time.time() - t0
-    text = open(log_path).read()
-    written = re.findall(r"^wrote (.+\.json)$", text, re.M)
-    if proc.returncode or not written:
-        print(f"[{name}] eval.py failed (rc {proc.returncode}); see {log_path}", flush=True)
-        return {"cell": name, "error": proc.returncode or "no metrics file"}
-    metrics = json.load(open(written[0]))
-    res = {"cell": name, "samples": s, "choice": choice if s > 1 else "protocol",
-           "probe_steps": probe, "wall_s": wall, "load_start": load0,
-           "load_end": open("/proc/loadavg").read().split()[0], "command": cmd[1:],
-           "metrics": metrics, "families": family_rows(metrics)}
-    json.dump(res, open(cache, "w"), indent=1)
-    print(f"[{name}] done in {wall:.0f} s: success {metrics['eval/success']:.3f}, "
-          f"{metrics.get('eval/cost/sampled_tokens', float('nan')):.0f} tokens / task", flush=True)
-    return res
+
+    def result(log_path: str) -> dict | None:
+        written = re.findall(r"^wrote (.+\.json)$", open(log_path).read(), re.M)
+        if not written:
+            return None
+        metrics = json.load(open(written[0]))
+        print(f"[{name}] success {metrics['eval/success']:.3f}, "
+              f"{metrics.get('eval/cost/sampled_tokens', float('nan')):.0f} tokens / task",
+              flush=True)
+        return {"samples": s, "choice": choice if s > 1 else "protocol", "probe_steps": probe,
+                "command": cmd[1:], "metrics": metrics, "families": family_rows(metrics)}
+
+    return cached_cell(args.out, name, cmd, REPO, args.force, result)
 
 
 def print_table(results: list[dict]) -> None:

@@ -22,11 +22,12 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks._cells import cached_cell  # noqa: E402
 
 # ScienceWorld families with gold paths of at most 11 steps (docs/method.md §11.1).
 SHORT_FAMILIES = ("find-non-living-thing", "lifespan-longest-lived", "lifespan-shortest-lived",
@@ -86,34 +87,25 @@ def family_rows(traj_path: str, env: str) -> dict[str, dict]:
 
 def run_cell(args, model: str, env: str, prompting: str) -> dict:
     name = cell_name(model, env, prompting)
-    cache = os.path.join(args.out, name + ".json")
-    if os.path.exists(cache) and not args.force:
-        return json.load(open(cache))
     cfg, variant = cell_variant(args, model, env, prompting)
     episodes = args.episodes if env == "scienceworld" else args.mk_episodes
     cmd = [sys.executable, os.path.join(REPO, "eval.py"), f"--config={cfg}:{variant}",
            "--split=dev", "--no_checkpoint", f"--episodes_per_family={episodes}"]
-    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
-    t0 = time.time()
-    load0 = open("/proc/loadavg").read().split()[0]
-    log = open(os.path.join(args.out, name + ".log"), "w")
-    proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    wall = time.time() - t0
-    if proc.returncode:
-        print(f"[{name}] eval.py failed (rc {proc.returncode}); see {log.name}", flush=True)
-        return {"error": proc.returncode}
     workdir = os.path.join(args.out, name)
-    metrics = json.load(open(os.path.join(workdir, "eval_dev_step0.json")))
-    res = {"model": model, "env": env, "prompting": prompting, "wall_s": wall,
-           # RUSAGE_CHILDREN's max is over every child this process waited for so far: the
-           # largest cell's peak up to now, not this cell's own (run one cell to get its own)
-           "max_child_rss_gb_so_far": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
-           "load_start": load0, "load_end": open("/proc/loadavg").read().split()[0],
-           "variant": variant, "metrics": metrics,
-           "families": family_rows(os.path.join(workdir, "eval_dev_step0_trajectories.jsonl"), env)}
-    json.dump(res, open(cache, "w"), indent=1)
-    print(f"[{name}] done in {wall:.0f} s: success {metrics['eval/success']:.3f}", flush=True)
-    return res
+
+    def result(_log: str) -> dict:
+        metrics = json.load(open(os.path.join(workdir, "eval_dev_step0.json")))
+        print(f"[{name}] success {metrics['eval/success']:.3f}", flush=True)
+        return {"model": model, "env": env, "prompting": prompting,
+                # RUSAGE_CHILDREN's max is over every child this process waited for so far: the
+                # largest cell's peak up to now, not this cell's own (run one cell to get its own)
+                "max_child_rss_gb_so_far":
+                    resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
+                "variant": variant, "metrics": metrics,
+                "families": family_rows(
+                    os.path.join(workdir, "eval_dev_step0_trajectories.jsonl"), env)}
+
+    return cached_cell(args.out, name, cmd, REPO, args.force, result)
 
 
 def print_table(results: list[dict]) -> None:

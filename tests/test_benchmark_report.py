@@ -90,3 +90,26 @@ def test_test_time_cells_and_family_rows():
          "eval/cost/env_steps": 9.0}
     assert family_rows(m) == {"boil": {"success": 1.0, "score": 100.0, "sampled_tokens": 640.0},
                               "a/b": {"env_steps": 7.0}}
+
+
+def test_cached_cell_runs_once_and_does_not_cache_a_failure(tmp_path):
+    """A cell runs its command once; the next call reads the cache; a failed cell is retried."""
+    import sys
+    from benchmarks._cells import cached_cell
+    counter = tmp_path / "runs.txt"
+    cmd = [sys.executable, "-c",
+           f"open({str(counter)!r}, 'a').write('x'); print('wrote 7')"]
+    parse = lambda log: {"value": int(open(log).read().split()[-1])}  # noqa: E731
+    first = cached_cell(str(tmp_path), "c", cmd, str(tmp_path), False, parse)
+    again = cached_cell(str(tmp_path), "c", cmd, str(tmp_path), False, parse)
+    assert first["value"] == again["value"] == 7 and first["cell"] == "c"
+    assert counter.read_text() == "x"                       # ran once
+    assert first["wall_s"] > 0 and float(first["load_start"]) >= 0
+    forced = cached_cell(str(tmp_path), "c", cmd, str(tmp_path), True, parse)
+    assert forced["value"] == 7 and counter.read_text() == "xx"
+    bad = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    assert cached_cell(str(tmp_path), "b", bad, str(tmp_path), False, parse) == {
+        "cell": "b", "error": 3}
+    assert not (tmp_path / "b.json").exists()               # retried next time
+    empty = cached_cell(str(tmp_path), "e", cmd, str(tmp_path), False, lambda log: None)
+    assert empty == {"cell": "e", "error": "no result"}

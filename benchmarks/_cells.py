@@ -1,0 +1,50 @@
+"""One cached benchmark cell = one subprocess whose result is kept as ``<out>/<name>.json``.
+
+The real-model benchmarks (zero_shot.py, test_time.py) run many cells of several minutes each
+on a CPU box; a stopped run must continue with the cells it has not finished. This is the one
+place that decides "read the cached cell, or run it and time it".
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from typing import Any, Callable
+
+
+def _load() -> str:
+    return open("/proc/loadavg").read().split()[0]
+
+
+def cached_cell(out: str, name: str, cmd: list[str], cwd: str, force: bool,
+                result: Callable[[str], dict[str, Any] | None]) -> dict[str, Any]:
+    """Return the cell's cached result, or run ``cmd`` and cache what ``result`` makes of it.
+
+    Args:
+      out: results folder; the cell's files are ``<out>/<name>.json`` and ``<out>/<name>.log``.
+      name: cell name. cmd: the subprocess argv (stdout and stderr go to the log). cwd: its cwd.
+      force: rerun even when a cached result exists.
+      result: given the log path after a zero exit, returns the cell's figures (a dict), or
+        None when the run wrote nothing usable.
+    Returns the result dict with ``wall_s``, ``load_start`` and ``load_end`` (1-minute load
+    averages, so figures can be read against the machine's load) added; a failed cell returns
+    ``{"cell": name, "error": rc or "no result"}`` and is not cached (the next run retries it).
+    """
+    cache = os.path.join(out, name + ".json")
+    if os.path.exists(cache) and not force:
+        return json.load(open(cache))
+    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
+    log_path = os.path.join(out, name + ".log")
+    t0, load0 = time.time(), _load()
+    with open(log_path, "w") as log:
+        rc = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT).returncode
+    wall = time.time() - t0
+    res = None if rc else result(log_path)
+    if res is None:
+        print(f"[{name}] failed (rc {rc}); see {log_path}", flush=True)
+        return {"cell": name, "error": rc or "no result"}
+    res = {"cell": name, **res, "wall_s": wall, "load_start": load0, "load_end": _load()}
+    json.dump(res, open(cache, "w"), indent=1)
+    print(f"[{name}] done in {wall:.0f} s", flush=True)
+    return res
