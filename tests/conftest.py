@@ -28,3 +28,35 @@ def _free_compiled_programs_after_each_module():
     if "jax" in sys.modules:
         sys.modules["jax"].clear_caches()
     gc.collect()
+
+
+# Peak resident memory per test module, printed at the end of a run with STRATA_TEST_MEMORY=1
+# (Linux: the peak is reset through /proc/self/clear_refs before each module). The suite runs in
+# one process on boxes of 16-24 GB, so the module that sets the peak is worth knowing.
+_MODULE_PEAK_GB: dict[str, float] = {}
+
+
+def _vm_hwm_gb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _record_module_peak_memory(request):
+    on = os.environ.get("STRATA_TEST_MEMORY") == "1" and os.path.exists("/proc/self/clear_refs")
+    if on:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    yield
+    if on:
+        _MODULE_PEAK_GB[request.module.__name__] = _vm_hwm_gb()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _MODULE_PEAK_GB:
+        terminalreporter.section("peak RSS per test module (GB, this process)")
+        for name, gb in sorted(_MODULE_PEAK_GB.items(), key=lambda kv: -kv[1])[:15]:
+            terminalreporter.write_line(f"{gb:6.2f}  {name}")

@@ -26,6 +26,10 @@ from strata_jax.training import Checkpointer, Trainer, TrainConfig
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS = 3
+# For the `python train.py` subprocesses whose test is not about sharding: the one CPU device a
+# user's CPU box has (this process's 8 fake devices make a 2-core run several times slower).
+ONE_DEVICE = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(
+    "xla_force_host_platform_device_count=8", "xla_force_host_platform_device_count=1"))
 
 
 
@@ -52,7 +56,14 @@ def restore_state(c, step):
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     import train
+    from strata_jax.warm_start import export_warm_start
     c = tiny_config(tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("warm_start"))
+    # The warm start as `python sft.py` trains it (params not placed on a mesh): this process
+    # sees 8 fake CPU devices, and behaviour cloning sharded over them on a 2-core box ran
+    # >25 minutes without finishing, against a few minutes on one device. train.run then loads
+    # the cached export, as every later run of the setting does (the in-process training path
+    # of `maybe_warm_start` is tested in test_sft.py).
+    assert not export_warm_start(c)["cached"]
     summary = train.run(c)
     return c, summary
 
@@ -181,7 +192,8 @@ def test_kill_9_after_an_eval_row_resumes_without_logging_it_twice(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config=configs/sciworld.py:tiny",
            f"--config.workdir={workdir}", "--config.iterations=3", "--config.model.warm_start=",
            "--config.ckpt.every=1", "--config.eval.every=2"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=ONE_DEVICE)
     metrics = workdir / "metrics.jsonl"
     deadline = time.time() + 600
     try:
@@ -196,7 +208,8 @@ def test_kill_9_after_an_eval_row_resumes_without_logging_it_twice(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                         env=ONE_DEVICE)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "resumed from step 2" in out.stderr and "done: step 3" in out.stdout
     kinds = [(r["step"], "eval" if "eval/success" in r else "train") for r in _rows(metrics)]
@@ -235,12 +248,12 @@ def test_hf_checkpoint_trains_and_eval_prints_families(tmp_path):
               "--config.model.warm_start="]   # this checkpoint as is, no behaviour cloning
     out = subprocess.run([sys.executable, "train.py", "--config=configs/sciworld.py:tiny",
                           "--config.iterations=1", *common],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+                         cwd=ROOT, capture_output=True, text=True, timeout=900, env=ONE_DEVICE)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "done: step 1" in out.stdout
     out = subprocess.run([sys.executable, "eval.py", "--config=configs/sciworld.py:tiny",
                           "--split=dev", "--episodes_per_family=2", *common], cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=900, env=ONE_DEVICE)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert lines[0] == f"evaluating checkpoint step 1 of {workdir}"   # nothing else is loaded
