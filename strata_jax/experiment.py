@@ -32,10 +32,12 @@ from strata_jax.config import ConfigError
 from strata_jax.models import (PRESETS, Qwen2Config, init_params, load_params, load_tokenizer,
                                shard_params)
 from strata_jax.models.loading import checkpoint_config, resolve_checkpoint
-from strata_jax.validation import (_ENV_KWARGS, ASSEMBLY_KEYS, OPTIONAL_KEYS,  # noqa: F401
-                                   RESUME_MAY_CHANGE, _get, _leaves, check_keys, check_resume,
-                                   config_keys, max_cache_len, resume_may_change, stored_config,
-                                   validate)
+from strata_jax.validation import _ENV_KWARGS
+# The checks a run calls through this module (train.py, eval.py, sft.py, notebooks); the rest of
+# strata_jax.validation (key tables, check_keys, ...) is imported from there.
+from strata_jax.validation import (ASSEMBLY_KEYS, OPTIONAL_KEYS,  # noqa: F401
+                                   RESUME_MAY_CHANGE, check_keys, check_resume, config_keys,
+                                   max_cache_len, resume_may_change, stored_config, validate)
 
 log = logging.getLogger(__name__)
 
