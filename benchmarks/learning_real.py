@@ -20,9 +20,11 @@ per task (the ``matched`` variant).
 (b) ScienceWorld's shortest families (gold paths of 5-7 steps), dev split for nothing: the
     training rollouts' success and score are the curve (rollout i is played after i updates).
 
-Presets (iterations, seeds, batch): ``cpu`` fits the 2-core box in about 90 minutes on a quiet
-machine only if an iteration takes about 4 minutes (measure one first: ``--iterations 1
---seeds 1``); ``accelerator`` is the paper's N=4, M=8, sigma=2 on one H200-class device. The
+Presets (iterations, seeds, batch): ``cpu`` is what a 2-core box fits in about 90 minutes
+(memory_key only, 4 episodes per iteration: a smoke curve, not a learning result);
+``accelerator`` is the paper's N=4, M=8, sigma=2 on one H200-class device. The learning rate
+(``--lr``, default 5e-5 with alpha/rank = 4) follows LoRA's usual ~10x the full fine-tuning rate
+(RL recipes fine-tune 0.5-7B models fully at ~1e-6 to 1e-5). The
 plot has success, score, invalid-step fraction and strategy-format failures per iteration,
 mean line and min-max band over seeds. Writes ``--out/learning_real.json`` and ``.png``, with
 each run's config fingerprint (``ckpt/config.json`` sha256). Measures, never asserts.
@@ -43,14 +45,19 @@ sys.path.insert(0, REPO)
 SW_TASKS = ("find-non-living-thing", "lifespan-longest-lived", "lifespan-shortest-lived")
 
 PRESETS = {
-    # 2 tasks x 8 episodes = 16 episodes per iteration; short prompts and generations.
-    "cpu": dict(iterations=6, seeds=2, sw_iterations=4, sw_seeds=1, tasks=2, n=2, m=4, sigma=2,
-                action_tokens=64, strategy_tokens=128, judge_tokens=32, prompt_tokens=1024,
-                micro=8, dtype="float32"),
+    # What one 2-core CPU box fits in ~90 minutes (measured 2026-12-01): memory_key only, one task
+    # of N=2 x M=2 episodes per iteration, 3 iterations x 2 seeds x 2 methods. Why so small: the
+    # LoRA update costs ~6-13 s per row of ~450 tokens here (XLA's CPU matmuls reach ~140 GFLOP/s
+    # in fp32 and bf16 alike, benchmarks/cpu_matmul.py), and a 16-episode iteration of 8 steps
+    # (128 rows) ran over 30 minutes. ScienceWorld prompts are ~2x longer: no CPU curve.
+    "cpu": dict(iterations=3, seeds=2, sw_iterations=2, sw_seeds=0, tasks=1, n=2, m=2, sigma=2,
+                max_steps=6, action_tokens=48, strategy_tokens=96, judge_tokens=24,
+                prompt_tokens=1024, micro=4, dtype="float32", remat="dots"),
     # The paper's group sizes (N=4, M=8, sigma=2; GRPO groups of 32), 4 tasks per iteration.
     "accelerator": dict(iterations=10, seeds=2, sw_iterations=10, sw_seeds=1, tasks=4, n=4, m=8,
-                        sigma=2, action_tokens=256, strategy_tokens=256, judge_tokens=64,
-                        prompt_tokens=2048, micro=16, dtype="bfloat16"),
+                        sigma=2, max_steps=8, action_tokens=256, strategy_tokens=256,
+                        judge_tokens=64, prompt_tokens=2048, micro=16, dtype="bfloat16",
+                        remat="full"),
 }
 
 
@@ -68,9 +75,11 @@ def run_variant(args, p: dict, env: str, algo: str, seed: int) -> tuple[str, str
         f"rollout.max_judge_tokens={p['judge_tokens']}",
         f"env.max_prompt_tokens={p['prompt_tokens']}", f"optim.micro_batch_size={p['micro']}",
         f"train.compute_dtype={p['dtype']}", f"rollout.sampler_dtype={p['dtype']}",
+        f"model.remat={p['remat']}",
         "ckpt.every=1", "eval.every=0"]
     if env == "memory_key":
-        toks += ["env.code_digits=3", "env.max_steps=8"]
+        # corridor of 3-5 rooms + the code: 4-6 steps when played without a detour
+        toks += ["env.code_digits=3", f"env.max_steps={p['max_steps']}"]
         cfg = "builtin.py"
     else:
         toks += ["env.tasks=" + "+".join(SW_TASKS), "env.max_steps=10"]
@@ -117,7 +126,7 @@ def main() -> int:
     ap.add_argument("--preset", default="cpu", choices=tuple(PRESETS))
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--iterations", type=int, default=0, help="override the preset's")
     ap.add_argument("--seeds", type=int, default=0, help="override the preset's (memory_key)")
     ap.add_argument("--sw-seeds", type=int, default=-1, help="override the preset's (0 = skip)")
