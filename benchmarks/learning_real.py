@@ -27,7 +27,7 @@ Presets (iterations, seeds, batch): ``cpu`` is what a 2-core box fits in about 9
 (RL recipes fine-tune 0.5-7B models fully at ~1e-6 to 1e-5). The
 plot has success, score, invalid-step fraction and strategy-format failures per iteration,
 mean line and min-max band over seeds. Writes ``--out/learning_real.json`` and ``.png``, with
-each run's config fingerprint (``ckpt/config.json`` sha256). Measures, never asserts.
+each run's config fingerprint (`fingerprint`). Measures, never asserts.
 """
 from __future__ import annotations
 
@@ -89,14 +89,32 @@ def run_variant(args, p: dict, env: str, algo: str, seed: int) -> tuple[str, str
     return os.path.join(REPO, "configs", cfg), ",".join(toks + list(args.set))
 
 
+def fingerprint(workdir: str) -> str:
+    """sha256 (16 hex digits) of the config stored with the run's newest checkpoint, without the
+    fields a resume may change (workdir, iterations, ckpt.*, ...): runs of one setting share it
+    however long they ran. "" when the run has no checkpoint."""
+    from strata_jax.validation import resume_may_change, stored_config
+    stored = stored_config(os.path.join(workdir, "ckpt"))
+    if not stored:
+        return ""
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            out.update(flat(v, key + ".") if isinstance(v, dict) else {key: v})
+        return out
+    kept = {k: v for k, v in flat(stored).items() if not resume_may_change(k)}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def curves(workdir: str) -> dict:
     """Per-iteration figures from a run's metrics.jsonl (the rollout of iteration i)."""
     from strata_jax.metrics import read_jsonl
     rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))
             if "rollout/success_rate" in r]
     get = lambda k: [float(r.get(k) or 0.0) for r in rows]  # noqa: E731
-    cfg = os.path.join(workdir, "ckpt", "config.json")
-    fp = hashlib.sha256(open(cfg, "rb").read()).hexdigest()[:16] if os.path.exists(cfg) else ""
+    fp = fingerprint(workdir)
     return dict(success=get("rollout/success_rate"), mean_return=get("rollout/mean_return"),
                 invalid_step_frac=get("rollout/invalid_step_frac"),
                 strategy_format_fail=get("rollout/strategy_format_fail_frac"),

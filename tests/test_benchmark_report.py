@@ -113,3 +113,22 @@ def test_cached_cell_runs_once_and_does_not_cache_a_failure(tmp_path):
     assert not (tmp_path / "b.json").exists()               # retried next time
     empty = cached_cell(str(tmp_path), "e", cmd, str(tmp_path), False, lambda log: None)
     assert empty == {"cell": "e", "error": "no result"}
+
+
+def test_learning_real_fingerprint_ignores_what_a_resume_may_change(tmp_path):
+    import json
+    from benchmarks.learning_real import fingerprint
+
+    def run(name, step, **cfg):
+        meta = tmp_path / name / "ckpt" / str(step) / "meta"
+        meta.mkdir(parents=True)
+        (meta / "metadata").write_text(json.dumps({"config": cfg}))
+        return str(tmp_path / name)
+
+    base = dict(seed=0, algo="strata", optim=dict(lr=5e-5), ckpt=dict(every=1))
+    a = run("a", 3, workdir="runs/a", iterations=3, **base)
+    b = run("b", 5, workdir="runs/b", iterations=5, **dict(base, ckpt=dict(every=2)))
+    c = run("c", 3, workdir="runs/a", iterations=3, **dict(base, optim=dict(lr=1e-4)))
+    assert len(fingerprint(a)) == 16 and fingerprint(a) == fingerprint(b)
+    assert fingerprint(c) != fingerprint(a)                 # a trained setting changed
+    assert fingerprint(str(tmp_path / "none")) == ""         # no checkpoint, no fingerprint
