@@ -93,18 +93,11 @@ def fingerprint(workdir: str) -> str:
     """sha256 (16 hex digits) of the config stored with the run's newest checkpoint, without the
     fields a resume may change (workdir, iterations, ckpt.*, ...): runs of one setting share it
     however long they ran. "" when the run has no checkpoint."""
-    from strata_jax.validation import resume_may_change, stored_config
+    from strata_jax.validation import run_identity, stored_config
     stored = stored_config(os.path.join(workdir, "ckpt"))
     if not stored:
         return ""
-
-    def flat(d: dict, prefix: str = "") -> dict:
-        out = {}
-        for k, v in d.items():
-            key = f"{prefix}{k}"
-            out.update(flat(v, key + ".") if isinstance(v, dict) else {key: v})
-        return out
-    kept = {k: v for k, v in flat(stored).items() if not resume_may_change(k)}
+    kept = run_identity(stored)
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -247,6 +247,16 @@ def stored_config(ckpt_dir: str) -> dict | None:
     return None
 
 
+def run_identity(config: dict) -> dict[str, Any]:
+    """{dotted field: value} of a config dict (e.g. ``c.to_dict()`` or `stored_config`'s) that
+    decides what a run computes: JSON-normalised (tuples as lists), without the fields of
+    RESUME_MAY_CHANGE. Two runs with equal identities continue each other (`check_resume`); a
+    hash of it names a setting (benchmarks' config fingerprints)."""
+    import json
+    flat = _leaves(json.loads(json.dumps(config, default=list)))
+    return {k: v for k, v in flat.items() if not resume_may_change(k)}
+
+
 def check_resume(c: Any, stored: dict | None) -> None:
     """Refuse to resume a run whose checkpoint was written with another config.
 
@@ -255,14 +265,11 @@ def check_resume(c: Any, stored: dict | None) -> None:
     ConfigError naming each differing field (stored -> now) and saying to use a new workdir.
     `stored` None (fresh run, or a checkpoint without a config) passes.
     """
-    import json
     if not stored:
         return
-    norm = lambda x: json.loads(json.dumps(x, default=list))  # noqa: E731
-    now = _leaves(norm(c.to_dict()))
-    old = _leaves(norm(stored))
+    now, old = run_identity(c.to_dict()), run_identity(stored)
     diff = [f"{k}: {old[k]!r} -> {now.get(k)!r}" for k in sorted(old)
-            if k in now and not resume_may_change(k) and old[k] != now[k]]
+            if k in now and old[k] != now[k]]
     if diff:
         raise ConfigError(f"{c.workdir} holds a run with a different config ({'; '.join(diff)}): "
                           "resuming would not continue that run. Set these back, or use a new "
