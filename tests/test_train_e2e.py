@@ -9,6 +9,7 @@ then loads instead of retraining.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,8 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS = 3
 # For the `python train.py` subprocesses whose test is not about sharding: the one CPU device a
 # user's CPU box has (this process's 8 fake devices make a 2-core run several times slower).
-ONE_DEVICE = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(
-    "xla_force_host_platform_device_count=8", "xla_force_host_platform_device_count=1"))
+ONE_DEVICE = dict(os.environ, XLA_FLAGS=re.sub(
+    r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    + " --xla_force_host_platform_device_count=1")
 
 
 
