@@ -47,9 +47,9 @@ SW_TASKS = ("find-non-living-thing", "lifespan-longest-lived", "lifespan-shortes
 PRESETS = {
     # What one 2-core CPU box fits in ~90 minutes (measured 2026-12-01): memory_key only, one task
     # of N=2 x M=2 episodes per iteration, 3 iterations x 2 seeds x 2 methods. Why so small: the
-    # LoRA update costs ~6-13 s per row of ~450 tokens here (XLA's CPU matmuls reach ~140 GFLOP/s
-    # in fp32 and bf16 alike, benchmarks/cpu_matmul.py), and a 16-episode iteration of 8 steps
-    # (128 rows) ran over 30 minutes. ScienceWorld prompts are ~2x longer: no CPU curve.
+    # LoRA update costs ~6 s per step row on the quiet box (XLA's CPU matmuls reach 100-150
+    # GFLOP/s in fp32 and bf16 alike, benchmarks/cpu_matmul.py), and a 16-episode iteration of 8
+    # steps (128 rows) ran over 30 minutes. ScienceWorld observations are longer still: no CPU curve.
     "cpu": dict(iterations=3, seeds=2, sw_iterations=2, sw_seeds=0, tasks=1, n=2, m=2, sigma=2,
                 max_steps=6, action_tokens=48, strategy_tokens=96, judge_tokens=24,
                 prompt_tokens=1024, micro=4, dtype="float32", remat="dots"),
