@@ -125,8 +125,11 @@ def rl_run(args, p: dict, env: str, algo: str, seed: int) -> dict:
           flush=True)
     rc = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), f"--config={cfg}:{variant}"],
                         cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
-    wall = time.time() - t0
-    r = dict(env=env, algo=algo, seed=seed, rc=rc, wall_s=wall, **curves(workdir))
+    wall = time.time() - t0   # this invocation only (a resumed run played part of it earlier)
+    cur = curves(workdir)
+    # wall_s: the run's RL time over all its invocations, from its own per-iteration timings
+    r = dict(env=env, algo=algo, seed=seed, rc=rc, wall_s=sum(cur["iter_s"]),
+             invocation_s=wall, **cur)
     print(f"[{env}] {algo} seed {seed}: rc {rc}, {r['iterations']} iterations, {wall:.0f} s; "
           f"success {['%.2f' % s for s in r['success']]}", flush=True)
     return r
@@ -164,8 +167,9 @@ def main() -> int:
                 if args.replot:
                     workdir = os.path.join(args.out, env, f"{algo}_s{seed}")
                     if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
-                        runs.append(dict(env=env, algo=algo, seed=seed, wall_s=0.0,
-                                         **curves(workdir)))
+                        cur = curves(workdir)
+                        runs.append(dict(env=env, algo=algo, seed=seed,
+                                         wall_s=sum(cur["iter_s"]), **cur))
                     continue
                 runs.append(rl_run(args, p, env, algo, seed))
                 json.dump(dict(args=vars(args), preset=p, runs=runs),
