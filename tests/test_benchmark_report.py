@@ -104,7 +104,8 @@ def test_cached_cell_runs_once_and_does_not_cache_a_failure(tmp_path):
     again = cached_cell(str(tmp_path), "c", cmd, str(tmp_path), False, parse)
     assert first["value"] == again["value"] == 7 and first["cell"] == "c"
     assert counter.read_text() == "x"                       # ran once
-    assert first["wall_s"] > 0 and float(first["load_start"]) >= 0
+    assert again == first                                   # the cached copy, timings included
+    assert first["wall_s"] > 0 and {"load_start", "load_end"} <= set(first)
     forced = cached_cell(str(tmp_path), "c", cmd, str(tmp_path), True, parse)
     assert forced["value"] == 7 and counter.read_text() == "xx"
     bad = [sys.executable, "-c", "import sys; sys.exit(3)"]
