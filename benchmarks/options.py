@@ -1,0 +1,183 @@
+"""The rollout options beyond the paper, measured on real weights: strategy revision, test-time
+strategy scaling, a separate judge model, each against the paper's one-strategy eval.
+
+    python benchmarks/options.py                            # the fetched 0.5B, every cell
+    python benchmarks/options.py --cells paper revise_every3 tts2_judge
+    python benchmarks/options.py --episodes 2 --max-steps 15
+    python benchmarks/options.py --table                    # the table from the cache
+
+Every cell is one ``eval.py --no_checkpoint`` run of the same model on the same tasks (the
+ScienceWorld dev split restricted to the families whose gold path has at most 11 steps, as in
+zero_shot.py; ``--env memory_key`` for the 3-digit vault code) with StraTA prompting, the
+eval protocol (one strategy per task, temperature ``eval.temperature`` = 0.4) and the
+action-format examples in the prompt (without them the 0.5B model fails the strategy format on
+every ScienceWorld task: README "Does it learn?"). Only the option differs:
+
+    paper              the paper's eval: one strategy, fixed for the episode
+    revise_every3      rollout.revise_every=3: a revised strategy at steps 3, 6, 9
+    revise_stuck       rollout.revise_on=stuck: revise after 2 invalid / repeated / no-progress steps
+    tts2_judge         eval.py --strategy_samples=2 --strategy_choice=judge --probe_steps=3:
+                       2 FPS-selected strategies, a 3-step probe each, the policy judges the probes
+    tts2_judge_1.5b    the same with rollout.judge_model.path=<--judge> judging
+    tts2_first_action  --strategy_samples=2 --strategy_choice=first_action (majority first action)
+    tts4_judge         --strategy_samples=4, judge, 3-step probes
+
+Same env-step limit per episode in every cell (``--max-steps``); the probes of test-time scaling
+are env steps on top of it, so the table gives the cost per task (sampled tokens, env steps) from
+eval.py's own accounting. Each cell runs in its own subprocess (its wall time is its own) and is
+cached in ``--out/<cell>.json``: a stopped run continues with the cells it has not finished
+(``--force`` replays them). Measures, never asserts. Results: ``--out/options.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks._cells import cached_cell  # noqa: E402
+from benchmarks.test_time import family_rows  # noqa: E402
+from benchmarks.zero_shot import SHORT_FAMILIES  # noqa: E402
+
+TTS_PROBE = 3
+# name -> (config overrides, eval.py flags); "{judge}" is replaced by --judge
+CELLS: dict[str, tuple[list[str], list[str]]] = {
+    "paper": ([], []),
+    "revise_every3": (["rollout.revise_every=3"], []),
+    "revise_stuck": (["rollout.revise_on=stuck"], []),
+    "tts2_judge": ([], ["--strategy_samples=2", "--strategy_choice=judge",
+                        f"--probe_steps={TTS_PROBE}"]),
+    "tts2_judge_1.5b": (["rollout.judge_model.path={judge}"],
+                        ["--strategy_samples=2", "--strategy_choice=judge",
+                         f"--probe_steps={TTS_PROBE}"]),
+    "tts2_first_action": ([], ["--strategy_samples=2", "--strategy_choice=first_action"]),
+    "tts4_judge": ([], ["--strategy_samples=4", "--strategy_choice=judge",
+                        f"--probe_steps={TTS_PROBE}"]),
+}
+# the fractions of the chosen episodes' steps / strategies that the table shows
+FRACTIONS = ("invalid_step_frac", "env_rejected_frac", "strategy_format_fail_frac")
+
+
+def cell_command(args, name: str) -> list[str]:
+    """eval.py argv of one cell."""
+    overrides, flags = CELLS[name]
+    toks = ["tiny", "real", "strata", f"model.path={args.model}",
+            f"workdir={os.path.abspath(os.path.join(args.out, name))}",
+            f"env.max_steps={args.max_steps}", f"rollout.max_action_tokens={args.action_tokens}",
+            f"rollout.max_strategy_tokens={args.strategy_tokens}",
+            f"env.max_prompt_tokens={args.prompt_tokens}", "rollout.format_examples=true",
+            f"rollout.sampler_dtype={args.dtype}", f"model.dtype={args.dtype}"]
+    if args.env == "scienceworld":
+        cfg = "sciworld.py"
+        toks += ["env.tasks=" + "+".join(SHORT_FAMILIES), "env.num_workers=4"]
+        episodes = args.episodes
+    else:
+        cfg = "builtin.py"
+        toks += ["env.code_digits=3", "env.num_workers=8"]
+        episodes = args.mk_episodes
+    toks += [o.format(judge=args.judge) for o in overrides] + list(args.set)
+    return [sys.executable, os.path.join(REPO, "eval.py"),
+            f"--config={os.path.join(REPO, 'configs', cfg)}:{','.join(toks)}", "--split=dev",
+            "--no_checkpoint", f"--episodes_per_family={episodes}", *flags]
+
+
+def run_cell(args, name: str) -> dict:
+    cmd = cell_command(args, name)
+
+    def result(log_path: str) -> dict | None:
+        written = re.findall(r"^wrote (.+\.json)$", open(log_path).read(), re.M)
+        if not written:
+            return None
+        metrics = json.load(open(written[0]))
+        trajs = written[0][:-len(".json")] + "_trajectories.jsonl"
+        recs = [json.loads(line) for line in open(trajs)]
+        revisions = [rv for r in recs for rv in r.get("revisions") or []]
+        print(f"[{name}] success {metrics['eval/success']:.3f}, score {metrics['eval/score']:.1f}",
+              flush=True)
+        return {"env": args.env, "model": args.model, "command": cmd[1:], "metrics": metrics,
+                "families": family_rows(metrics),
+                "revisions_per_episode": len(revisions) / max(len(recs), 1),
+                "revision_format_fail": (sum(not rv["format_ok"] for rv in revisions)
+                                         / len(revisions)) if revisions else None}
+
+    return cached_cell(args.out, name, cmd, REPO, args.force, result)
+
+
+def print_table(results: list[dict]) -> None:
+    print("| option | success | mean score | format-invalid steps | env-rejected steps | "
+          "strategy format fail | revisions / episode (format fail) | sampled tokens / task | "
+          "env steps / task | episodes | cell wall |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['cell']} | failed: {r['error']} |" + " |" * 9)
+            continue
+        m = r["metrics"]
+        fr = [f"{m[k]:.0%}" if k in m else "-" for k in FRACTIONS]
+        print(f"| {r['cell']} | {m['eval/success']:.2f} | {m['eval/score']:.1f} | "
+              + " | ".join(fr)
+              + f" | {r['revisions_per_episode']:.1f}"
+              + ("" if r["revision_format_fail"] is None else f" ({r['revision_format_fail']:.0%})")
+              + f" | {m['eval/cost/sampled_tokens']:.0f} | "
+              f"{m['eval/cost/env_steps']:.1f} | {m['eval/episodes']:.0f} | "
+              f"{r['wall_s'] / 60:.1f} min (load {r['load_start']}) |")
+
+
+def print_family_table(results: list[dict]) -> None:
+    fams = sorted({f for r in results if "error" not in r for f in r["families"]})
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return
+    print("| family | " + " | ".join(r["cell"] for r in ok) + " |")
+    print("|---|" + "---|" * len(ok))
+    for fam in fams:
+        cells = []
+        for r in ok:
+            f = r["families"].get(fam)
+            cells.append("-" if f is None else f"{f['success']:.0f} / {f['score']:.0f}")
+        print(f"| {fam} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", nargs="+", default=list(CELLS), choices=tuple(CELLS))
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct",
+                    help="fetch name, .gguf file or HF dir of the policy")
+    ap.add_argument("--judge", default="qwen2.5-coder-1.5b-instruct",
+                    help="the separate judge of the tts2_judge_1.5b cell")
+    ap.add_argument("--env", default="scienceworld", choices=("scienceworld", "memory_key"))
+    ap.add_argument("--episodes", type=int, default=1, help="ScienceWorld tasks per family")
+    ap.add_argument("--mk-episodes", type=int, default=8, help="memory_key tasks")
+    ap.add_argument("--max-steps", type=int, default=10)
+    ap.add_argument("--action-tokens", type=int, default=96)
+    ap.add_argument("--strategy-tokens", type=int, default=96)
+    ap.add_argument("--prompt-tokens", type=int, default=1536)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--set", nargs="*", default=[], help="extra key=value config overrides")
+    ap.add_argument("--out", default="runs/options")
+    ap.add_argument("--force", action="store_true")
+    ap.add_argument("--table", action="store_true", help="print the table of the cached cells")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for name in args.cells:
+        if args.table:
+            cache = os.path.join(args.out, name + ".json")
+            if os.path.exists(cache):
+                results.append(json.load(open(cache)))
+            continue
+        results.append(run_cell(args, name))
+    json.dump({"args": vars(args), "cells": results},
+              open(os.path.join(args.out, "options.json"), "w"), indent=1)
+    print_table(results)
+    print()
+    print("success / score per family:")
+    print_family_table(results)
+
+
+if __name__ == "__main__":
+    main()
