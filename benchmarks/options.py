@@ -19,8 +19,10 @@ every ScienceWorld task: README "Does it learn?"). Only the option differs:
     tts2_judge         eval.py --strategy_samples=2 --strategy_choice=judge --probe_steps=3:
                        2 FPS-selected strategies, a 3-step probe each, the policy judges the probes
     tts2_judge_1.5b    the same with rollout.judge_model.path=<--judge> judging
-    tts2_first_action  --strategy_samples=2 --strategy_choice=first_action (majority first action)
     tts4_judge         --strategy_samples=4, judge, 3-step probes
+    tts4_first_action  --strategy_samples=4 --strategy_choice=first_action --probe_steps=1: the
+                       majority first action of 4 one-step probes (with 2 candidates a majority
+                       vote always keeps the first, so S = 4)
 
 Same env-step limit per episode in every cell (``--max-steps``); the probes of test-time scaling
 are env steps on top of it, so the table gives the cost per task (sampled tokens, env steps) from
@@ -54,9 +56,10 @@ CELLS: dict[str, tuple[list[str], list[str]]] = {
     "tts2_judge_1.5b": (["rollout.judge_model.path={judge}"],
                         ["--strategy_samples=2", "--strategy_choice=judge",
                          f"--probe_steps={TTS_PROBE}"]),
-    "tts2_first_action": ([], ["--strategy_samples=2", "--strategy_choice=first_action"]),
     "tts4_judge": ([], ["--strategy_samples=4", "--strategy_choice=judge",
                         f"--probe_steps={TTS_PROBE}"]),
+    "tts4_first_action": ([], ["--strategy_samples=4", "--strategy_choice=first_action",
+                               "--probe_steps=1"]),
 }
 # the fractions of the chosen episodes' steps / strategies that the table shows
 FRACTIONS = ("invalid_step_frac", "env_rejected_frac", "strategy_format_fail_frac")
