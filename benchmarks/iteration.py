@@ -221,7 +221,8 @@ def iteration_worker(args) -> dict:
     variant = ",".join(["tiny", args.algo, f"workdir={workdir}", "iterations=1",
                         f"model.path={args.model}", "model.preset=", "model.tokenizer=",
                         "model.warm_start=", f"train.compute_dtype={args.dtype}",
-                        f"model.remat={args.remat}", "rollout.sampler_dtype=bfloat16",
+                        f"model.remat={args.remat}",
+                        f"rollout.sampler_dtype={args.sampler_dtype or args.dtype}",
                         f"lora.rank={args.rank if args.mode == 'lora' else 0}"])
     cmd = [sys.executable, os.path.join(REPO, "train.py"),
            f"--config={os.path.join(REPO, 'configs', 'sciworld.py')}:{variant}"]
@@ -244,7 +245,7 @@ def _spawn(worker: str, args, **kw) -> dict:
            "--out", args.out, "--rows", str(args.rows), "--prompt", str(args.prompt),
            "--response", str(args.response), "--rank", str(args.rank), "--dtype", args.dtype,
            "--remat", args.remat, "--micro", str(args.micro), "--repeats", str(args.repeats),
-           "--base-dtype", args.base_dtype]
+           "--base-dtype", args.base_dtype, f"--sampler-dtype={args.sampler_dtype}"]
     for k, v in kw.items():
         cmd += [f"--{k}", str(v)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -299,6 +300,9 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--remat", default="full", choices=("none", "full", "dots"))
+    p.add_argument("--sampler-dtype", default="", choices=("", "float32", "bfloat16"),
+                   help="the iteration part's rollout.sampler_dtype (default: --dtype); XLA's CPU "
+                        "backend has no fast bf16 matmul (benchmarks/cpu_matmul.py)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--base-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="dtype of the frozen LoRA base in the strata-jax run (torch keeps fp32)")
@@ -329,7 +333,8 @@ def main() -> None:
     if args.part in ("all", "iteration"):
         for algo in args.algos:
             for mode in args.modes:
-                r = _cached(args, f"iteration_{algo}_{mode}",
+                dtypes = f"{args.dtype}_sampler_{args.sampler_dtype or args.dtype}"
+                r = _cached(args, f"iteration_{algo}_{mode}_{dtypes}",
                             lambda: _spawn("iteration", args, mode=mode, algo=algo))
                 print(f"\n=== iteration {algo} {mode} ===\n" + json.dumps(r, indent=1))
 

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from strata_jax.rollout import RolloutConfig, collect_rollout, dump_trajectories, rollout_stats
-from strata_jax.rollout.episodes import LoopStats
+from strata_jax.rollout.records import LoopStats
 
 # Score units: an episode return in [0,1]-scale units times this gives the env's own score.
 SCORE_SCALE = {"scienceworld": 100.0, "webshop": 100.0}

@@ -42,7 +42,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from strata_jax.config import read_fields, section_sources
-from strata_jax.rollout.episodes import EpisodeSpec, LoopStats, Trajectory, run_episodes
+from strata_jax.rollout.episodes import run_episodes
+from strata_jax.rollout.records import EpisodeSpec, LoopStats, Trajectory
 from strata_jax.rollout.judge import JudgeModel, judge_stage
 from strata_jax.rollout.report import dump_trajectories, rollout_stats
 from strata_jax.rollout.strategy import StrategyGroup, strategy_stage

@@ -14,7 +14,7 @@ from strata_jax.evaluation import (eval_rollout_config, evaluate, format_metrics
                                    task_family)
 from strata_jax.models import load_tokenizer
 from strata_jax.rollout import PromptBuilder, ScriptedPolicy, collect_rollout, rollout_stats
-from strata_jax.rollout.episodes import EpisodeSpec, LoopStats, StepRecord, Trajectory
+from strata_jax.rollout.records import EpisodeSpec, LoopStats, StepRecord, Trajectory
 from strata_jax.test_time import (TestTimeConfig, choose, critic_scorer, evaluate_scaled,
                                   first_action_votes)
 

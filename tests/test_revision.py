@@ -14,7 +14,7 @@ from strata_jax.algos.batch import KIND_STRATEGY
 from strata_jax.models import load_tokenizer
 from strata_jax.rollout import (EpisodeSpec, PromptBuilder, RolloutConfig, ScriptedPolicy,
                                 StepRecord, Trajectory, collect_rollout)
-from strata_jax.rollout.episodes import Revision
+from strata_jax.rollout.records import Revision
 from strata_jax.rollout.prompts import REVISION_INSTRUCTION, STEP_INSTRUCTION
 from strata_jax.rollout.revision import RevisionConfig, revision_trigger
 

@@ -16,9 +16,9 @@ Public API:
   rollout:   RolloutConfig, RolloutResult, make_prompt_builder,
              collect_rollout, dapo_rollout, rollout
 """
-from strata_jax.rollout.episodes import (EpisodeSpec, Interval, LoopStats, Revision,
-                                         StepRecord, Trajectory, anchor_hash, env_rejected,
-                                         run_episodes)
+from strata_jax.rollout.episodes import anchor_hash, run_episodes
+from strata_jax.rollout.records import (EpisodeSpec, Interval, LoopStats, Revision, StepRecord,
+                                        Trajectory, env_rejected)
 from strata_jax.rollout.judge import (JudgeModel, build_judge_model, judge_flags, judge_stage,
                                       parse_bad_steps)
 from strata_jax.rollout.keys import (PURPOSE_ACTION, PURPOSE_JUDGE, PURPOSE_REVISION,

@@ -17,7 +17,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from envs_bridge.parsing import contains_cjk
-from strata_jax.rollout.episodes import LoopStats, Trajectory, decode_generation, generate_timed
+from strata_jax.rollout.episodes import decode_generation, generate_timed
+from strata_jax.rollout.records import LoopStats, Trajectory
 from strata_jax.rollout.keys import PURPOSE_JUDGE, row_keys
 from strata_jax.rollout.policy import Policy
 from strata_jax.rollout.prompts import HistoryEntry, PromptBuilder, invalid_history_action

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from strata_jax.rollout.episodes import LoopStats, Trajectory, env_rejected
+from strata_jax.rollout.records import LoopStats, Trajectory, env_rejected
 from strata_jax.rollout.judge import judge_flags
 from strata_jax.rollout.strategy import StrategyGroup
 

@@ -23,8 +23,8 @@ import dataclasses
 from typing import Any, Sequence
 
 from strata_jax.algos.batch import KIND_STRATEGY
-from strata_jax.rollout.episodes import (LoopStats, Revision, Trajectory, decode_generation,
-                                         env_rejected, generate_timed)
+from strata_jax.rollout.episodes import decode_generation, generate_timed
+from strata_jax.rollout.records import LoopStats, Revision, Trajectory, env_rejected
 from strata_jax.rollout.keys import PURPOSE_REVISION, row_keys
 from strata_jax.rollout.policy import Policy
 from strata_jax.rollout.prompts import PromptBuilder

@@ -53,8 +53,8 @@ from strata_jax.algos.dapo_filter import keep_informative_groups
 from strata_jax.algos.table import get_algorithm
 from strata_jax.config import read_fields, section_sources
 from strata_jax.models import stop_token_ids
-from strata_jax.rollout.episodes import (EpisodeSpec, Interval, LoopStats, Trajectory,
-                                         anchor_hash, run_episodes)
+from strata_jax.rollout.episodes import anchor_hash, run_episodes
+from strata_jax.rollout.records import EpisodeSpec, Interval, LoopStats, Trajectory
 from strata_jax.rollout.judge import JudgeModel, judge_flags, judge_stage
 from strata_jax.rollout.report import dump_trajectories, rollout_stats
 from strata_jax.rollout.policy import Policy

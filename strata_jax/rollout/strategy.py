@@ -16,8 +16,9 @@ from envs_bridge.base import PromptPieces, Task
 from envs_bridge.parsing import contains_cjk
 from envs_bridge.pool import EnvPool
 from strata_jax.algos.batch import KIND_STRATEGY
-from strata_jax.rollout.episodes import (LoopStats, content_ids, decode_generation,
-                                         generate_timed, prompt_pieces_for)
+from strata_jax.rollout.episodes import (content_ids, decode_generation, generate_timed,
+                                         prompt_pieces_for)
+from strata_jax.rollout.records import LoopStats
 from strata_jax.rollout.keys import PURPOSE_STRATEGY, base_key_data, row_keys
 from strata_jax.rollout.policy import Policy
 from strata_jax.rollout.prompts import PromptBuilder, PromptIds

@@ -11,7 +11,8 @@ Public API:
 from strata_jax.sampling.buckets import bucket
 from strata_jax.sampling.outputs import FINISH_LENGTH, FINISH_STOP, Generation, GenerationBatch
 from strata_jax.sampling.params import SamplingParams
-from strata_jax.sampling.sampler import Sampler, compiled_program_count
+from strata_jax.sampling.programs import compiled_program_count
+from strata_jax.sampling.sampler import Sampler
 from strata_jax.sampling.selection import (greedy_argmax, sample_categorical,
                                            select_next_tokens, top_k_mask, top_p_mask)
 from strata_jax.sampling.stops import StopText, build_stop_text

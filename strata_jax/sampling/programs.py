@@ -1,0 +1,200 @@
+"""The sampler's jitted device programs: prefill, prefix-shared prefill, the decode loop, scoring.
+
+Source: docs/design.md §6 and §12. `strata_jax.sampling.sampler.Sampler` is the host side that
+pads, buckets and places the rows these programs take.
+
+* ``prefill`` allocates the ``KVCache`` (``T + N`` slots, N = bucketed max_new_tokens), runs
+  the model over the left-padded prompts and keeps only the last column's hidden state: logits
+  are computed for that position alone, never ``B x T x V``. ``prefill_prefixed`` runs the P
+  shared prefixes once into their own cache, gathers them into the rows' caches, and runs the
+  suffixes on top with positions continuing each row's prefix.
+* ``decode`` (cache donated): token 0 is chosen from the prefill state; then a
+  ``lax.while_loop`` feeds the previous token through the model (cache slot ``T + step - 1``,
+  written in place by ``dynamic_update_slice``), computes the logits of that one position and
+  chooses the next token. Rows stop at a stop id, on the token that completes the stop string
+  (``SamplingParams.stop_text``: one ``table[state, token]`` gather per row and step, see
+  `strata_jax.sampling.stops`) or at max_new_tokens; the loop exits when all rows are done.
+* ``score``: logprobs of the response columns of prompt+response rows by one full forward.
+
+Params are always arguments, never closed over (a closed-over 2 GB constant would be baked into
+the executable). The cache's sharding hints follow ``strata_jax.sharding.LOGICAL_RULES``: rows
+over (data, fsdp), kv heads over tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from strata_jax import sharding as shd
+from strata_jax.models import KVCache, Qwen2Config, forward, init_cache
+from strata_jax.models.heads import logits_from_hidden, token_logprobs_and_entropy
+from strata_jax.sampling.selection import select_next_tokens
+
+Params = dict[str, Any]
+
+_CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
+def _constrain_cache(cache: KVCache) -> KVCache:
+    """Sharding hints for the cache: rows over (data, fsdp), kv heads over tensor."""
+    return KVCache(k=shd.constrain(cache.k, _CACHE_AXES), v=shd.constrain(cache.v, _CACHE_AXES),
+                   valid=shd.constrain(cache.valid, ("batch", "length")))
+
+
+def _cache_dtype(params: Params, cache_dtype: str | None) -> Any:
+    return jnp.dtype(cache_dtype) if cache_dtype else params["embed"].dtype
+
+
+@functools.partial(jax.jit, static_argnames=("config", "cache_len", "cache_dtype"))
+def prefill(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.Array, *,
+             config: Qwen2Config, cache_len: int,
+             cache_dtype: str | None) -> tuple[KVCache, jax.Array]:
+    """Prompts [B, T] (left padded) -> (cache with T + N slots, last-column hidden [B, D])."""
+    b, _ = tokens.shape
+    cache = _constrain_cache(init_cache(config, b, cache_len, _cache_dtype(params, cache_dtype)))
+    hidden, cache = forward(params, config, tokens, positions, mask, cache, 0)
+    return _constrain_cache(cache), hidden[:, -1]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "cache_len", "cache_dtype"))
+def prefill_prefixed(params: Params, p_tokens: jax.Array, p_positions: jax.Array,
+                      p_mask: jax.Array, row_prefix: jax.Array, s_tokens: jax.Array,
+                      s_positions: jax.Array, s_mask: jax.Array, *, config: Qwen2Config,
+                      cache_len: int, cache_dtype: str | None) -> tuple[KVCache, jax.Array]:
+    """Shared prefixes [P, Lp] once, gathered per row, then suffixes [B, Ts] at slot Lp.
+
+    row_prefix: [B] int32 prefix index of each row. Returns (cache with cache_len slots, the
+    suffix's last-column hidden [B, D]).
+    """
+    dtype = _cache_dtype(params, cache_dtype)
+    n_prefix, prefix_len = p_tokens.shape
+    pcache = init_cache(config, n_prefix, prefix_len, dtype)
+    # The prefixes' hidden states are unused: XLA drops the last layer's MLP and final norm.
+    _, pcache = forward(params, config, p_tokens, p_positions, p_mask, pcache, 0)
+    pad = cache_len - prefix_len
+    kv_pad = ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))
+    cache = KVCache(k=jnp.pad(jnp.take(pcache.k, row_prefix, axis=1), kv_pad),
+                    v=jnp.pad(jnp.take(pcache.v, row_prefix, axis=1), kv_pad),
+                    valid=jnp.pad(jnp.take(pcache.valid, row_prefix, axis=0), ((0, 0), (0, pad))))
+    cache = _constrain_cache(cache)
+    hidden, cache = forward(params, config, s_tokens, s_positions, s_mask, cache, prefix_len)
+    return _constrain_cache(cache), hidden[:, -1]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "n_out", "greedy", "use_top_k", "use_top_p", "use_stop_text",
+                     "key_impl"),
+    donate_argnames=("cache",))
+def decode(params: Params, cache: KVCache, last_hidden: jax.Array, key_data: jax.Array,
+            next_position: jax.Array, active: jax.Array, max_new: jax.Array,
+            stop_ids: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array,
+            stop_table: jax.Array, stop_accept: jax.Array, *,
+            config: Qwen2Config, n_out: int, greedy: bool, use_top_k: bool,
+            use_top_p: bool, use_stop_text: bool,
+            key_impl: str | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, KVCache]:
+    """The decode loop.
+
+    Args:
+      cache: from a prefill, S = T + n_out slots, slots [0, T) hold the prompts (donated).
+      last_hidden: [B, D] state after each row's last prompt token.
+      key_data: [B, ...] uint32 raw key data of one PRNG key per row (impl ``key_impl``, None =
+        default); step t uses ``fold_in(key, t)``.
+      next_position: [B] int32 RoPE position of the first generated token (prompt length).
+      active: [B] bool, False for filler rows of the batch bucket (done from the start).
+      max_new: int32 scalar in [1, n_out]. stop_ids: [n_stop] int32, -1 = unused slot.
+      temperature, top_p: float32 scalars; top_k: int32 scalar.
+      stop_table: [S, V] int16 stop-string transitions (`StopText.table_for_vocab`), state 0 =
+        start; stop_accept: int32 scalar accepting state. Read only when ``use_stop_text``
+        (otherwise a [1, 1] dummy).
+    Returns:
+      tokens [B, n_out] int32, logprobs [B, n_out] float32 (0 past each row's length),
+      lengths [B] int32, stopped [B] bool, and the final cache: returning it lets XLA alias
+      the donated input buffers to the loop's carry, so the cache is updated in place instead
+      of copied once (the caller drops it).
+    """
+    b = last_hidden.shape[0]
+    keys = jax.random.wrap_key_data(key_data, impl=key_impl)
+    start_slot = cache.max_len - n_out  # first free slot (static)
+
+    def choose(hidden, step):
+        logits = logits_from_hidden(params, config, hidden)  # [B, V] fp32, one position only
+        # Gather the vocabulary (split over tensor) once, so selection's reductions and
+        # gathers run on whole rows instead of being rematerialised piecemeal by SPMD.
+        logits = shd.constrain(logits, ("batch", None))
+        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+        return select_next_tokens(logits, step_keys, temperature, top_p, top_k, greedy=greedy,
+                                  use_top_k=use_top_k, use_top_p=use_top_p)
+
+    def is_stop(tok):
+        return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+
+    def advance_text(text_state, tok, live):
+        """Stop-string automaton: one gather per row; (new state, completed now)."""
+        if not use_stop_text:
+            return text_state, jnp.zeros_like(live)
+        new = stop_table[text_state, tok].astype(jnp.int32)
+        new = jnp.where(live, new, text_state)
+        return new, live & (new == stop_accept)
+
+    tok0, lp0 = choose(last_hidden, jnp.int32(0))
+    tok0 = jnp.where(active, tok0, 0)
+    lp0 = jnp.where(active, lp0, 0.0)
+    out_tokens = jnp.zeros((b, n_out), jnp.int32).at[:, 0].set(tok0)
+    out_logprobs = jnp.zeros((b, n_out), jnp.float32).at[:, 0].set(lp0)
+    text_state, text_hit = advance_text(jnp.zeros((b,), jnp.int32), tok0, active)
+    stopped = active & (is_stop(tok0) | text_hit)
+    done = ~active | stopped | (max_new <= 1)
+    lengths = active.astype(jnp.int32)
+
+    def cond(state):
+        step, _, _, done, *_ = state
+        return (step < max_new) & ~jnp.all(done)
+
+    def body(state):
+        (step, cache, prev, done, lengths, stopped, out_tokens, out_logprobs,
+         text_state) = state
+        position = (next_position + step - 1)[:, None]
+        hidden, cache = forward(params, config, prev[:, None], position,
+                                jnp.ones((b, 1), bool), cache, start_slot + step - 1)
+        tok, lp = choose(hidden[:, 0], step)
+        live = ~done
+        tok = jnp.where(live, tok, 0)
+        lp = jnp.where(live, lp, 0.0)
+        zero = jnp.int32(0)
+        out_tokens = lax.dynamic_update_slice(out_tokens, tok[:, None], (zero, step))
+        out_logprobs = lax.dynamic_update_slice(out_logprobs, lp[:, None], (zero, step))
+        lengths = lengths + live.astype(jnp.int32)
+        text_state, text_hit = advance_text(text_state, tok, live)
+        hit = live & (is_stop(tok) | text_hit)
+        stopped = stopped | hit
+        done = done | hit | (step + 1 >= max_new)
+        return (step + 1, cache, tok, done, lengths, stopped, out_tokens, out_logprobs,
+                text_state)
+
+    state = (jnp.int32(1), cache, tok0, done, lengths, stopped, out_tokens, out_logprobs,
+             text_state)
+    _, cache, _, _, lengths, stopped, out_tokens, out_logprobs, _ = lax.while_loop(
+        cond, body, state)
+    return out_tokens, out_logprobs, lengths, stopped, cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "n_resp"))
+def score(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
+           temperature: jax.Array, *, config: Qwen2Config, n_resp: int) -> jax.Array:
+    """Logprobs of the last ``n_resp`` columns of left-padded prompt+response rows [B, T]."""
+    hidden, _ = forward(params, config, tokens, positions, mask)
+    t = tokens.shape[1]
+    lp, _ = token_logprobs_and_entropy(params, config, hidden[:, t - n_resp - 1:t - 1],
+                                       tokens[:, t - n_resp:], temperature)
+    return lp
+
+
+def compiled_program_count() -> int:
+    """Number of programs compiled so far by the sampler's jitted functions (all instances)."""
+    return sum(f._cache_size() for f in (prefill, prefill_prefixed, decode, score))
