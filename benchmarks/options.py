@@ -120,7 +120,7 @@ def print_table(results: list[dict]) -> None:
             print(f"| {r['cell']} | failed: {r['error']} |" + " |" * 9)
             continue
         m = r["metrics"]
-        fr = [f"{m[k]:.0%}" if k in m else "-" for k in FRACTIONS]
+        fr = [f"{m['eval/' + k]:.0%}" if "eval/" + k in m else "-" for k in FRACTIONS]
         print(f"| {r['cell']} | {m['eval/success']:.2f} | {m['eval/score']:.1f} | "
               + " | ".join(fr)
               + f" | {r['revisions_per_episode']:.1f}"
