@@ -43,7 +43,7 @@ sys.path.insert(0, REPO)
 
 from benchmarks._cells import cached_cell  # noqa: E402
 from benchmarks.test_time import family_rows  # noqa: E402
-from benchmarks.zero_shot import SHORT_FAMILIES  # noqa: E402
+from benchmarks.zero_shot import add_budget_args, cell_variant  # noqa: E402
 
 TTS_PROBE = 3
 # name -> (config overrides, eval.py flags); "{judge}" is replaced by --judge
@@ -66,26 +66,16 @@ FRACTIONS = ("invalid_step_frac", "env_rejected_frac", "strategy_format_fail_fra
 
 
 def cell_command(args, name: str) -> list[str]:
-    """eval.py argv of one cell."""
+    """eval.py argv of one cell: zero_shot.py's StraTA cell with the format examples, plus
+    the cell's option."""
     overrides, flags = CELLS[name]
-    toks = ["tiny", "real", "strata", f"model.path={args.model}",
-            f"workdir={os.path.abspath(os.path.join(args.out, name))}",
-            f"env.max_steps={args.max_steps}", f"rollout.max_action_tokens={args.action_tokens}",
-            f"rollout.max_strategy_tokens={args.strategy_tokens}",
-            f"env.max_prompt_tokens={args.prompt_tokens}", "rollout.format_examples=true",
-            f"rollout.sampler_dtype={args.dtype}", f"model.dtype={args.dtype}"]
-    if args.env == "scienceworld":
-        cfg = "sciworld.py"
-        toks += ["env.tasks=" + "+".join(SHORT_FAMILIES), "env.num_workers=4"]
-        episodes = args.episodes
-    else:
-        cfg = "builtin.py"
-        toks += ["env.code_digits=3", "env.num_workers=8"]
-        episodes = args.mk_episodes
-    toks += [o.format(judge=args.judge) for o in overrides] + list(args.set)
-    return [sys.executable, os.path.join(REPO, "eval.py"),
-            f"--config={os.path.join(REPO, 'configs', cfg)}:{','.join(toks)}", "--split=dev",
-            "--no_checkpoint", f"--episodes_per_family={episodes}", *flags]
+    cfg, variant = cell_variant(
+        args, args.model, args.env, "strata",
+        workdir=os.path.abspath(os.path.join(args.out, name)),
+        extra=("rollout.format_examples=true", *(o.format(judge=args.judge) for o in overrides)))
+    episodes = args.episodes if args.env == "scienceworld" else args.mk_episodes
+    return [sys.executable, os.path.join(REPO, "eval.py"), f"--config={cfg}:{variant}",
+            "--split=dev", "--no_checkpoint", f"--episodes_per_family={episodes}", *flags]
 
 
 def run_cell(args, name: str) -> dict:
@@ -153,17 +143,8 @@ def main() -> None:
     ap.add_argument("--judge", default="qwen2.5-coder-1.5b-instruct",
                     help="the separate judge of the tts2_judge_1.5b cell")
     ap.add_argument("--env", default="scienceworld", choices=("scienceworld", "memory_key"))
-    ap.add_argument("--episodes", type=int, default=1, help="ScienceWorld tasks per family")
-    ap.add_argument("--mk-episodes", type=int, default=8, help="memory_key tasks")
-    ap.add_argument("--max-steps", type=int, default=10)
-    ap.add_argument("--action-tokens", type=int, default=96)
-    ap.add_argument("--strategy-tokens", type=int, default=96)
-    ap.add_argument("--prompt-tokens", type=int, default=1536)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--set", nargs="*", default=[], help="extra key=value config overrides")
-    ap.add_argument("--out", default="runs/options")
-    ap.add_argument("--force", action="store_true")
-    ap.add_argument("--table", action="store_true", help="print the table of the cached cells")
+    add_budget_args(ap, episodes=1, mk_episodes=8, max_steps=10, strategy_tokens=96,
+                    out="runs/options")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = []

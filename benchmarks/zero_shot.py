@@ -36,9 +36,12 @@ SHORT_FAMILIES = ("find-non-living-thing", "lifespan-longest-lived", "lifespan-s
 PROMPTING = {"flat": "grpo", "strata": "strata"}
 
 
-def cell_variant(args, model: str, env: str, prompting: str) -> tuple[str, str]:
-    """(config file, variant string) of one cell."""
-    workdir = os.path.join(args.out, cell_name(model, env, prompting))
+def cell_variant(args, model: str, env: str, prompting: str, workdir: str | None = None,
+                 extra: tuple[str, ...] = ()) -> tuple[str, str]:
+    """(config file, variant string) of one eval cell: `model` on `env` with `prompting`, the
+    budgets of ``args`` (max_steps, action / strategy / prompt tokens, dtype), then `extra`
+    overrides and ``args.set``. workdir: the cell's folder (default ``args.out/<cell_name>``)."""
+    workdir = workdir or os.path.join(args.out, cell_name(model, env, prompting))
     common = ["tiny", "real", PROMPTING[prompting], f"model.path={model}",
               f"workdir={workdir}", f"env.max_steps={args.max_steps}",
               f"rollout.max_action_tokens={args.action_tokens}",
@@ -51,7 +54,23 @@ def cell_variant(args, model: str, env: str, prompting: str) -> tuple[str, str]:
     else:
         common += ["env.code_digits=3", "env.num_workers=8"]
         cfg = "builtin.py"
-    return os.path.join(REPO, "configs", cfg), ",".join(common + list(args.set))
+    return os.path.join(REPO, "configs", cfg), ",".join(common + list(extra) + list(args.set))
+
+
+def add_budget_args(ap, *, episodes: int, mk_episodes: int, max_steps: int,
+                    strategy_tokens: int, out: str) -> None:
+    """The flags every real-weight eval benchmark shares (tasks, budgets, dtype, cache)."""
+    ap.add_argument("--episodes", type=int, default=episodes, help="ScienceWorld tasks per family")
+    ap.add_argument("--mk-episodes", type=int, default=mk_episodes, help="memory_key tasks")
+    ap.add_argument("--max-steps", type=int, default=max_steps)
+    ap.add_argument("--action-tokens", type=int, default=96)
+    ap.add_argument("--strategy-tokens", type=int, default=strategy_tokens)
+    ap.add_argument("--prompt-tokens", type=int, default=1536)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--set", nargs="*", default=[], help="extra key=value config overrides")
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--force", action="store_true")
+    ap.add_argument("--table", action="store_true", help="print the table of the cached cells")
 
 
 def cell_name(model: str, env: str, prompting: str) -> str:
@@ -129,17 +148,8 @@ def main() -> None:
                     help="fetch names, .gguf files or HF dirs")
     ap.add_argument("--envs", nargs="+", default=["scienceworld", "memory_key"])
     ap.add_argument("--prompting", nargs="+", default=["flat", "strata"], choices=tuple(PROMPTING))
-    ap.add_argument("--episodes", type=int, default=2, help="episodes per family")
-    ap.add_argument("--mk-episodes", type=int, default=16, help="memory_key episodes")
-    ap.add_argument("--max-steps", type=int, default=15)
-    ap.add_argument("--action-tokens", type=int, default=96)
-    ap.add_argument("--strategy-tokens", type=int, default=192)
-    ap.add_argument("--prompt-tokens", type=int, default=1536)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--set", nargs="*", default=[], help="extra key=value config overrides")
-    ap.add_argument("--out", default="runs/zero_shot")
-    ap.add_argument("--force", action="store_true")
-    ap.add_argument("--table", action="store_true", help="print the table of the cached cells")
+    add_budget_args(ap, episodes=2, mk_episodes=16, max_steps=15, strategy_tokens=192,
+                    out="runs/zero_shot")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = []
