@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 
 def _load() -> str:
@@ -48,3 +48,19 @@ def cached_cell(out: str, name: str, cmd: list[str], cwd: str, force: bool,
     json.dump(res, open(cache, "w"), indent=1)
     print(f"[{name}] done in {wall:.0f} s", flush=True)
     return res
+
+
+def run_cells(out: str, cells: Sequence[tuple[str, Any]], table: bool,
+              run: Callable[[Any], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every cell's result in order: ``run(key)`` for each (name, key) of `cells` (which reads
+    the cache or runs the cell, `cached_cell`), or with `table` only the cached results (cells
+    never run are left out)."""
+    results = []
+    for name, key in cells:
+        if table:
+            cache = os.path.join(out, name + ".json")
+            if os.path.exists(cache):
+                results.append(json.load(open(cache)))
+            continue
+        results.append(run(key))
+    return results

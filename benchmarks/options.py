@@ -41,7 +41,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks._cells import cached_cell  # noqa: E402
+from benchmarks._cells import cached_cell, run_cells  # noqa: E402
 from benchmarks.test_time import family_rows  # noqa: E402
 from benchmarks.zero_shot import add_budget_args, cell_variant  # noqa: E402
 
@@ -147,14 +147,8 @@ def main() -> None:
                     out="runs/options")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    results = []
-    for name in args.cells:
-        if args.table:
-            cache = os.path.join(args.out, name + ".json")
-            if os.path.exists(cache):
-                results.append(json.load(open(cache)))
-            continue
-        results.append(run_cell(args, name))
+    results = run_cells(args.out, [(n, n) for n in args.cells], args.table,
+                        lambda n: run_cell(args, n))
     json.dump({"args": vars(args), "cells": results},
               open(os.path.join(args.out, "options.json"), "w"), indent=1)
     print_table(results)

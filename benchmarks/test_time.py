@@ -30,7 +30,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks._cells import cached_cell  # noqa: E402
+from benchmarks._cells import cached_cell, run_cells  # noqa: E402
 
 
 def cells(args) -> list[tuple[int, str, int]]:
@@ -143,14 +143,8 @@ def main() -> None:
     if any(s < 1 for s in args.samples) or any(p < 0 for p in args.probe_steps):
         ap.error("--samples must be >= 1 and --probe-steps >= 0")
     os.makedirs(args.out, exist_ok=True)
-    results = []
-    for s, choice, probe in cells(args):
-        if args.table:
-            cache = os.path.join(args.out, cell_name(s, choice, probe) + ".json")
-            if os.path.exists(cache):
-                results.append(json.load(open(cache)))
-            continue
-        results.append(run_cell(args, s, choice, probe))
+    results = run_cells(args.out, [(cell_name(*c), c) for c in cells(args)], args.table,
+                        lambda c: run_cell(args, *c))
     json.dump({"args": vars(args), "cells": results},
               open(os.path.join(args.out, "test_time.json"), "w"), indent=1)
     print_table(results)

@@ -27,7 +27,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks._cells import cached_cell  # noqa: E402
+from benchmarks._cells import cached_cell, run_cells  # noqa: E402
 
 # ScienceWorld families with gold paths of at most 11 steps (docs/method.md §11.1).
 SHORT_FAMILIES = ("find-non-living-thing", "lifespan-longest-lived", "lifespan-shortest-lived",
@@ -152,17 +152,9 @@ def main() -> None:
                     out="runs/zero_shot")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    results = []
-    for model in args.models:
-        for env in args.envs:
-            for prompting in args.prompting:
-                name = cell_name(model, env, prompting)
-                cache = os.path.join(args.out, name + ".json")
-                if args.table:
-                    if os.path.exists(cache):
-                        results.append(json.load(open(cache)))
-                    continue
-                results.append(run_cell(args, model, env, prompting))
+    keys = [(m, e, p) for m in args.models for e in args.envs for p in args.prompting]
+    results = run_cells(args.out, [(cell_name(*k), k) for k in keys], args.table,
+                        lambda k: run_cell(args, *k))
     json.dump({"args": vars(args), "cells": results},
               open(os.path.join(args.out, "zero_shot.json"), "w"), indent=1)
     print_table(results)

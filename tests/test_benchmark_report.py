@@ -183,3 +183,19 @@ def test_options_cells_differ_from_the_paper_eval_only_in_their_option(env, tmp_
                 if k not in ("revise_every", "revise_on", "judge_model")} == \
             {k: v for k, v in paper.rollout.to_dict().items()
              if k not in ("revise_every", "revise_on", "judge_model")}
+
+
+def test_run_cells_table_reads_only_the_cache(tmp_path):
+    """--table prints the cached cells in cell order and runs nothing; otherwise every cell
+    runs (through `run`, which is where cached_cell decides cache or subprocess)."""
+    import json
+
+    from benchmarks._cells import run_cells
+    (tmp_path / "b.json").write_text(json.dumps({"cell": "b", "x": 2}))
+    ran = []
+    run = lambda k: ran.append(k) or {"cell": k}  # noqa: E731
+    assert run_cells(str(tmp_path), [("a", "A"), ("b", "B")], True, run) == [{"cell": "b", "x": 2}]
+    assert ran == []
+    assert run_cells(str(tmp_path), [("a", "A"), ("b", "B")], False, run) == \
+        [{"cell": "A"}, {"cell": "B"}]
+    assert ran == ["A", "B"]
