@@ -15,7 +15,8 @@ every ScienceWorld task: README "Does it learn?"). Only the option differs:
 
     paper              the paper's eval: one strategy, fixed for the episode
     revise_every3      rollout.revise_every=3: a revised strategy at steps 3, 6, 9
-    revise_stuck       rollout.revise_on=stuck: revise after 2 invalid / repeated / no-progress steps
+    revise_stuck       rollout.revise_on=stuck: revise once the last revise_stuck_steps (3) steps were
+                       all invalid, one repeated action or rewardless
     tts2_judge         eval.py --strategy_samples=2 --strategy_choice=judge --probe_steps=3:
                        2 FPS-selected strategies, a 3-step probe each, the policy judges the probes
     tts2_judge_1.5b    the same with rollout.judge_model.path=<--judge> judging
