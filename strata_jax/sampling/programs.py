@@ -52,9 +52,20 @@ def _cache_dtype(params: Params, cache_dtype: str | None) -> Any:
 
 @functools.partial(jax.jit, static_argnames=("config", "cache_len", "cache_dtype"))
 def prefill(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.Array, *,
-             config: Qwen2Config, cache_len: int,
-             cache_dtype: str | None) -> tuple[KVCache, jax.Array]:
-    """Prompts [B, T] (left padded) -> (cache with T + N slots, last-column hidden [B, D])."""
+            config: Qwen2Config, cache_len: int,
+            cache_dtype: str | None) -> tuple[KVCache, jax.Array]:
+    """Run the left-padded prompts into a fresh KV cache (design.md §6.1).
+
+    Args:
+      params: model params (float32 or bfloat16). tokens / positions: [B, T] int32 ids and RoPE
+        positions (`packing.pack_left`); mask: [B, T] bool, True for real tokens.
+      config: static model config. cache_len: static slot count S = T + N (N = the bucketed
+        max_new_tokens). cache_dtype: static, None = the params' dtype.
+    Returns:
+      (KVCache [L, B, S, K, Dh] with slots [0, T) written, the hidden state after each row's
+      last prompt token [B, D] in the params' dtype). No logits: `decode` makes them for one
+      position per row.
+    """
     b, _ = tokens.shape
     cache = _constrain_cache(init_cache(config, b, cache_len, _cache_dtype(params, cache_dtype)))
     hidden, cache = forward(params, config, tokens, positions, mask, cache, 0)
@@ -63,13 +74,20 @@ def prefill(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.A
 
 @functools.partial(jax.jit, static_argnames=("config", "cache_len", "cache_dtype"))
 def prefill_prefixed(params: Params, p_tokens: jax.Array, p_positions: jax.Array,
-                      p_mask: jax.Array, row_prefix: jax.Array, s_tokens: jax.Array,
-                      s_positions: jax.Array, s_mask: jax.Array, *, config: Qwen2Config,
-                      cache_len: int, cache_dtype: str | None) -> tuple[KVCache, jax.Array]:
-    """Shared prefixes [P, Lp] once, gathered per row, then suffixes [B, Ts] at slot Lp.
+                     p_mask: jax.Array, row_prefix: jax.Array, s_tokens: jax.Array,
+                     s_positions: jax.Array, s_mask: jax.Array, *, config: Qwen2Config,
+                     cache_len: int, cache_dtype: str | None) -> tuple[KVCache, jax.Array]:
+    """Shared prefixes once, gathered per row, then the rows' suffixes on top (design.md §6.1).
 
-    row_prefix: [B] int32 prefix index of each row. Returns (cache with cache_len slots, the
-    suffix's last-column hidden [B, D]).
+    Args:
+      p_tokens / p_positions / p_mask: [P, Lp] the P distinct prefixes (left padded; int32,
+        int32, bool). row_prefix: [B] int32 index of each row's prefix.
+      s_tokens / s_positions / s_mask: [B, Ts] the rows' suffixes, positions continuing the
+        row's prefix. config / cache_len / cache_dtype: as for `prefill` (S = Lp + Ts + N).
+    Returns:
+      (KVCache [L, B, S, K, Dh] with slots [0, Lp + Ts) written, the hidden state after each
+      row's last suffix token [B, D]). Same values as `prefill` over prefix + suffix; the
+      prefixes' compute is done P times instead of B.
     """
     dtype = _cache_dtype(params, cache_dtype)
     n_prefix, prefix_len = p_tokens.shape
@@ -186,8 +204,17 @@ def decode(params: Params, cache: KVCache, last_hidden: jax.Array, key_data: jax
 
 @functools.partial(jax.jit, static_argnames=("config", "n_resp"))
 def score(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
-           temperature: jax.Array, *, config: Qwen2Config, n_resp: int) -> jax.Array:
-    """Logprobs of the last ``n_resp`` columns of left-padded prompt+response rows [B, T]."""
+          temperature: jax.Array, *, config: Qwen2Config, n_resp: int) -> jax.Array:
+    """Logprobs of the responses under the policy, by one full forward (no cache).
+
+    Args:
+      tokens / positions / mask: [B, T] left-padded prompt + response rows (int32, int32,
+        bool), the response in the last ``n_resp`` columns (static). temperature: float32
+        scalar the logits are divided by (the sampler's).
+    Returns:
+      [B, n_resp] float32 log pi(token | prefix) of the last n_resp columns
+      (`models.heads.token_logprobs_and_entropy`, the training scorer's function).
+    """
     hidden, _ = forward(params, config, tokens, positions, mask)
     t = tokens.shape[1]
     lp, _ = token_logprobs_and_entropy(params, config, hidden[:, t - n_resp - 1:t - 1],
