@@ -22,8 +22,8 @@ every ScienceWorld task: README "Does it learn?"). Only the option differs:
     tts2_judge_1.5b    the same with rollout.judge_model.path=<--judge> judging
     tts4_judge         --strategy_samples=4, judge, 3-step probes
     tts4_first_action  --strategy_samples=4 --strategy_choice=first_action --probe_steps=1: the
-                       majority first action of 4 one-step probes (with 2 candidates a majority
-                       vote always keeps the first, so S = 4)
+                       majority first action of 4 one-step probes (with 2 candidates the vote
+                       can only skip a candidate whose first step is invalid; 4 can outvote)
 
 Same env-step limit per episode in every cell (``--max-steps``); the probes of test-time scaling
 are env steps on top of it, so the table gives the cost per task (sampled tokens, env steps) from
@@ -136,7 +136,8 @@ def print_family_table(results: list[dict]) -> None:
         print(f"| {fam} | " + " | ".join(cells) + " |")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (its defaults are the cells' shared budgets)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", nargs="+", default=list(CELLS), choices=tuple(CELLS))
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct",
@@ -146,7 +147,11 @@ def main() -> None:
     ap.add_argument("--env", default="scienceworld", choices=("scienceworld", "memory_key"))
     add_budget_args(ap, episodes=1, mk_episodes=8, max_steps=10, strategy_tokens=96,
                     out="runs/options")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = run_cells(args.out, [(n, n) for n in args.cells], args.table,
                         lambda n: run_cell(args, n))

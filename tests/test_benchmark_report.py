@@ -137,52 +137,56 @@ def test_learning_real_fingerprint_ignores_what_a_resume_may_change(tmp_path):
 
 @pytest.mark.parametrize("env", ["scienceworld", "memory_key"])
 def test_options_cells_differ_from_the_paper_eval_only_in_their_option(env, tmp_path):
-    """Every cell of the beyond-the-paper benchmark is an eval.py command whose config is the
-    paper cell's plus exactly its option (the comparison is fair), and that eval accepts."""
-    import argparse
-
-    from benchmarks.options import CELLS, cell_command
+    """Every cell of the beyond-the-paper benchmark is an eval.py command whose config (the
+    eval.py flags applied) differs from the paper cell's in exactly its option's fields and the
+    workdir (the comparison is fair), and that eval accepts."""
+    from benchmarks.options import CELLS, build_parser, cell_command
     from configs import builtin, sciworld
     from strata_jax import experiment as ex
     from strata_jax.test_time import TestTimeConfig
-    args = argparse.Namespace(model="qwen2.5-coder-0.5b-instruct", judge="judge.gguf", env=env,
-                              episodes=1, mk_episodes=8, max_steps=10, action_tokens=96,
-                              strategy_tokens=96, prompt_tokens=1536, dtype="float32", set=[],
-                              out=str(tmp_path))
+    args = build_parser().parse_args(["--env", env, "--judge", "judge.gguf",
+                                      "--out", str(tmp_path)])
     mod = sciworld if env == "scienceworld" else builtin
+
+    def flat(d, pre=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, pre + k + ".") if isinstance(v, dict) else {pre + k: v})
+        return out
 
     def parse(name):
         cmd = cell_command(args, name)
-        variant = cmd[2].partition(":")[2]
-        c = mod.get_config(variant)
+        c = mod.get_config(cmd[2].partition(":")[2])
         flags = dict(f[2:].split("=", 1) for f in cmd[3:] if "=" in f)
-        for k in ("strategy_samples", "strategy_choice", "probe_steps"):
-            if k in flags:
-                c.eval[k] = type(c.eval[k])(flags[k])
+        for k, v in flags.items():   # what eval.py does with its --<eval field> flags
+            if k in c.eval:
+                c.eval[k] = type(c.eval[k])(v)
         ex.validate(c)
+        assert c.workdir == str(tmp_path / name)
         return c, flags
 
     paper, pflags = parse("paper")
     assert paper.algo == "strata" and paper.rollout.format_examples and paper.env.max_steps == 10
+    assert not TestTimeConfig.from_config(paper).enabled
     assert pflags["episodes_per_family"] == ("1" if env == "scienceworld" else "8")
+    tts = {"eval.strategy_samples", "eval.probe_steps"}   # strategy_choice "judge" is the default
+    expected = {"paper": set(), "revise_every3": {"rollout.revise_every"},
+                "revise_stuck": {"rollout.revise_on"}, "tts2_judge": tts,
+                "tts2_judge_1.5b": tts | {"rollout.judge_model.path"}, "tts4_judge": tts,
+                "tts4_first_action": tts | {"eval.strategy_choice"}}
+    assert set(expected) == set(CELLS)
+    base = flat(paper.to_dict())
     for name in CELLS:
         c, flags = parse(name)
-        tt = TestTimeConfig.from_config(c)
-        if name.startswith("tts"):
-            assert tt.enabled and tt.strategy_samples == int(name[3])
-        else:
-            assert not tt.enabled
-        assert c.workdir == str(tmp_path / name)
-        assert c.rollout.revise_every == (3 if name == "revise_every3" else 0)
-        assert c.rollout.revise_on == ("stuck" if name == "revise_stuck" else "")
-        assert c.rollout.judge_model.path == ("judge.gguf" if name == "tts2_judge_1.5b" else "")
-        # nothing else differs: the same env, tasks, budgets and model
-        for key in ("env", "model"):
-            assert c[key].to_dict() == paper[key].to_dict(), (name, key)
-        assert {k: v for k, v in c.rollout.to_dict().items()
-                if k not in ("revise_every", "revise_on", "judge_model")} == \
-            {k: v for k, v in paper.rollout.to_dict().items()
-             if k not in ("revise_every", "revise_on", "judge_model")}
+        now = flat(c.to_dict())
+        assert flags["episodes_per_family"] == pflags["episodes_per_family"]
+        changed = {k for k in base.keys() | now.keys() if base.get(k) != now.get(k)} - {"workdir"}
+        assert changed == expected[name], name
+    c, _ = parse("tts4_first_action")
+    assert (c.eval.strategy_samples, c.eval.strategy_choice, c.eval.probe_steps) == \
+        (4, "first_action", 1)
+    c, _ = parse("tts2_judge_1.5b")
+    assert c.rollout.judge_model.path == "judge.gguf" and c.eval.probe_steps == 3
 
 
 def test_run_cells_table_reads_only_the_cache(tmp_path):
