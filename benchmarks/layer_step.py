@@ -8,8 +8,8 @@ layers, the part of the update that is neither the LM head nor the optimizer. Bo
 run the same random weights (the Qwen2.5-0.5B layer shape, --layers layers, a 1024-token
 vocabulary so the embedding is negligible; written once as an HF checkpoint and read by both)
 on the same token batch, and take the gradient of sum(hidden * g) with respect to the layer
-weights (embedding frozen) in fp32, 2 threads each. Variants, each timed as the median of
---repeats runs after one warm-up:
+weights (embedding frozen) in fp32; torch runs --threads threads (default: every core), XLA
+every core. Variants, each timed as the median of --repeats runs after one warm-up:
 
   jax   query_chunk=512 (what training uses: attention in 512-query blocks, each
         rematerialised) and query_chunk=seq (one block); remat none / full (per layer)
@@ -101,7 +101,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--seq", type=int, default=832)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2,
+                    help="torch's intra-op threads (XLA's CPU backend uses every core)")
     args = ap.parse_args()
     import numpy as np
 
@@ -115,7 +116,8 @@ def main() -> None:
     tokens = args.rows * args.seq
     load = open("/proc/loadavg").read().split()[0]
     print(f"{args.layers} x Qwen2.5-0.5B layer, {args.rows} x {args.seq} tokens, fp32, "
-          f"d(sum(hidden * g)) / d(layer weights); {args.threads} threads; load {load}")
+          f"d(sum(hidden * g)) / d(layer weights); torch {args.threads} threads, "
+          f"{os.cpu_count()} cores; load {load}")
     res = {**jax_variants(args, ckpt, ids), **torch_variants(args, ckpt, ids)}
     for name, (med, lo, hi) in res.items():
         print(f"{name:40s} {med:7.3f} s ({lo:.3f}..{hi:.3f})  {tokens / med:8.0f} tok/s")
