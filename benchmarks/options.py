@@ -87,16 +87,15 @@ def run_cell(args, name: str) -> dict:
         if not written:
             return None
         metrics = json.load(open(written[0]))
-        trajs = written[0][:-len(".json")] + "_trajectories.jsonl"
-        recs = [json.loads(line) for line in open(trajs)]
-        revisions = [rv for r in recs for rv in r.get("revisions") or []]
         print(f"[{name}] success {metrics['eval/success']:.3f}, score {metrics['eval/score']:.1f}",
               flush=True)
+        revising = "eval/revisions" in metrics   # the eval's revision_stats, when it revises
         return {"env": args.env, "model": args.model, "command": cmd[1:], "metrics": metrics,
                 "families": family_rows(metrics),
-                "revisions_per_episode": len(revisions) / max(len(recs), 1),
-                "revision_format_fail": (sum(not rv["format_ok"] for rv in revisions)
-                                         / len(revisions)) if revisions else None}
+                "revisions_per_episode": (metrics["eval/revisions"] / metrics["eval/episodes"]
+                                          if revising else 0.0),
+                "revision_format_fail": (metrics["eval/revision_format_fail_frac"]
+                                         if revising and metrics["eval/revisions"] else None)}
 
     return cached_cell(args.out, name, cmd, REPO, args.force, result)
 

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from strata_jax.rollout import RolloutConfig, collect_rollout, dump_trajectories, rollout_stats
+from strata_jax.rollout.revision import revision_stats
 from strata_jax.rollout.records import LoopStats
 
 # Score units: an episode return in [0,1]-scale units times this gives the env's own score.
@@ -122,14 +123,30 @@ def summarize(trajectories: Sequence[Any], env_name: str, prefix: str = "eval"
     return out
 
 
+def episode_stats(trajs: Sequence[Any], groups: Sequence[Any], loop: LoopStats,
+                  rc: RolloutConfig, prefix: str = "eval") -> dict[str, float]:
+    """What the rollout measures of played episodes, renamed ``rollout/x`` -> ``<prefix>/x``:
+    `rollout_stats` (invalid_step_frac, env_rejected_frac, strategy_format_fail_frac for
+    StraTA, ...) plus, when `rc` revises strategies, `revision_stats` (revisions,
+    revision_format_fail_frac, ...), the same figures `collect_rollout` reports in training.
+    Without episodes / success_rate / crashed_episodes (`summarize` gives those per family)."""
+    raw = rollout_stats(trajs, groups, loop, strategies=rc.mode == "strata")
+    if rc.revision.enabled:
+        raw.update(revision_stats(trajs))
+    skip = ("rollout/episodes", "rollout/success_rate", "rollout/crashed_episodes")
+    return {f"{prefix}/{k.split('/', 1)[1]}": v for k, v in raw.items()
+            if k.startswith("rollout/") and k not in skip}
+
+
 def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any], key: Any,
              batch_tasks: int = 16) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Play one episode per task with the eval protocol.
 
     Returns (metrics, episode records). Metrics: `summarize`'s (eval/success, eval/score,
     per family, ...) plus what the rollout measured, renamed ``rollout/x`` -> ``eval/x``
-    (invalid_step_frac, env_rejected_frac, strategy_format_fail_frac (StraTA only),
-    mean_episode_steps, ...; `rollout_stats` over all episodes) and the cost per task
+    (`episode_stats` over all episodes: invalid_step_frac, env_rejected_frac,
+    strategy_format_fail_frac (StraTA only), the revision figures when revising, ...) and the
+    cost per task
     (`cost_metrics`: eval/cost/sampled_tokens, eval/cost/env_steps, per family).
     Records: `dump_trajectories` of every episode. This is the one-strategy protocol whatever
     ``eval.strategy_samples`` says (train.py's periodic eval); eval.py's `run_eval` runs
@@ -145,11 +162,7 @@ def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any],
                                  task_uid_start=start)
         trajs.extend(result.trajectories)
         groups.extend(result.strategies)
-    stats = {"eval/" + k.split("/", 1)[1]: v
-             for k, v in rollout_stats(trajs, groups, loop,
-                                       strategies=rc.mode == "strata").items()
-             if k.startswith("rollout/") and k not in ("rollout/episodes", "rollout/success_rate",
-                                                       "rollout/crashed_episodes")}
+    stats = episode_stats(trajs, groups, loop, rc)
     return ({**summarize(trajs, c.env.name), **stats,
              **cost_metrics(protocol_costs(trajs, groups))}, dump_trajectories(trajs, groups))
 

@@ -45,7 +45,7 @@ from strata_jax.config import read_fields, section_sources
 from strata_jax.rollout.episodes import run_episodes
 from strata_jax.rollout.records import EpisodeSpec, LoopStats, Trajectory
 from strata_jax.rollout.judge import JudgeModel, judge_stage
-from strata_jax.rollout.report import dump_trajectories, rollout_stats
+from strata_jax.rollout.report import dump_trajectories
 from strata_jax.rollout.strategy import StrategyGroup, strategy_stage
 
 CHOICES = ("judge", "critic", "first_action")
@@ -261,7 +261,7 @@ def evaluate_scaled(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequenc
     Raises:
       ValueError: strategy_choice="critic" without a critic, or a bad eval.* setting.
     """
-    from strata_jax.evaluation import (_family, cost_metrics, episode_tokens,
+    from strata_jax.evaluation import (_family, cost_metrics, episode_stats, episode_tokens,
                                        eval_rollout_config, summarize)
     from strata_jax.models import stop_token_ids
     from strata_jax.rollout.prompts import ACTION_STOP, JUDGE_STOP, STRATEGY_STOP
@@ -354,11 +354,7 @@ def evaluate_scaled(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequenc
                                 + extra_tok),
                           float(sum(len(t.steps) for t in ps) + extra_steps)))
             finals.append(fin)
-    stats = {"eval/" + k.split("/", 1)[1]: v
-             for k, v in rollout_stats(finals, groups, loop,
-                                       strategies=rc.mode == "strata").items()
-             if k.startswith("rollout/") and k not in ("rollout/episodes", "rollout/success_rate",
-                                                       "rollout/crashed_episodes")}
+    stats = episode_stats(finals, groups, loop, rc)
     metrics = {**summarize(finals, c.env.name), **stats, **cost_metrics(costs),
                "eval/tts/strategy_samples": float(s_count),
                "eval/tts/probe_steps": float(tt.probe_steps)}

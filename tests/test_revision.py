@@ -199,3 +199,28 @@ def test_revise_on_stuck_in_a_rollout(tok):
         assert steps[0] == 2 and all(b - a >= 2 for a, b in zip(steps, steps[1:]))
         for rv in tr.revisions:   # the window before each revision: one repeated action
             assert len({s.action for s in tr.steps[rv.step - 2:rv.step]}) == 1
+
+
+def test_eval_reports_the_revision_figures_training_reports(tok):
+    """eval.py's metrics carry the revision stats (eval/revisions, ...) when the config revises,
+    the same numbers training's rollout gives for the same episodes; none when it does not."""
+    from configs import builtin
+    from strata_jax.evaluation import eval_rollout_config, evaluate
+    c = builtin.get_config("strata")
+    c.rollout.revise_every = 2
+    tasks = [Task("memory_key", "memory_key", v) for v in (2, 7)]
+    with EnvPool("memory_key", {"max_steps": 8}, max_live_envs=4) as pool:
+        m, recs = evaluate(c, ScriptedPolicy(tok, _plan_script), pool, PromptBuilder(tok, 4096),
+                           tasks, key=KEY)
+        res = collect_rollout(ScriptedPolicy(tok, _plan_script), pool, PromptBuilder(tok, 4096),
+                              tasks, key=KEY, config=eval_rollout_config(c))
+    n_revisions = sum(len(r.get("revisions") or []) for r in recs)
+    assert n_revisions > 0 and m["eval/revisions"] == n_revisions
+    for k in ("revisions", "revised_episode_frac", "revision_format_fail_frac",
+              "revision_stuck_frac"):
+        assert m[f"eval/{k}"] == res.stats[f"rollout/{k}"], k
+    c.rollout.revise_every = 0
+    with EnvPool("memory_key", {"max_steps": 8}, max_live_envs=4) as pool:
+        m, _ = evaluate(c, ScriptedPolicy(tok, _plan_script), pool, PromptBuilder(tok, 4096),
+                        tasks, key=KEY)
+    assert not any("revision" in k for k in m)
