@@ -86,7 +86,10 @@ def test_query_chunked_attention_equals_unchunked_values_and_gradients():
 
     (l1, h1), g1 = jax.value_and_grad(loss, has_aux=True)(params, 3)  # blocks 3,3,3,1
     (l2, h2), g2 = jax.value_and_grad(loss, has_aux=True)(params, 512)
-    np.testing.assert_allclose(h1, h2, atol=1e-5, rtol=1e-5)
+    # Real tokens only: a padding query has no allowed key, and its (unused, finite) output is
+    # uniform over the keys of its block, which the block size changes.
+    np.testing.assert_allclose(h1[mask], h2[mask], atol=1e-5, rtol=1e-5)
+    assert np.isfinite(h1).all()
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
     assert float(jnp.abs(g1["layers"][0]["q_proj"]).max()) > 0
