@@ -214,18 +214,21 @@ def _rollout(c, policy, pool, builder, task_sampler, rollout_cfg, step, judge=No
 def _iteration_metrics(c, result, metrics, env_failures, compiles, *, rollout_s, update_s,
                        iteration_s, iteration_cpu_s) -> dict:
     """One iteration's metrics row: the rollout's stats, the update's metrics, env failure
-    counters, wall / CPU seconds (this process + its JVMs), compile counts, throughputs
+    counters, wall / CPU seconds (this process + its JVMs), compile counts, peak host / device
+    memory so far (`memory_metrics`), throughputs
     (env steps, sampled and trained tokens per second) and the train episodes' summary."""
     import numpy as np
 
     from strata_jax.evaluation import summarize
+    from strata_jax.metrics import memory_metrics
     from strata_jax.sampling import compiled_program_count
 
     m = {**result.stats, **metrics, "time/rollout_s": rollout_s, **env_failures,
          "time/iteration_s": iteration_s, "time/iteration_cpu_s": iteration_cpu_s,
          "time/update_s": update_s,
          "compile/sampler_programs": float(compiled_program_count()),
-         "compile/count": float(compiles.count), "compile/seconds": compiles.seconds}
+         "compile/count": float(compiles.count), "compile/seconds": compiles.seconds,
+         **memory_metrics()}
     steps = max(result.stats.get("rollout/steps", 0.0), 1.0)
     m["perf/env_steps_per_s"] = steps / max(rollout_s, 1e-9)
     generated = float(np.sum(np.asarray(result.batch.response_mask)))

@@ -235,6 +235,41 @@ class Progress:
         return line
 
 
+def memory_metrics(devices: Iterable[Any] | None = None) -> dict[str, float]:
+    """Peak memory so far, as metric keys (GiB): ``mem/host_peak_rss_gb`` and, where the
+    backend reports it (GPU, TPU; not XLA's CPU client), ``mem/device_peak_gb``.
+
+    Host: this process's peak resident set (``getrusage(RUSAGE_SELF).ru_maxrss``, KiB on
+    Linux, bytes on macOS; not its children, e.g. the JVMs). Device: the largest
+    ``peak_bytes_in_use`` (else ``bytes_in_use``) of `devices` (default: this host's local
+    devices). Both are high-water marks since the process started, so a row shows the peak up
+    to its iteration. Keys whose source is unavailable are left out, never guessed.
+    """
+    out: dict[str, float] = {}
+    try:
+        import resource
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out["mem/host_peak_rss_gb"] = rss / (2**30 if sys.platform == "darwin" else 2**20)
+    except (ImportError, OSError):
+        pass
+    if devices is None:
+        import jax
+        devices = jax.local_devices()
+    peaks = []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:   # noqa: BLE001  (backends without the call raise various errors)
+            stats = None
+        if stats:
+            peak = stats.get("peak_bytes_in_use", stats.get("bytes_in_use"))
+            if peak is not None:
+                peaks.append(float(peak))
+    if peaks:
+        out["mem/device_peak_gb"] = max(peaks) / 2**30
+    return out
+
+
 def cpu_seconds() -> float:
     """CPU seconds (user + system, all threads) used so far by this process and its live
     descendants (e.g. ScienceWorld's JVMs), for the per-iteration ``time/iteration_cpu_s``.

@@ -1,11 +1,12 @@
 """MetricsWriter writes the same scalars to tensorboardX and JSONL."""
 import glob
 import math
+import os
 
 import numpy as np
 import pytest
 
-from strata_jax.metrics import MetricsWriter, Progress, read_jsonl
+from strata_jax.metrics import MetricsWriter, Progress, memory_metrics, read_jsonl
 
 
 def test_scalars_and_trajectories_round_trip(tmp_path):
@@ -150,3 +151,32 @@ def test_tensorboard_point_is_on_disk_when_scalars_returns(tmp_path):
     assert read_tensorboard(str(tmp_path / "tb")) == {"eval/success": [(1, 0.5)]}
     assert [r["eval/success"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0.5]
     w.close()
+
+
+def test_memory_metrics_host_peak_and_device_peak():
+    import subprocess
+    import sys
+
+    # A fresh process that touches 400 MiB: its peak RSS is at least that, and at most that plus
+    # the interpreter and numpy (~100 MiB).
+    code = ("import numpy as np; a = np.ones(400 * 2**20, np.uint8); "
+            "from strata_jax.metrics import memory_metrics; "
+            "print(memory_metrics(devices=[])['mem/host_peak_rss_gb'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    peak = float(out.stdout.strip().splitlines()[-1])
+    assert 400 / 1024 <= peak < 600 / 1024
+
+    class Device:   # a backend's memory_stats(): the largest peak wins, a missing one is skipped
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            if isinstance(self.stats, Exception):
+                raise self.stats
+            return self.stats
+    devices = [Device({"peak_bytes_in_use": 3 * 2**30, "bytes_in_use": 2**30}),
+               Device({"bytes_in_use": 5 * 2**29}), Device(None), Device(RuntimeError("cpu"))]
+    m = memory_metrics(devices)
+    assert m["mem/device_peak_gb"] == 3.0
+    assert "mem/device_peak_gb" not in memory_metrics([Device(None)])

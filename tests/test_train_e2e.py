@@ -80,8 +80,11 @@ def test_tiny_run_writes_metrics_checkpoints_and_real_observations(reference_run
                 "rollout/judge_bad_step_frac", "train/kl", "train/entropy", "train/clip_frac",
                 "mismatch/sampler_abs", "time/rollout_s", "time/update_s", "time/env_wait_s",
                 "perf/env_steps_per_s", "perf/sampler_tokens_per_s", "compile/count",
-                "adv/action_mean"):
+                "adv/action_mean", "mem/host_peak_rss_gb"):
         assert tag in rows[-1], tag
+    # a high-water mark: never falls, and jax + the tiny model hold more than 200 MiB
+    peaks = [r["mem/host_peak_rss_gb"] for r in rows]
+    assert peaks == sorted(peaks) and peaks[0] > 0.2, peaks
     for r in rows:
         for k, v in r.items():
             if "loss" in k:
@@ -177,8 +180,8 @@ def test_sigterm_then_restart_matches_uninterrupted_run(reference_run, tmp_path)
 
 
 def _deterministic(tag):
-    """Tags that replay exactly (not wall times, throughputs or compile counts)."""
-    return not tag.startswith(("time/", "perf/", "compile/"))
+    """Tags that replay exactly (not wall times, throughputs, compile counts or peak memory)."""
+    return not tag.startswith(("time/", "perf/", "compile/", "mem/"))
 
 
 def _deterministic_rows(path):
