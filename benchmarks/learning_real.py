@@ -50,14 +50,18 @@ PRESETS = {
     # LoRA update costs ~6 s per step row on the quiet box (XLA's CPU matmuls reach 100-150
     # GFLOP/s in fp32 and bf16 alike, benchmarks/cpu_matmul.py), and a 16-episode iteration of 8
     # steps (128 rows) ran over 30 minutes. ScienceWorld observations are longer still: no CPU curve.
+    # remat: "dots" keeps every layer's matmul outputs (2.7 MB per token, train_memory.py), fine
+    # for memory_key's short prompts; ScienceWorld's ~1k-token prompts under "dots" took a
+    # StraTA run to 17.4 GB (OOM-killed beside another job), so its runs keep only the layer
+    # inputs ("full", 0.47 MB per token; the same values, one more forward per layer).
     "cpu": dict(iterations=3, seeds=2, sw_iterations=2, sw_seeds=0, tasks=1, n=2, m=2, sigma=2,
                 max_steps=6, action_tokens=48, strategy_tokens=96, judge_tokens=24,
-                prompt_tokens=1024, micro=4, dtype="float32", remat="dots"),
+                prompt_tokens=1024, micro=4, dtype="float32", remat="dots", sw_remat="full"),
     # The paper's group sizes (N=4, M=8, sigma=2; GRPO groups of 32), 4 tasks per iteration.
     "accelerator": dict(iterations=10, seeds=2, sw_iterations=10, sw_seeds=1, tasks=4, n=4, m=8,
                         sigma=2, max_steps=8, action_tokens=256, strategy_tokens=256,
                         judge_tokens=64, prompt_tokens=2048, micro=16, dtype="bfloat16",
-                        remat="full"),
+                        remat="full", sw_remat="full"),
 }
 
 
@@ -75,7 +79,7 @@ def run_variant(args, p: dict, env: str, algo: str, seed: int) -> tuple[str, str
         f"rollout.max_judge_tokens={p['judge_tokens']}",
         f"env.max_prompt_tokens={p['prompt_tokens']}", f"optim.micro_batch_size={p['micro']}",
         f"train.compute_dtype={p['dtype']}", f"rollout.sampler_dtype={p['dtype']}",
-        f"model.remat={p['remat']}",
+        f"model.remat={p['remat'] if env == 'memory_key' else p['sw_remat']}",
         "ckpt.every=1", "eval.every=0"]
     if env == "memory_key":
         # corridor of 3-5 rooms + the code: 4-6 steps when played without a detour
