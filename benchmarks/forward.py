@@ -31,18 +31,6 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _make_checkpoint(preset: str, path: str) -> None:
-    import torch
-    from transformers import Qwen2Config as HFConfig, Qwen2ForCausalLM
-
-    sys.path.insert(0, ROOT)
-    from strata_jax.models.config import PRESETS
-    cfg = PRESETS[preset].to_hf_dict()
-    cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(HFConfig(**cfg)).save_pretrained(path)
-
-
 def _batch(vocab: int, batch: int, length: int):
     import numpy as np
     rng = np.random.default_rng(0)
@@ -141,8 +129,8 @@ def main() -> None:
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c",
                         f"import sys; sys.path.insert(0, {ROOT!r}); "
-                        f"from benchmarks.forward import _make_checkpoint; "
-                        f"_make_checkpoint({args.preset!r}, {tmp!r})"], check=True)
+                        f"from benchmarks.decode import write_checkpoint; "
+                        f"write_checkpoint({args.preset!r}, {tmp!r})"], check=True)
         print(f"random {args.preset} checkpoint written in {time.perf_counter() - t0:.1f}s "
               f"(fp32, batch {args.batch} x length {args.length} = {tokens} tokens per forward)")
         results = [_spawn("jax", tmp, args), _spawn("torch", tmp, args)]
