@@ -93,3 +93,33 @@ def test_query_chunked_attention_equals_unchunked_values_and_gradients():
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
     assert float(jnp.abs(g1["layers"][0]["q_proj"]).max()) > 0
+
+
+@pytest.mark.parametrize("first_slot, chunk", [(0, 4), (0, 64), (5, 3), (5, 64)])
+def test_causal_key_blocks_equal_attention_over_every_slot(first_slot, chunk):
+    # Queries in slots [first_slot, first_slot + T) of an S-slot cache, some keys invalid: with a
+    # known first slot each block attends keys up to its causal end only; the values equal
+    # attention over all S slots (first_slot=None, what decode does) for every query that has
+    # an allowed key. The last row is all padding: finite, but its output is left free.
+    from strata_jax.models.qwen2 import _attention
+    b, t, s, h, k, dh = 3, 10, 20, 4, 2, 8
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((b, t, h, dh), np.float32))
+    kv = [jnp.asarray(rng.standard_normal((b, s, k, dh), np.float32)) for _ in range(2)]
+    valid = rng.random((b, s)) < 0.8
+    valid[:, 0] = True
+    valid[2] = False
+    q_slot = first_slot + np.arange(t)
+    allowed = jnp.asarray(valid[:, None, :] & (np.arange(s)[None, :] <= q_slot[:, None])[None])
+    blocked = np.asarray(_attention(q, *kv, allowed, k, chunk, first_slot=first_slot))
+    every = np.asarray(_attention(q, *kv, allowed, k, chunk, first_slot=None))
+    np.testing.assert_allclose(blocked[:2], every[:2], atol=1e-6, rtol=1e-6)
+    assert np.isfinite(blocked).all()
+    # against a direct numpy attention (GQA: head j reads kv head j // (h // k))
+    kk, vv = (np.repeat(np.asarray(x), h // k, axis=2) for x in kv)
+    scores = np.einsum("bthd,bshd->bhts", np.asarray(q), kk) / np.sqrt(dh)
+    scores = np.where(np.asarray(allowed)[:, None], scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref = np.einsum("bhts,bshd->bthd", p, vv).reshape(b, t, h * dh)
+    np.testing.assert_allclose(blocked[:2], ref[:2], atol=1e-5, rtol=1e-5)
