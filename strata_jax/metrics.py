@@ -239,19 +239,30 @@ def memory_metrics(devices: Iterable[Any] | None = None) -> dict[str, float]:
     """Peak memory so far, as metric keys (GiB): ``mem/host_peak_rss_gb`` and, where the
     backend reports it (GPU, TPU; not XLA's CPU client), ``mem/device_peak_gb``.
 
-    Host: this process's peak resident set (``getrusage(RUSAGE_SELF).ru_maxrss``, KiB on
-    Linux, bytes on macOS; not its children, e.g. the JVMs). Device: the largest
+    Host: this process's peak resident set, not its children's (e.g. the JVMs): ``VmHWM`` of
+    ``/proc/self/status`` on Linux, ``getrusage(RUSAGE_SELF).ru_maxrss`` elsewhere (Linux's
+    ru_maxrss would carry the parent's resident set at fork time across exec: a run started by
+    a large process would report that process's peak). Device: the largest
     ``peak_bytes_in_use`` (else ``bytes_in_use``) of `devices` (default: this host's local
     devices). Both are high-water marks since the process started, so a row shows the peak up
     to its iteration. Keys whose source is unavailable are left out, never guessed.
     """
     out: dict[str, float] = {}
+    kib = None
     try:
-        import resource
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        out["mem/host_peak_rss_gb"] = rss / (2**30 if sys.platform == "darwin" else 2**20)
-    except (ImportError, OSError):
-        pass
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    kib = float(line.split()[1])
+    except OSError:
+        try:
+            import resource
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            kib = rss / 1024 if sys.platform == "darwin" else rss   # bytes on macOS
+        except (ImportError, OSError):
+            pass
+    if kib is not None:
+        out["mem/host_peak_rss_gb"] = kib / 2**20
     if devices is None:
         import jax
         devices = jax.local_devices()

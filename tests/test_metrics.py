@@ -157,15 +157,19 @@ def test_memory_metrics_host_peak_and_device_peak():
     import subprocess
     import sys
 
-    # A fresh process that touches 400 MiB: its peak RSS is at least that, and at most that plus
-    # the interpreter and numpy (~100 MiB).
-    code = ("import numpy as np; a = np.ones(400 * 2**20, np.uint8); "
-            "from strata_jax.metrics import memory_metrics; "
-            "print(memory_metrics(devices=[])['mem/host_peak_rss_gb'])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # A process that touches 400 MiB, started by one that holds 800 MiB: its peak is at least
+    # 400 MiB and at most that plus the interpreter and numpy (~100 MiB), not the parent's (Linux's
+    # ru_maxrss carries the parent's resident set across fork + exec; pytest itself holds GBs).
+    child = ("import numpy as np; a = np.ones(400 * 2**20, np.uint8); "
+             "from strata_jax.metrics import memory_metrics; "
+             "print(memory_metrics(devices=[])['mem/host_peak_rss_gb'])")
+    parent = ("import subprocess, sys, numpy as np; big = np.ones(800 * 2**20, np.uint8); "
+              f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, "
+              "text=True, check=True).stdout)")
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True,
+                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     peak = float(out.stdout.strip().splitlines()[-1])
-    assert 400 / 1024 <= peak < 600 / 1024
+    assert 400 / 1024 <= peak < 600 / 1024, peak
 
     class Device:   # a backend's memory_stats(): the largest peak wins, a missing one is skipped
         def __init__(self, stats):
