@@ -114,7 +114,7 @@ def test_tiny_run_starts_from_a_warm_start_whose_actions_reach_scienceworld(refe
     assert meta["episodes"] == c.sft.episodes and meta["expert_success"] == 1.0
     assert meta["first_loss"] > 11.0 and meta["final_loss"] < 1.0   # ln V = 11.93 at the start
     # Iteration 1 is played by the warm start: most of its steps parse into actions that reach
-    # the simulator (measured 21.9% invalid with seed 0; the random init's outputs are ~all invalid).
+    # the simulator (measured 18.8% invalid with seed 0; the random init's outputs are ~all invalid).
     first = read_jsonl(os.path.join(c.workdir, "metrics.jsonl"))[0]
     assert first["rollout/invalid_step_frac"] < 0.5, first["rollout/invalid_step_frac"]
     trajs = [t for t in read_jsonl(os.path.join(c.workdir, "trajectories.jsonl")) if t["step"] == 1]
