@@ -251,10 +251,10 @@ def memory_metrics(devices: Iterable[Any] | None = None) -> dict[str, float]:
     kib = None
     try:
         with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    kib = float(line.split()[1])
+            kib = next((float(line.split()[1]) for line in f if line.startswith("VmHWM:")), None)
     except OSError:
+        pass
+    if kib is None:   # not Linux, or a kernel without VmHWM
         try:
             import resource
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
