@@ -123,3 +123,60 @@ def test_causal_key_blocks_equal_attention_over_every_slot(first_slot, chunk):
     p /= p.sum(-1, keepdims=True)
     ref = np.einsum("bhts,bshd->bthd", p, vv).reshape(2, t, h * dh)
     np.testing.assert_allclose(blocked[:2], ref, atol=1e-5, rtol=1e-5)
+
+
+def _remat_grad_fn(config, remat, lora=False):
+    """d/d(params) of sum(hidden * g) through `forward` with a remat policy (LoRA: d/d adapters
+    of the LoraWeight forward over a frozen base)."""
+    from strata_jax.models.lora import LoraConfig, init_lora, lora_params
+
+    def loss(p, base, tokens, positions, mask, g):
+        params = lora_params(base, p, LoraConfig(rank=4, alpha=8)) if lora else p
+        h, _ = forward(params, config, tokens, positions, mask, remat=remat, query_chunk=32)
+        return jnp.sum(h * g)
+
+    def args(key):
+        base = init_params(config, key)
+        p = base
+        if lora:   # B != 0 so the adapters change the output and get a real gradient
+            p = init_lora(config, LoraConfig(rank=4, alpha=8), key)
+            p = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(key, x.shape, x.dtype), p)
+        tokens, mask, positions = padded_batch(config.vocab_size, [64, 50, 64, 40], seed=3)
+        g = jax.random.normal(key, (4, 64, config.hidden_size))
+        return p, base, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask), g
+
+    return jax.jit(jax.grad(loss)), args
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_remat_policies_give_the_same_gradients(lora):
+    config = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+    grads = {}
+    for remat in ("none", "full", "dots"):
+        fn, args = _remat_grad_fn(config, remat, lora)
+        grads[remat] = fn(*args(jax.random.PRNGKey(0)))
+    leaves = jax.tree.leaves(grads["none"])
+    assert sum(float(jnp.abs(x).sum()) for x in leaves) > 1.0   # a real gradient
+    for remat in ("full", "dots"):
+        for a, b in zip(jax.tree.leaves(grads[remat]), leaves):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_remat_recomputes_one_layer_at_a_time():
+    """XLA's memory analysis of the remat "full" gradient: each extra layer adds about its saved
+    input [B, T, D] fp32 to the temporaries (the layers' recomputations run one at a time), not
+    its activations (an MLP output alone is [B, T, F] = 16x the input here), and no stacked copy
+    of the weights (one layer's weights are 6x its input here)."""
+    temps = {}
+    for layers in (4, 8):
+        config = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=512,
+                             num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8,
+                             tie_word_embeddings=True)
+        fn, args = _remat_grad_fn(config, "full", lora=True)
+        a = jax.eval_shape(args, jax.random.PRNGKey(0))
+        temps[layers] = fn.lower(*a).compile().memory_analysis().temp_size_in_bytes
+    layer_input = 4 * 64 * 32 * 4
+    per_layer = (temps[8] - temps[4]) / 4
+    print("temporaries", temps, "per extra layer", per_layer, "layer input", layer_input)
+    assert per_layer <= 1.5 * layer_input, (temps, layer_input)

@@ -349,34 +349,51 @@ def _decoder_layer(x: jax.Array, layer: Params, cos: jax.Array, sin: jax.Array,
     return _post_attention(x, attn, layer, config)
 
 
-def _same_structure(layers: list[Params]) -> bool:
-    """True when every layer dict has the same pytree structure and leaf shapes (stackable)."""
-    first = jax.tree.structure(layers[0])
-    shapes = [x.shape for x in jax.tree.leaves(layers[0])]
-    return all(jax.tree.structure(layer) == first
-               and [x.shape for x in jax.tree.leaves(layer)] == shapes for layer in layers[1:])
+def _remat_layer(x: jax.Array, layer: Params, cos: jax.Array, sin: jax.Array,
+                 allowed: jax.Array, config: Qwen2Config, query_chunk: int,
+                 remat: str) -> jax.Array:
+    """One decoder layer, rematerialised in the backward pass with the ``remat`` policy and
+    recomputed only once the layer above has produced its cotangent (same values as
+    `_decoder_layer`).
 
-
-def _remat_layers(x: jax.Array, layers: list[Params], cos: jax.Array, sin: jax.Array,
-                  allowed: jax.Array, config: Qwen2Config, query_chunk: int,
-                  remat: str) -> jax.Array:
-    """The decoder layers as a ``lax.scan`` over stacked weights with a checkpointed body.
-
-    An unrolled loop of checkpointed layers is not enough on XLA's CPU backend: its scheduler
-    hoists every layer's recomputation to the start of the backward pass, so all layers'
-    activations are live at once (the memory analysis of the 0.5B step was unchanged by remat).
-    The scan's backward loop recomputes one layer per iteration, so the backward holds the
-    layer inputs [L, B, T, D] plus one layer's activations. Stacking copies the layer weights
-    once per call (in the compute dtype: the same size as the cast the trainer makes anyway).
+    ``jax.checkpoint`` alone is not enough on XLA's CPU backend: a recomputation reads only the
+    saved layer input, so the scheduler is free to hoist every layer's recomputation to the
+    start of the backward pass, and all layers' activations were live at once (per-layer remat
+    saved nothing in XLA's memory analysis of the 0.5B step). An ``optimization_barrier`` does
+    not survive the CPU pipeline, so the backward (`_remat_layer_bwd`) adds ``0 * ct[:, :, :1]``
+    to the saved activations instead: a real data dependency on the cotangent. A ``lax.scan``
+    over stacked layers orders the recomputation too, but stacking copies every layer weight
+    on each call (1.4 GB for the fp32 0.5B; a frozen LoRA base included).
     """
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    return _decoder_layer(x, layer, cos, sin, allowed, config, query_chunk)
+
+
+def _remat_layer_fwd(x, layer, cos, sin, allowed, config, query_chunk, remat):
     body = jax.checkpoint(_decoder_layer, policy=REMAT_POLICIES[remat], static_argnums=(5, 6))
+    y, pullback = jax.vjp(lambda h, w: body(h, w, cos, sin, allowed, config, query_chunk),
+                          x, layer)
+    # the pullback's leaves: what the policy saved (the inputs, and for "dots" the weight-matmul
+    # outputs) and the weights; the activations are those that start with x's [B, T]
+    return y, (pullback, x.shape[:2])
 
-    def step(h, layer):
-        return body(h, layer, cos, sin, allowed, config, query_chunk), None
 
-    x, _ = jax.lax.scan(step, x, stacked)
-    return x
+def _remat_layer_bwd(config, query_chunk, remat, res, ct):
+    pullback, bt = res
+    # [B, T, 1] zeros that exist only once ct does; per row, so a batch-sharded ct needs no
+    # communication (activations keep "embed" whole, sharding.LOGICAL_RULES)
+    zero = ct[:, :, :1] * 0
+
+    def after_ct(r):
+        if jnp.issubdtype(r.dtype, jnp.floating) and r.ndim >= 2 and r.shape[:2] == bt:
+            return r + zero.reshape(bt + (1,) * (r.ndim - 2)).astype(r.dtype)
+        return r
+
+    dx, dlayer = jax.tree.map(after_ct, pullback)(ct)
+    return dx, dlayer, None, None, None
+
+
+_remat_layer = jax.custom_vjp(_remat_layer, nondiff_argnums=(5, 6, 7))
+_remat_layer.defvjp(_remat_layer_fwd, _remat_layer_bwd)
 
 
 def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: jax.Array,
@@ -401,9 +418,11 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
         each block over the keys up to its causal end (bounds the fp32 score memory of long
         prefills / training sequences and skips the masked half of the scores; same result).
         128 measured fastest on CPU for the 0.5B shape (benchmarks/layer_step.py).
-      remat: static; "none" | "full" | "dots" (`REMAT_POLICIES`): each decoder layer is a
-        ``jax.checkpoint`` with that policy, so a backward pass holds one layer's activations
-        plus the layer inputs instead of every layer's (same values). Ignored with a cache.
+      remat: static; "none" | "full" | "dots" (`REMAT_POLICIES`): each decoder layer is
+        rematerialised with that policy and recomputed only when its output cotangent exists
+        (`_remat_layer`), so a backward pass holds one layer's activations plus the layer
+        inputs instead of every layer's, and no copy of the weights (same values). Ignored
+        with a cache.
     Returns:
       hidden [B, T, D] in the param dtype; the updated cache (None without one).
     Raises:
@@ -443,13 +462,12 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
         cache_k, cache_v = cache.k, cache.v
     allowed = key_valid[:, None, :] & (key_slot[None, :] <= q_slot[:, None])[None]
 
-    if cache is None and remat != "none" and _same_structure(params["layers"]):
-        x = _remat_layers(x, params["layers"], cos, sin, allowed, config, query_chunk, remat)
-    elif cache is None:
-        block = _decoder_layer if remat == "none" else jax.checkpoint(
-            _decoder_layer, policy=REMAT_POLICIES[remat], static_argnums=(5, 6))
+    if cache is None and remat != "none":
         for layer in params["layers"]:
-            x = block(x, layer, cos, sin, allowed, config, query_chunk)
+            x = _remat_layer(x, layer, cos, sin, allowed, config, query_chunk, remat)
+    elif cache is None:
+        for layer in params["layers"]:
+            x = _decoder_layer(x, layer, cos, sin, allowed, config, query_chunk)
     else:
         for i, layer in enumerate(params["layers"]):
             q, k, v = _qkv(x, layer, cos, sin, config)
