@@ -8,7 +8,8 @@ Usage:
 Lowers and compiles `train_minibatch` (one optimizer step: forward + backward over the
 mini-batch's micro-batches, then AdamW) on abstract shapes (``jax.ShapeDtypeStruct``: the
 params are never materialised) and prints ``compiled.memory_analysis()``: argument, output,
-temporary (activations, gradients, merged weights ...) and generated-code bytes, and the
+temporary (activations, gradients, merged weights ...) and generated-code bytes (outputs
+"aliased" to donated arguments need no memory of their own: train.donate_state), and the
 temporaries per sequence token of one micro-batch (MB / token). `--model` is an HF checkpoint
 directory (only its config.json is read) or a `strata_jax.models.PRESETS` name. Figures are
 the compiler's, so they do not depend on the machine's load; compile time is printed too.
@@ -30,7 +31,7 @@ import configs.base as base  # noqa: E402
 from strata_jax.algos import KIND_ACTION, make_sample_batch  # noqa: E402
 from strata_jax.models import PRESETS, Qwen2Config, init_params  # noqa: E402
 from strata_jax.training import TrainConfig, Trainer  # noqa: E402
-from strata_jax.training.steps import train_minibatch  # noqa: E402
+from strata_jax.training.steps import _train_minibatch_donated, train_minibatch  # noqa: E402
 
 
 def model_config(spec: str) -> Qwen2Config:
@@ -68,8 +69,10 @@ def analyse(model: Qwen2Config, mode: str, remat: str, args) -> dict:
     vec = jax.ShapeDtypeStruct((batch.num_rows,), jnp.float32)
     basep = params_like if mode == "lora" else None
     t0 = time.perf_counter()
-    compiled = train_minibatch.lower(state, mb, vec, vec, vec, basep, model=model,
-                                     cfg=cfg).compile()
+    # the step train.py runs: the state donated (train.donate_state, on in the configs), so the
+    # new state reuses the old one's buffers ("aliased")
+    step = _train_minibatch_donated if cfg.donate_state else train_minibatch
+    compiled = step.lower(state, mb, vec, vec, vec, basep, model=model, cfg=cfg).compile()
     secs = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     tokens = args.micro * (args.prompt + args.response)

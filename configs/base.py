@@ -182,7 +182,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.train.adam_eps = 1e-8        # AdamW epsilon (torch's default)
     c.train.recompute_old = False  # run the old-logprob pass even on-policy (a check: same result)
     c.train.trim_padding = True    # drop all-padding columns before scoring / training (same out)
-    c.train.donate_state = False   # the optimizer step reuses the state's buffers (less memory)
+    c.train.donate_state = True    # the optimizer step reuses the state's buffers (one copy of
+                                   # params + AdamW moments less at the peak; same results)
     c.train.value_head_init_std = 0.1  # value head weights ~ N(0, std^2 / D)
 
     # --- LoRA (strata_jax/models/lora.py): rank 0 = full fine-tuning ------------------------

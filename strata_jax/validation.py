@@ -202,6 +202,7 @@ RESUME_MAY_CHANGE = (
     "env.step_timeout_s",             # only decides when a hung env counts as crashed
     "ckpt.*", "eval.*", "log.*",      # cadence of saves, evals and trajectory dumps
     "sft.cache_dir",                  # where the warm start is cached (its content is fingerprinted)
+    "train.donate_state",             # buffer reuse in the optimizer step: memory, same results
 )
 
 

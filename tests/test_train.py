@@ -305,3 +305,47 @@ def test_per_layer_remat_bounds_backward_memory():
         temps[remat] = low.compile().memory_analysis().temp_size_in_bytes
     assert temps["full"] < 0.5 * temps["none"], temps
     assert temps["full"] <= temps["dots"] <= temps["none"], temps
+
+
+def test_donated_update_equals_the_copying_one_and_reuses_the_input_state(setup):
+    """train.donate_state (on in the experiment configs): the optimizer step reuses the input
+    state's buffers (they are deleted after the call) and computes the same new state."""
+    params, trainer, state = setup
+    batch = make_batch(grpo_records(n_tasks=2, per_task=4, scores=[1, 0, 0, 1, 1, 0, 1, 1],
+                                    seed=5))
+    ref_state, ref_m = trainer.update(state, batch, params)
+    donating = Trainer(trainer.model, dataclasses.replace(trainer.cfg, donate_state=True))
+    own = jax.tree.map(jnp.copy, state)     # the fixture's state stays usable for other tests
+    new, m = donating.update(own, batch, params)
+    assert all(x.is_deleted() for x in jax.tree.leaves((own.params, own.opt_state)))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(params))   # the reference survives
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert m["train/loss"] == ref_m["train/loss"] and int(new.step) == int(state.step) + 1
+
+
+def test_exception_path_saves_nothing_when_the_marked_state_was_donated(caplog):
+    from strata_jax.training import LoopCheckpoints
+
+    class Recorder:
+        every = 0
+
+        def __init__(self):
+            self.saved = []
+
+        def save(self, state, sampler_state=None, config=None):
+            self.saved.append(jax.tree.map(np.asarray, state))
+
+    for donated in (False, True):
+        rec = Recorder()
+        with pytest.raises(RuntimeError, match="update failed"):
+            with LoopCheckpoints(rec) as saves:
+                marked = {"w": jnp.arange(3.0)}
+                saves.mark(marked, {"position": 4})
+                if donated:
+                    marked["w"].delete()     # what a donated optimizer step does to its input
+                raise RuntimeError("update failed")
+        if donated:
+            assert rec.saved == [] and "donated to the update" in caplog.text
+        else:
+            np.testing.assert_array_equal(rec.saved[0]["w"], [0.0, 1.0, 2.0])

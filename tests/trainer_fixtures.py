@@ -47,8 +47,10 @@ def train_config(algo: str = "grpo", **overrides):
     from strata_jax.training import TrainConfig
     c = base.get_base_config()
     c.algo = algo
-    # fp32 compute pinned: base.py's paper default is bf16, whose rounding swamps exact checks
-    kw = dict(lr=1e-3, mini_batch_size=8, micro_batch_size=4, remat="none", compute_dtype="float32")
+    # fp32 compute pinned: base.py's paper default is bf16, whose rounding swamps exact checks;
+    # no donation: the tests update one fixture state many times (donation: test_train.py)
+    kw = dict(lr=1e-3, mini_batch_size=8, micro_batch_size=4, remat="none", compute_dtype="float32",
+              donate_state=False)
     kw.update(overrides)
     return TrainConfig.from_config(c, **kw)
 

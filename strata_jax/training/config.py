@@ -70,7 +70,8 @@ class TrainConfig:
       trim_padding (drop all-padding prompt / response columns before scoring and training,
       widths bucketed; same result), donate_state (the optimizer step reuses the buffers of the
       state passed to `Trainer.update` / `train_on_batch`: one copy of params + moments less at
-      the peak, but the caller's state object is dead after the call).
+      the peak, but the caller's state object is dead after the call; on by default, False for
+      a caller that updates one state more than once).
     Critic: critic ("auto": what the algorithm's `ALGORITHMS` entry says: a separate model for
       ppo, a value head on the policy trunk for stapo, none otherwise), value_trunk_coef
       (STAPO: gradient of the value loss into the shared trunk is scaled by this; 0 = head
@@ -102,7 +103,7 @@ class TrainConfig:
     score_rows: int = 0
     recompute_old: bool = False
     trim_padding: bool = True
-    donate_state: bool = False
+    donate_state: bool = True
     critic: str = "auto"
     value_trunk_coef: float = 0.0
     value_head_init_std: float = 0.1

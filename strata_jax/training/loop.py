@@ -18,7 +18,9 @@ iteration began: params, optimizer, PRNG and the task sampler's position all as 
 that iteration started, so the resumed run redoes it exactly (the metrics writer drops the rows
 logged after the saved step on resume). A step already committed on disk is not saved again
 (`Checkpointer.save`), and an exception raised by the checkpointer itself (a full disk) is not
-followed by a second save attempt.
+followed by a second save attempt. With ``train.donate_state`` an error inside the update itself
+finds that state donated (its buffers reused by the optimizer step): nothing is saved then, the
+log says so, and the resume starts from the newest checkpoint on disk.
 """
 from __future__ import annotations
 
@@ -69,11 +71,23 @@ class LoopCheckpoints:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None or self._saving or self._marked is None:
             return
+        if _deleted(self._marked[0]):
+            log.error("the state this iteration started from was donated to the update "
+                      "(train.donate_state) and is gone, so nothing is saved after the error "
+                      "below: a resume restarts from the newest checkpoint on disk (set "
+                      "ckpt.every=1 to lose at most one iteration)")
+            return
         try:
             self.save(*self._marked)
         except Exception as e:  # noqa: BLE001 — the original error is the one to raise
             log.error("could not checkpoint after the error below: %s: %s",
                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+
+
+def _deleted(state: TrainState) -> bool:
+    """True when any array of `state` was deleted (donated to a jitted step)."""
+    import jax
+    return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state))
 
 
 __all__ = ["LoopCheckpoints"]
