@@ -184,6 +184,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.train.trim_padding = True    # drop all-padding columns before scoring / training (same out)
     c.train.donate_state = True    # the optimizer step reuses the state's buffers (one copy of
                                    # params + AdamW moments less at the peak; same results)
+    c.train.scan_layers = False    # remat'd layers as a lax.scan: fast compile, one stacked weight copy
     c.train.value_head_init_std = 0.1  # value head weights ~ N(0, std^2 / D)
 
     # --- LoRA (strata_jax/models/lora.py): rank 0 = full fine-tuning ------------------------

@@ -125,14 +125,15 @@ def test_causal_key_blocks_equal_attention_over_every_slot(first_slot, chunk):
     np.testing.assert_allclose(blocked[:2], ref, atol=1e-5, rtol=1e-5)
 
 
-def _remat_grad_fn(config, remat, lora=False):
+def _remat_grad_fn(config, remat, lora=False, scan=False):
     """d/d(params) of sum(hidden * g) through `forward` with a remat policy (LoRA: d/d adapters
-    of the LoraWeight forward over a frozen base)."""
+    of the LoraWeight forward over a frozen base; scan: the layers as a lax.scan)."""
     from strata_jax.models.lora import LoraConfig, init_lora, lora_params
 
     def loss(p, base, tokens, positions, mask, g):
         params = lora_params(base, p, LoraConfig(rank=4, alpha=8)) if lora else p
-        h, _ = forward(params, config, tokens, positions, mask, remat=remat, query_chunk=32)
+        h, _ = forward(params, config, tokens, positions, mask, remat=remat, query_chunk=32,
+                       scan_layers=scan)
         return jnp.sum(h * g)
 
     def args(key):
@@ -153,12 +154,15 @@ def test_remat_policies_give_the_same_gradients(lora):
     config = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
                          num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
     grads = {}
-    for remat in ("none", "full", "dots"):
-        fn, args = _remat_grad_fn(config, remat, lora)
-        grads[remat] = fn(*args(jax.random.PRNGKey(0)))
+    for remat in ("none", "full", "dots", "full_scan", "dots_scan"):
+        fn, args = _remat_grad_fn(config, remat.split("_")[0], lora, scan=remat.endswith("scan"))
+        a = args(jax.random.PRNGKey(0))
+        # the scan option really runs a scan (one body for every layer), the default does not
+        assert ("scan[" in str(jax.make_jaxpr(fn)(*a))) == remat.endswith("scan")
+        grads[remat] = fn(*a)
     leaves = jax.tree.leaves(grads["none"])
     assert sum(float(jnp.abs(x).sum()) for x in leaves) > 1.0   # a real gradient
-    for remat in ("full", "dots"):
+    for remat in ("full", "dots", "full_scan", "dots_scan"):
         for a, b in zip(jax.tree.leaves(grads[remat]), leaves):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 

@@ -207,6 +207,12 @@ def test_remat_and_bf16_options(setup):
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+    # train.scan_layers: the remat'd layers as a scan over stacked weights, same math
+    l3, g3, _, _ = accumulate_grads(p, {}, scored, adv, w, adv, model=TINY,
+                                    cfg=dataclasses.replace(cfg, remat="full", scan_layers=True))
+    np.testing.assert_allclose(float(l3), float(l0), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g3), jax.tree.leaves(g0)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
     # bf16 compute: fp32 gradients of the fp32 master params, close to the fp32 ones.
     l2, g2, _, _ = accumulate_grads(p, {}, scored, adv, w, adv, model=TINY,
                                     cfg=dataclasses.replace(cfg, compute_dtype="bfloat16"))

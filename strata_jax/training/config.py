@@ -26,8 +26,8 @@ LR_SCHEDULES = ("constant", "cosine")
 _OPTIM_FIELDS = ("lr", "critic_lr", "weight_decay", "grad_clip", "warmup_steps", "ppo_epochs",
                  "mini_batch_size", "micro_batch_size")
 _TRAIN_FIELDS = ("adam_eps", "lr_schedule", "decay_steps", "compute_dtype", "logprob_chunk",
-                 "score_rows", "recompute_old", "trim_padding", "donate_state", "critic",
-                 "value_trunk_coef", "value_head_init_std")
+                 "score_rows", "recompute_old", "trim_padding", "donate_state", "scan_layers",
+                 "critic", "value_trunk_coef", "value_head_init_std")
 
 
 def remat_policy(remat: Any) -> str:
@@ -71,7 +71,9 @@ class TrainConfig:
       widths bucketed; same result), donate_state (the optimizer step reuses the buffers of the
       state passed to `Trainer.update` / `train_on_batch`: one copy of params + moments less at
       the peak, but the caller's state object is dead after the call; on by default, False for
-      a caller that updates one state more than once).
+      a caller that updates one state more than once), scan_layers (with remat, the decoder
+      layers of the gradient pass as a ``lax.scan`` over stacked weights: compiles much faster
+      on deep models, one stacked weight copy more per step; same values).
     Critic: critic ("auto": what the algorithm's `ALGORITHMS` entry says: a separate model for
       ppo, a value head on the policy trunk for stapo, none otherwise), value_trunk_coef
       (STAPO: gradient of the value loss into the shared trunk is scaled by this; 0 = head
@@ -104,6 +106,7 @@ class TrainConfig:
     recompute_old: bool = False
     trim_padding: bool = True
     donate_state: bool = True
+    scan_layers: bool = False
     critic: str = "auto"
     value_trunk_coef: float = 0.0
     value_head_init_std: float = 0.1

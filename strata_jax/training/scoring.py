@@ -41,14 +41,15 @@ def cast_params(params: Params, dtype: str) -> Params:
 
 def response_states(params: Params, model: Qwen2Config, prompt_ids: jax.Array,
                     prompt_mask: jax.Array, response_ids: jax.Array, response_mask: jax.Array,
-                    *, remat: str = "none", compute_dtype: str = "float32"
-                    ) -> tuple[jax.Array, jax.Array]:
+                    *, remat: str = "none", compute_dtype: str = "float32",
+                    scan_layers: bool = False) -> tuple[jax.Array, jax.Array]:
     """Hidden states that score the response, and the state at the last response token.
 
     Args:
       params, model: the decoder. prompt_ids/prompt_mask [B, Tp] (left-padded),
       response_ids/response_mask [B, Tr] (right-padded); remat: "none" | "full" | "dots"
-      (per decoder layer, `qwen2.forward`);
+      (per decoder layer, `qwen2.forward`); scan_layers: those layers as a scan over stacked
+      weights (`qwen2.forward`);
       compute_dtype: params are cast to it for the forward.
     Returns:
       hidden [B, Tr, D]: hidden[:, j] is the state whose next-token distribution scores
@@ -59,7 +60,8 @@ def response_states(params: Params, model: Qwen2Config, prompt_ids: jax.Array,
     """
     p = cast_params(params, compute_dtype)
     tokens, mask, positions = sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-    hidden, _ = forward(p, model, tokens, positions, mask, remat=remat)
+    hidden, _ = forward(p, model, tokens, positions, mask, remat=remat,
+                        scan_layers=scan_layers)
     tp, tr = prompt_ids.shape[1], response_ids.shape[1]
     resp = jax.lax.slice_in_dim(hidden, tp - 1, tp - 1 + tr, axis=1)
     n = jnp.sum(response_mask.astype(jnp.int32), axis=1)

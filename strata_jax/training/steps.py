@@ -167,7 +167,8 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
     """
     params = effective_params(params, base, cfg)
     h, last = response_states(params, model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                              mb.response_mask, remat=cfg.remat, compute_dtype=cfg.compute_dtype)
+                              mb.response_mask, remat=cfg.remat, compute_dtype=cfg.compute_dtype,
+                              scan_layers=cfg.scan_layers)
     lp, ent = response_logprobs(params, model, h, mb.response_ids, mb.response_mask,
                                 temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
                                 compute_dtype=cfg.compute_dtype)
@@ -186,7 +187,8 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
             trunk = effective_params(critic_params["trunk"], base, cfg)
             _, hv = response_states(trunk, model, mb.prompt_ids, mb.prompt_mask,
                                     mb.response_ids, mb.response_mask,
-                                    remat=cfg.remat, compute_dtype=cfg.compute_dtype)
+                                    remat=cfg.remat, compute_dtype=cfg.compute_dtype,
+                              scan_layers=cfg.scan_layers)
         v = value_from_hidden(critic_params["head"], hv)
         vmask = mb.valid & (mb.kind == KIND_ACTION)
         vl, vm = value_loss(v, mb.values, targets, vmask, config=cfg.loss, sample_weights=w,
