@@ -203,6 +203,7 @@ RESUME_MAY_CHANGE = (
     "ckpt.*", "eval.*", "log.*",      # cadence of saves, evals and trajectory dumps
     "sft.cache_dir",                  # where the warm start is cached (its content is fingerprinted)
     "train.donate_state",             # buffer reuse in the optimizer step: memory, same results
+    "train.scan_layers",              # layers as a scan or unrolled: compile time, same math
 )
 
 
