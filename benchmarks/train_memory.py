@@ -5,9 +5,9 @@ Usage:
     python benchmarks/train_memory.py --model /path/to/hf_dir --rows 16 --prompt 768 --response 64
     python benchmarks/train_memory.py --modes lora --remat none full dots
 
-Lowers and compiles `train_minibatch` (one optimizer step: forward + backward over the
-mini-batch's micro-batches, then AdamW) on abstract shapes (``jax.ShapeDtypeStruct``: the
-params are never materialised) and prints ``compiled.memory_analysis()``: argument, output,
+Lowers and compiles the trainer's `minibatch_step` (one optimizer step: forward + backward
+over the mini-batch's micro-batches, then AdamW) on abstract shapes
+(``jax.ShapeDtypeStruct``: the params are never materialised) and prints ``compiled.memory_analysis()``: argument, output,
 temporary (activations, gradients, merged weights ...) and generated-code bytes (outputs
 "aliased" to donated arguments need no memory of their own: train.donate_state), and the
 temporaries per sequence token of one micro-batch (MB / token). `--model` is an HF checkpoint
@@ -31,7 +31,7 @@ import configs.base as base  # noqa: E402
 from strata_jax.algos import KIND_ACTION, make_sample_batch  # noqa: E402
 from strata_jax.models import PRESETS, Qwen2Config, init_params  # noqa: E402
 from strata_jax.training import TrainConfig, Trainer  # noqa: E402
-from strata_jax.training.steps import _train_minibatch_donated, train_minibatch  # noqa: E402
+from strata_jax.training.steps import minibatch_step  # noqa: E402
 
 
 def model_config(spec: str) -> Qwen2Config:
@@ -71,8 +71,8 @@ def analyse(model: Qwen2Config, mode: str, remat: str, args) -> dict:
     t0 = time.perf_counter()
     # the step train.py runs: the state donated (train.donate_state, on in the configs), so the
     # new state reuses the old one's buffers ("aliased")
-    step = _train_minibatch_donated if cfg.donate_state else train_minibatch
-    compiled = step.lower(state, mb, vec, vec, vec, basep, model=model, cfg=cfg).compile()
+    compiled = minibatch_step(cfg).lower(state, mb, vec, vec, vec, basep, model=model,
+                                         cfg=cfg).compile()
     secs = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     tokens = args.micro * (args.prompt + args.response)

@@ -166,9 +166,9 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
     Returns (scalar f32, metrics dict of scalars).
     """
     params = effective_params(params, base, cfg)
+    run = dict(remat=cfg.remat, compute_dtype=cfg.compute_dtype, scan_layers=cfg.scan_layers)
     h, last = response_states(params, model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                              mb.response_mask, remat=cfg.remat, compute_dtype=cfg.compute_dtype,
-                              scan_layers=cfg.scan_layers)
+                              mb.response_mask, **run)
     lp, ent = response_logprobs(params, model, h, mb.response_ids, mb.response_mask,
                                 temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
                                 compute_dtype=cfg.compute_dtype)
@@ -186,9 +186,7 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
         else:
             trunk = effective_params(critic_params["trunk"], base, cfg)
             _, hv = response_states(trunk, model, mb.prompt_ids, mb.prompt_mask,
-                                    mb.response_ids, mb.response_mask,
-                                    remat=cfg.remat, compute_dtype=cfg.compute_dtype,
-                              scan_layers=cfg.scan_layers)
+                                    mb.response_ids, mb.response_mask, **run)
         v = value_from_hidden(critic_params["head"], hv)
         vmask = mb.valid & (mb.kind == KIND_ACTION)
         vl, vm = value_loss(v, mb.values, targets, vmask, config=cfg.loss, sample_weights=w,
@@ -331,5 +329,12 @@ non-finite step was skipped), tokens, and the token-mean loss metrics of `ppo_lo
 """
 
 
+def minibatch_step(cfg: TrainConfig):
+    """The jitted optimizer step `Trainer.train_on_batch` runs for `cfg`: `train_minibatch`,
+    with the state's buffers donated when cfg.donate_state (same arguments and results; the
+    input state is deleted by the call)."""
+    return _train_minibatch_donated if cfg.donate_state else train_minibatch
+
+
 __all__ = ["effective_params", "score_batch", "advantages", "gather_rows", "micro_loss",
-           "accumulate_grads", "train_minibatch"]
+           "accumulate_grads", "train_minibatch", "minibatch_step"]

@@ -45,8 +45,7 @@ from strata_jax.training.batching import minibatch_plan, num_minibatches, trim_p
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
 from strata_jax.training.state import TrainState, create_train_state, make_optimizer
-from strata_jax.training.steps import (_train_minibatch_donated, advantages, gather_rows,
-                                       score_batch, train_minibatch)
+from strata_jax.training.steps import advantages, gather_rows, minibatch_step, score_batch
 
 Params = dict[str, Any]
 log = logging.getLogger(__name__)
@@ -242,7 +241,7 @@ class Trainer:
                                                 cfg.micro_batch_size, rng):
                     mb, a, w, t = gather_rows(batch, adv, weights, targets, jnp.asarray(idx),
                                               jnp.asarray(real))
-                    step = _train_minibatch_donated if cfg.donate_state else train_minibatch
+                    step = minibatch_step(cfg)   # train_minibatch, state donated or not
                     state, m = step(state, mb, a, w, t, base if self.lora else None,
                                     model=self.model, cfg=cfg, on_policy=on_policy)
                     out.append(m)
