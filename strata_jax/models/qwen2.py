@@ -356,6 +356,11 @@ def _remat_layer(x: jax.Array, layer: Params, cos: jax.Array, sin: jax.Array,
     recomputed only once the layer above has produced its cotangent (same values as
     `_decoder_layer`).
 
+    Args: x [B, T, D] layer input; layer: one layer's params (arrays or `LoraWeight`s); cos,
+    sin [B, T, Dh] f32 RoPE tables; allowed [B, T, T] bool; static config, query_chunk, remat
+    ("full" | "dots", `REMAT_POLICIES`). Returns [B, T, D] in x's dtype. Differentiable in x and
+    layer (the RoPE tables and the mask get no cotangent).
+
     ``jax.checkpoint`` alone is not enough on XLA's CPU backend: a recomputation reads only the
     saved layer input, so the scheduler is free to hoist every layer's recomputation to the
     start of the backward pass, and all layers' activations were live at once (per-layer remat
@@ -369,6 +374,8 @@ def _remat_layer(x: jax.Array, layer: Params, cos: jax.Array, sin: jax.Array,
 
 
 def _remat_layer_fwd(x, layer, cos, sin, allowed, config, query_chunk, remat):
+    """Forward: the layer linearised under ``jax.checkpoint(policy)``; the residual is its
+    pullback (what the policy saved) and x's leading [B, T]."""
     body = jax.checkpoint(_decoder_layer, policy=REMAT_POLICIES[remat], static_argnums=(5, 6))
     y, pullback = jax.vjp(lambda h, w: body(h, w, cos, sin, allowed, config, query_chunk),
                           x, layer)
@@ -378,6 +385,9 @@ def _remat_layer_fwd(x, layer, cos, sin, allowed, config, query_chunk, remat):
 
 
 def _remat_layer_bwd(config, query_chunk, remat, res, ct):
+    """Backward: every saved activation (a float leaf starting with [B, T]) gets + 0 * ct, then
+    the pullback recomputes the layer. Adding zero changes no value (a non-finite ct already
+    makes the gradient non-finite); a weight that happens to start with [B, T] is only copied."""
     pullback, bt = res
     # [B, T, 1] zeros that exist only once ct does; per row, so a batch-sharded ct needs no
     # communication (activations keep "embed" whole, sharding.LOGICAL_RULES)
@@ -455,7 +465,8 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
         with a cache.
       scan_layers: static; with remat, run the layers as a ``lax.scan`` over stacked weights
         instead (`_remat_layers`: compiles once per body, much faster on deep models, but
-        copies the layer weights on each call). Same values.
+        copies the layer weights on each call). Same values. Layers of different structure
+        (LoRA on some layers only) cannot be stacked: they run unrolled as without it.
     Returns:
       hidden [B, T, D] in the param dtype; the updated cache (None without one).
     Raises:
