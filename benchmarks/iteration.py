@@ -124,19 +124,16 @@ def jax_update_worker(args) -> dict:
     timed(grads)
     fb = [timed(grads)[1] for _ in range(args.repeats)]
     t_update, t_fb = statistics.median(totals), statistics.median(fb)
+    # the rest of the update is the optimizer; when the separately timed parts add up to more,
+    # its share is below the run-to-run noise: not a measurable figure (None)
+    rest = t_update - t_fb - (t_ref if use_ref else 0.0)
     return {"tokens": tokens, "update_s": t_update, "update_runs": totals,
             "ref_pass_s": t_ref if use_ref else 0.0, "fwd_bwd_s": t_fb, "fwd_bwd_runs": fb,
-            # the rest of the update; None when the separately timed parts add up to more (the
-            # optimizer's share is below the run-to-run noise then: not a measurable figure)
-            "optimizer_s": _rest(t_update - t_fb - (t_ref if use_ref else 0.0)),
+            "optimizer_s": rest if rest > 0 else None,
             "warmup_s": warm, "compiles_warmup": n_warm,
             "compiles_after_warmup": n_after_update - n_warm,
             "rss_gb": _rss_gb(), "rss_loaded_gb": rss_loaded, "load": _load(),
             "base_dtype": base_dtype}
-
-
-def _rest(seconds: float) -> float | None:
-    return seconds if seconds > 0 else None
 
 
 def _seconds(value: float | None) -> str:

@@ -176,6 +176,37 @@ class _InterruptAt:
         return self.trainer.update(state, batch, ref_params)
 
 
+def test_exception_path_saves_nothing_when_the_marked_state_was_donated(caplog):
+    """train.donate_state: the pre-update state the exception path would save is gone; nothing
+    is saved and the log says why (a live marked state is saved as before)."""
+    import jax.numpy as jnp
+
+    from strata_jax.training import LoopCheckpoints
+
+    class Recorder:
+        every = 0
+
+        def __init__(self):
+            self.saved = []
+
+        def save(self, state, sampler_state=None, config=None):
+            self.saved.append(jax.tree.map(np.asarray, state))
+
+    for donated in (False, True):
+        rec = Recorder()
+        with pytest.raises(RuntimeError, match="update failed"):
+            with LoopCheckpoints(rec) as saves:
+                marked = {"w": jnp.arange(3.0)}
+                saves.mark(marked, {"position": 4})
+                if donated:
+                    marked["w"].delete()     # what a donated optimizer step does to its input
+                raise RuntimeError("update failed")
+        if donated:
+            assert rec.saved == [] and "donated to the update" in caplog.text
+        else:
+            np.testing.assert_array_equal(rec.saved[0]["w"], [0.0, 1.0, 2.0])
+
+
 def _ten_tasks():
     from envs_bridge import Task
     return [Task("memory_key", f"t{i}", i) for i in range(10)]

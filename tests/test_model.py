@@ -182,5 +182,4 @@ def test_remat_recomputes_one_layer_at_a_time():
         temps[layers] = fn.lower(*a).compile().memory_analysis().temp_size_in_bytes
     layer_input = 4 * 64 * 32 * 4
     per_layer = (temps[8] - temps[4]) / 4
-    print("temporaries", temps, "per extra layer", per_layer, "layer input", layer_input)
-    assert per_layer <= 1.5 * layer_input, (temps, layer_input)
+    assert per_layer <= 1.5 * layer_input, (temps, per_layer, layer_input)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import jax
+
 from strata_jax.training.checkpoint import Checkpointer
 from strata_jax.training.state import TrainState
 
@@ -86,7 +88,6 @@ class LoopCheckpoints:
 
 def _deleted(state: TrainState) -> bool:
     """True when any array of `state` was deleted (donated to a jitted step)."""
-    import jax
     return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state))
 
 
