@@ -13,6 +13,9 @@ Parts (each runs in its own subprocess so peak RSS is per part; results are cach
               AdamW): update tokens/s of both and their ratio, peak RSS, and XLA compilations
               after warm-up. LoRA (all linear layers, rank --rank; torch: the same low-rank
               adapters hand-written, PEFT is not needed) and full fine-tuning (--modes).
+  grouping    `Trainer.update` with train.group_by_length on and off in one process, on rows
+              with the prompt / output lengths of a real run's trajectories (--lengths-from):
+              update seconds of both, their token fill (real / computed tokens), compilations.
   iteration   one real iteration of `train.py` (ScienceWorld :tiny variant, the real model,
               --algos strata grpo): rollout wall time, sampler seconds, env wait, sampled
               tokens, update seconds and compilations read from the run's metrics.jsonl.
@@ -20,6 +23,8 @@ Parts (each runs in its own subprocess so peak RSS is per part; results are cach
     python benchmarks/iteration.py --model /path/qwen05-hf                 # all parts
     python benchmarks/iteration.py --model /path/qwen05-hf --part update --modes lora
     python benchmarks/iteration.py --model /path/qwen05-hf --part iteration --algos grpo
+    python benchmarks/iteration.py --model /path/qwen05-hf --part grouping --modes lora \
+        --lengths-from runs/bench_iteration/run_strata_lora/trajectories.jsonl
 
 --model is an HF checkpoint directory (or, where the checkout's loader reads GGUF, a .gguf
 path). Nothing here asserts a timing; on a shared machine print the load (it is printed).
@@ -134,6 +139,91 @@ def jax_update_worker(args) -> dict:
             "compiles_after_warmup": n_after_update - n_warm,
             "rss_gb": _rss_gb(), "rss_loaded_gb": rss_loaded, "load": _load(),
             "base_dtype": base_dtype}
+
+
+def row_lengths(path: str, rows: int) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) of `rows` step rows of a run's trajectories.jsonl (the
+    last iteration in it; the rows spread evenly over its sorted lengths, so the mix is kept)."""
+    recs = [json.loads(x) for x in open(path)]
+    last = max(r["step"] for r in recs)
+    lens = sorted((s["prompt_tokens"], max(1, s["output_tokens"]))
+                  for r in recs if r["step"] == last for s in r["steps"])
+    if not lens:
+        raise SystemExit(f"{path}: no step rows with prompt_tokens (a run from before they were "
+                         f"recorded?)")
+    if rows >= len(lens):
+        return lens
+    return [lens[int(i * len(lens) / rows)] for i in range(rows)]
+
+
+def jax_grouping_worker(args) -> dict:
+    """Trainer.update with train.group_by_length on and off, same process, same batch: rows
+    with the prompt / output lengths of a real run (`row_lengths`), random token ids."""
+    import jax
+    import numpy as np
+
+    import configs.base as base
+    from strata_jax.algos import KIND_ACTION, make_sample_batch
+    from strata_jax.metrics import CompileCounter
+    from strata_jax.models import load_checkpoint
+    from strata_jax.training import TrainConfig, Trainer
+
+    compiles = CompileCounter.install()
+    model, params = load_checkpoint(args.model, dtype=jax.numpy.dtype(args.base_dtype))
+    lens = row_lengths(args.lengths_from, args.rows)
+    rng = np.random.default_rng(0)
+    recs = [dict(prompt_ids=rng.integers(1000, 100000, p), response_ids=rng.integers(1000, 100000, r),
+                 task_id=i // 4, trajectory_id=i % 4, kind=KIND_ACTION,
+                 score=float(i % 2), step_reward=0.0) for i, (p, r) in enumerate(lens)]
+    batch = make_sample_batch(recs, row_multiple=args.micro)
+    c = base.get_base_config()
+    c.algo = "grpo"
+    if args.mode == "lora":
+        c.lora.rank = args.rank
+    out = {"rows": len(lens), "lengths": lens, "real_tokens": int(sum(p + r for p, r in lens)),
+           "width": [int(batch.prompt_ids.shape[1]), int(batch.response_ids.shape[1])],
+           "load_start": _load()}
+    for grouped in (True, False):
+        cfg = TrainConfig.from_config(c, mini_batch_size=64, micro_batch_size=args.micro,
+                                      remat=args.remat, compute_dtype=args.dtype,
+                                      donate_state=True, group_by_length=grouped,
+                                      scan_layers=args.scan_layers)
+        trainer = Trainer(model, cfg)
+        state = trainer.init_state(params, jax.random.PRNGKey(1))
+        t = time.perf_counter()
+        state, m = trainer.update(state, batch, ref_params=params)
+        jax.block_until_ready(state)
+        warm, n_warm = time.perf_counter() - t, compiles.count
+        runs = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            state, m = trainer.update(state, batch, ref_params=params)
+            jax.block_until_ready(state)
+            runs.append(time.perf_counter() - t)
+        out["grouped" if grouped else "one_width"] = {
+            "update_s": statistics.median(runs), "runs": runs, "warmup_s": warm,
+            "compiles_warmup": n_warm, "compiles_after_warmup": compiles.count - n_warm,
+            "token_fill": m["perf/update_token_fill"], "load": _load()}
+        del state, trainer
+    out["rss_gb"] = _rss_gb()
+    return out
+
+
+def report_grouping(r: dict) -> None:
+    print("\n=== update, train.group_by_length on / off (same process, same batch) ===")
+    if "error" in r:
+        print(r["error"])
+        return
+    print(f"{r['rows']} rows, {r['real_tokens']} real tokens, batch width "
+          f"{r['width'][0]} + {r['width'][1]}; lengths {r['lengths']}")
+    for name in ("grouped", "one_width"):
+        g = r[name]
+        print(f"{name:9s}: update {g['update_s']:7.1f} s = {r['real_tokens'] / g['update_s']:5.0f} "
+              f"real tok/s | token fill {g['token_fill']:.2f} | warm-up {g['warmup_s']:.0f} s "
+              f"({g['compiles_warmup']} compiles so far), {g['compiles_after_warmup']} after | "
+              f"load {g['load']}")
+    print(f"speed-up of grouping: {r['one_width']['update_s'] / r['grouped']['update_s']:.2f}x; "
+          f"peak RSS {r['rss_gb']:.2f} GB")
 
 
 def _seconds(value: float | None) -> str:
@@ -255,6 +345,10 @@ def _spawn(worker: str, args, **kw) -> dict:
            "--response", str(args.response), "--rank", str(args.rank), "--dtype", args.dtype,
            "--remat", args.remat, "--micro", str(args.micro), "--repeats", str(args.repeats),
            "--base-dtype", args.base_dtype, f"--sampler-dtype={args.sampler_dtype}"]
+    if args.lengths_from:
+        cmd += ["--lengths-from", args.lengths_from]
+    if args.scan_layers:
+        cmd += ["--scan-layers"]
     for k, v in kw.items():
         cmd += [f"--{k}", str(v)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -298,7 +392,7 @@ def report_update(mode: str, jx: dict, th: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF checkpoint dir (or .gguf where supported)")
-    p.add_argument("--part", default="all", choices=("all", "update", "iteration"))
+    p.add_argument("--part", default="all", choices=("all", "update", "iteration", "grouping"))
     p.add_argument("--modes", nargs="+", default=["lora", "full"], choices=("lora", "full"))
     p.add_argument("--algos", nargs="+", default=["strata", "grpo"])
     p.add_argument("--frameworks", nargs="+", default=["jax", "torch"])
@@ -315,6 +409,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--base-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="dtype of the frozen LoRA base in the strata-jax run (torch keeps fp32)")
+    p.add_argument("--lengths-from", default="",
+                   help="grouping part: a run's trajectories.jsonl whose step rows give the "
+                        "prompt / output lengths (e.g. --part iteration's run_strata_lora/)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="grouping part: train.scan_layers (faster compiles, same math)")
     p.add_argument("--out", default="runs/bench_iteration")
     p.add_argument("--force", action="store_true", help="re-run parts cached in --out")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -323,7 +422,7 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         fn = {"jax": jax_update_worker, "torch": torch_update_worker,
-              "iteration": iteration_worker}[args.worker]
+              "iteration": iteration_worker, "grouping": jax_grouping_worker}[args.worker]
         print("RESULT " + json.dumps(fn(args)), flush=True)
         return
     os.makedirs(args.out, exist_ok=True)
@@ -339,6 +438,13 @@ def main() -> None:
                                   lambda: _spawn(fw, args, mode=mode))
             report_update(mode, res.get("jax", {"error": "not run"}),
                           res.get("torch", {"error": "not run"}))
+    if args.part == "grouping":
+        if not args.lengths_from:
+            raise SystemExit("--part grouping needs --lengths-from <run>/trajectories.jsonl")
+        for mode in args.modes:
+            r = _cached(args, f"grouping_{mode}_{args.dtype}",
+                        lambda: _spawn("grouping", args, mode=mode))
+            report_grouping(r)
     if args.part in ("all", "iteration"):
         for algo in args.algos:
             for mode in args.modes:

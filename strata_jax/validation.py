@@ -204,6 +204,7 @@ RESUME_MAY_CHANGE = (
     "sft.cache_dir",                  # where the warm start is cached (its content is fingerprinted)
     "train.donate_state",             # buffer reuse in the optimizer step: memory, same results
     "train.scan_layers",              # layers as a scan or unrolled: compile time, same math
+    "train.group_by_length",          # micro-batch widths: speed, same sums (float order aside)
 )
 
 

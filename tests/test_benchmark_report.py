@@ -203,3 +203,27 @@ def test_run_cells_table_reads_only_the_cache(tmp_path):
     assert run_cells(str(tmp_path), [("a", "A"), ("b", "B")], False, run) == \
         [{"cell": "A"}, {"cell": "B"}]
     assert ran == ["A", "B"]
+
+
+def test_grouping_benchmark_row_lengths_keep_the_mix(tmp_path):
+    """iteration.py --part grouping: the step rows of a run's last iteration, spread evenly
+    over the sorted lengths when fewer rows are asked for."""
+    import json
+
+    from benchmarks.iteration import row_lengths
+
+    def episode(step, lens):
+        return {"step": step, "steps": [{"prompt_tokens": p, "output_tokens": o} for p, o in lens]}
+
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in (
+        episode(1, [(900, 5)]),                                    # an earlier iteration
+        episode(2, [(400, 7), (620, 0), (1000, 30)]),
+        episode(2, [(410, 9), (700, 12), (980, 16)]))) + "\n")
+    # output 0 (an empty generation) still trains one token: the row has length >= 1
+    assert row_lengths(str(path), 10) == [(400, 7), (410, 9), (620, 1), (700, 12), (980, 16),
+                                          (1000, 30)]
+    assert row_lengths(str(path), 3) == [(400, 7), (620, 1), (980, 16)]
+    path.write_text(json.dumps({"step": 1, "steps": []}) + "\n")
+    with pytest.raises(SystemExit, match="no step rows"):
+        row_lengths(str(path), 3)

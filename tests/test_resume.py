@@ -19,6 +19,7 @@ MAY_CHANGE = {"workdir", "iterations", "env.num_workers", "env.step_timeout_s", 
               "eval.split", "eval.temperature", "eval.max_tasks", "eval.episodes_per_family",
               "eval.strategy_samples", "eval.strategy_choice", "eval.probe_steps",
               "log.dump_trajectories", "train.donate_state", "train.scan_layers",
+              "train.group_by_length",
               "distributed.coordinator_address", "distributed.num_processes",
               "distributed.process_id", "distributed.local_device_ids",
               "distributed.initialization_timeout_s"}

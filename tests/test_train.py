@@ -328,3 +328,102 @@ def test_donated_update_equals_the_copying_one_and_reuses_the_input_state(setup)
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref_state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert m["train/loss"] == ref_m["train/loss"] and int(new.step) == int(state.step) + 1
+
+
+def test_length_grouped_micro_batches_sort_rows_and_size_each_width():
+    from strata_jax.training.batching import length_grouped_micro_batches, row_widths
+    # 6 rows; prompts left-padded in 40 columns, responses right-padded in 16.
+    need = [(30, 4), (3, 2), (12, 9), (40, 1), (5, 16), (3, 3)]
+    pm = np.zeros((6, 40), bool)
+    rm = np.zeros((6, 16), bool)
+    for r, (p, q) in enumerate(need):
+        pm[r, 40 - p:] = True
+        rm[r, :q] = True
+    rm[1, 0] = False                  # a hole: the width still reaches the last response token
+    need_p, need_r = row_widths(pm, rm)
+    np.testing.assert_array_equal(need_p, [30, 3, 12, 40, 5, 3])
+    np.testing.assert_array_equal(need_r, [4, 2, 9, 1, 16, 3])
+    # mini-batch: rows 5, 0, 2, 3, 1 (real) + one padding entry; micro-batches of 2
+    idx = np.array([5, 0, 2, 3, 1, 0])
+    real = np.array([True, True, True, True, True, False])
+    plan = length_grouped_micro_batches(idx, real, need_p, need_r, 2, 40, 16)
+    # lengths 6, 34, 21, 41, 5 -> order 3 (41), 0 (34), 2 (21), 5 (6), 1 (5), padding
+    assert [p[0].tolist() for p in plan] == [[3, 0], [2, 5], [1, 0]]
+    assert [p[1].tolist() for p in plan] == [[True, True], [True, True], [True, False]]
+    # widths: bucket_size of the longest real row, multiples of 8, capped at (40, 16)
+    assert [p[2] for p in plan] == [(40, 8), (16, 16), (8, 8)]
+    # micro-batches of padding entries only are left out
+    only_pad = length_grouped_micro_batches(idx, np.array([1, 1, 0, 0, 0, 0], bool), need_p,
+                                            need_r, 2, 40, 16)
+    assert [p[0].tolist() for p in only_pad] == [[0, 5]]
+    with pytest.raises(ValueError, match="multiple of micro_batch_size"):
+        length_grouped_micro_batches(idx[:5], real[:5], need_p, need_r, 2, 40, 16)
+
+
+@pytest.mark.parametrize("algo,epochs", [("grpo", 1), ("stapo", 2)])
+def test_group_by_length_update_equals_the_scan_update(setup, algo, epochs):
+    """train.group_by_length: micro-batches of rows of similar length, each at its own width,
+    give the update of the one-width scan (same new params and metrics up to float summation
+    order) while computing fewer padded tokens (perf/update_token_fill, hand-computed)."""
+    from tests.sampler_fixtures import compile_counter
+    counter = compile_counter()
+    params = setup[0]
+    # 8 one-step episodes: 4 with 30-token prompts, 4 with 3-token ones, 4-token responses.
+    recs = grpo_records(n_tasks=2, per_task=4, seed=11, scores=[1, 0, 0, 1, 1, 0, 1, 1])
+    rng = np.random.default_rng(0)
+    for i, r in enumerate(recs):
+        r["prompt_ids"] = rng.integers(1, TINY.vocab_size, 30 if i % 2 else 3)
+        r["response_ids"] = rng.integers(1, TINY.vocab_size, 4)
+    batch = make_batch(recs)
+    # dropout 0: the critic's value-std passes draw their masks per scoring chunk
+    cfg = train_config(algo, ppo_epochs=epochs, dropout=0.0)
+    grouped, scan = Trainer(TINY, cfg), Trainer(TINY, dataclasses.replace(cfg, group_by_length=False))
+    state = grouped.init_state(params, jax.random.PRNGKey(1))
+    # move the policy off the reference so the KL, the ratios and the clipping are all active
+    state = state.replace(params=jax.tree.map(
+        lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(2), x.shape), state.params))
+    a, ma = grouped.update(state, batch, params)
+    b, mb = scan.update(state, batch, params)
+    # AdamW's first step is ~lr * sign(g) per weight, so a near-zero gradient entry summed in
+    # another order can move by a few 1e-6 (lr 1e-3): 1% of a step is the tolerance; the
+    # gradients themselves are compared through grad_norm and the loss metrics below.
+    for x, y in zip(jax.tree.leaves(tree_to_numpy(a)), jax.tree.leaves(tree_to_numpy(b))):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        if k != "perf/update_token_fill":
+            np.testing.assert_allclose(ma[k], mb[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    assert mb["train/kl"] > 0 and ma["optimizer_steps"] == epochs
+    # Prompt columns 32 (bucket of 30), response 8: rows need 34 or 7 tokens. Grouped: one
+    # micro-batch of 4 at (32, 8), one at (8, 8) = 160 + 64; scan: two of 4 at 40 = 320.
+    assert ma["perf/update_token_fill"] == pytest.approx((4 * 34 + 4 * 7) / 224)
+    assert mb["perf/update_token_fill"] == pytest.approx((4 * 34 + 4 * 7) / 320)
+    # warm: the same shapes compile nothing more
+    before = counter.count
+    grouped.update(state, batch, params)
+    assert counter.count == before
+
+
+@pytest.mark.parametrize("algo", ["ppo", "stapo"])
+def test_group_by_length_scoring_equals_the_scan_scoring(setup, algo):
+    """The scoring passes (old logprobs, reference logprobs, critic values) in length-grouped
+    chunks at their own widths give the one-width lax.map's scores."""
+    params = setup[0]
+    recs = grpo_records(n_tasks=3, per_task=4, seed=4, prompt_len=(2, 40), resp_len=(1, 12),
+                        strategies=2)
+    batch = make_batch(recs)
+    cfg = train_config(algo, dropout=0.0, score_rows=4)
+    grouped, scan = Trainer(TINY, cfg), Trainer(TINY, dataclasses.replace(cfg, group_by_length=False))
+    state = grouped.init_state(params, jax.random.PRNGKey(3))
+    state = state.replace(params=jax.tree.map(
+        lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(2), x.shape), state.params))
+    a = grouped.score(state, batch, params, jax.random.PRNGKey(0))
+    b = scan.score(state, batch, params, jax.random.PRNGKey(0))
+    valid = np.asarray(b.valid)
+    assert valid.sum() == 14 and np.abs(np.asarray(b.ref_logprobs)[valid]).sum() > 0
+    for f in ("old_logprobs", "ref_logprobs", "values", "value_std"):
+        np.testing.assert_allclose(np.asarray(getattr(a, f))[valid],
+                                   np.asarray(getattr(b, f))[valid], rtol=1e-5, atol=1e-5,
+                                   err_msg=f)
+    assert np.abs(np.asarray(a.values)[valid]).sum() > 0
+    np.testing.assert_array_equal(np.asarray(a.values)[~valid], 0.0)

@@ -61,6 +61,11 @@ def test_dump_separates_raw_and_parsed_strategy_and_marks_env_rejections(records
     assert (s3["action"], s3["invalid"], s3["env_rejected"]) == ("go north", False, False)
     assert s3["feedback"] == rec["final_observation"]
     assert rec["env_rejected_steps"] == 1
+    # token counts: the prompts the policy saw, the sampled ids (stop token included)
+    for s, st in zip((s1, s2, s3), records.trajectories[0].steps):
+        assert s["prompt_tokens"] == len(st.prompt.ids) > 0
+        assert s["output_tokens"] == len(st.generation.token_ids) > 0
+    assert s2["prompt_tokens"] > s1["prompt_tokens"]   # step 2 shows step 1 as history
     assert records.stats["rollout/env_rejected_frac"] == pytest.approx(1 / 3)
     assert records.stats["rollout/invalid_step_frac"] == pytest.approx(1 / 3)
     assert records.stats["rollout/ambiguous_resolved_frac"] == 0.0

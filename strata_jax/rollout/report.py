@@ -27,7 +27,9 @@ def dump_trajectories(trajectories: Sequence[Trajectory],
     (the model's raw text), action (the parsed action sent; None when `invalid`), invalid (the
     output failed the action format or hit the token limit: nothing was sent), env_rejected
     (`env_rejected`), feedback (the env's answer to the action), reward, judge_flag,
-    ambiguous_resolved (ScienceWorld's option-0 choice of an ambiguous command, else None).
+    ambiguous_resolved (ScienceWorld's option-0 choice of an ambiguous command, else None),
+    prompt_tokens / output_tokens (the step prompt's and the generation's token counts: what
+    the update's rows are made of).
     With strategy revision (docs/method.md §5.9), an episode that revised also has revisions:
     one dict per revision: step (steps taken before it), trigger ("every" / "stuck"), output
     (the raw text), strategy (the plan in force afterwards), format_ok.
@@ -45,7 +47,9 @@ def dump_trajectories(trajectories: Sequence[Trajectory],
             steps.append(dict(observation=s.observation, output=s.output_text, action=s.action,
                               invalid=s.invalid, env_rejected=env_rejected(s), feedback=feedback,
                               reward=s.reward, judge_flag=bool(flags[t]),
-                              ambiguous_resolved=s.info.get("ambiguous_resolved")))
+                              ambiguous_resolved=s.info.get("ambiguous_resolved"),
+                              prompt_tokens=s.prompt.num_tokens,
+                              output_tokens=int(s.generation.length)))
         out.append(dict(
             env=tr.spec.task.env, task_id=tr.spec.task.task_id,
             variation=tr.spec.task.variation, task_uid=tr.spec.task_uid,

@@ -26,7 +26,8 @@ LR_SCHEDULES = ("constant", "cosine")
 _OPTIM_FIELDS = ("lr", "critic_lr", "weight_decay", "grad_clip", "warmup_steps", "ppo_epochs",
                  "mini_batch_size", "micro_batch_size")
 _TRAIN_FIELDS = ("adam_eps", "lr_schedule", "decay_steps", "compute_dtype", "logprob_chunk",
-                 "score_rows", "recompute_old", "trim_padding", "donate_state", "scan_layers",
+                 "score_rows", "recompute_old", "trim_padding", "group_by_length", "donate_state",
+                 "scan_layers",
                  "critic", "value_trunk_coef", "value_head_init_std")
 
 
@@ -68,7 +69,10 @@ class TrainConfig:
       even when the update is exactly on-policy, one epoch of one mini-batch, where pi_old is
       the step's own logprob under stop_gradient; same result, one forward more: a check),
       trim_padding (drop all-padding prompt / response columns before scoring and training,
-      widths bucketed; same result), donate_state (the optimizer step reuses the buffers of the
+      widths bucketed; same result), group_by_length (the rows of a mini-batch sorted by length
+      into micro-batches, each run at its own width bucket: padded columns are not computed;
+      same gradient up to float summation order, one compiled gradient step per width bucket;
+      False = one scan over micro-batches at the batch's width), donate_state (the optimizer step reuses the buffers of the
       state passed to `Trainer.update` / `train_on_batch`: one copy of params + moments less at
       the peak, but the caller's state object is dead after the call; on by default, False for
       a caller that updates one state more than once), scan_layers (with remat, the decoder
@@ -105,6 +109,7 @@ class TrainConfig:
     score_rows: int = 0
     recompute_old: bool = False
     trim_padding: bool = True
+    group_by_length: bool = True
     donate_state: bool = True
     scan_layers: bool = False
     critic: str = "auto"

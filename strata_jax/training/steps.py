@@ -32,6 +32,7 @@ from strata_jax.algos import (KIND_ACTION, SampleBatch, compute_advantages, loss
                               loss_normalizers, ppo_loss, value_loss)
 from strata_jax.models import Qwen2Config
 from strata_jax.models.lora import lora_params
+from strata_jax.training.batching import trim_columns
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import dropout_values, value_from_hidden
 from strata_jax.training.scoring import response_logprobs, response_states
@@ -57,17 +58,48 @@ def effective_params(trainable: Params, base: Params | None, cfg: TrainConfig) -
     return lora_params(base, trainable, cfg.lora)
 
 
+def _scoring_params(params, critic_params, ref_params, cfg: TrainConfig):
+    """With LoRA on: adapters -> effective params over the base (the reference)."""
+    if cfg.lora.enabled:
+        params = effective_params(params, ref_params, cfg)
+        if cfg.critic_kind == "separate":
+            critic_params = {**critic_params,
+                             "trunk": effective_params(critic_params["trunk"], ref_params, cfg)}
+    return params, critic_params
+
+
+def _score_chunk(params, critic_params, ref_params, pi, pm, ri, rm, key, *, model: Qwen2Config,
+                 cfg: TrainConfig, use_ref: bool, use_old: bool):
+    """(old [B, Tr], ref [B, Tr], values [B], value_std [B]) f32 of one chunk of rows (params
+    already effective: `_scoring_params`)."""
+    kind = cfg.critic_kind
+    run = dict(compute_dtype=cfg.compute_dtype)
+    lp_kw = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
+                 compute_dtype=cfg.compute_dtype)
+    old = jnp.zeros(ri.shape, jnp.float32)
+    last = None
+    if use_old or kind == "head":
+        h, last = response_states(params, model, pi, pm, ri, rm, **run)
+        if use_old:
+            old, _ = response_logprobs(params, model, h, ri, rm, **lp_kw)
+    ref = jnp.zeros_like(old)
+    if use_ref:
+        hr, _ = response_states(ref_params, model, pi, pm, ri, rm, **run)
+        ref, _ = response_logprobs(ref_params, model, hr, ri, rm, **lp_kw)
+    v = s = jnp.zeros(old.shape[:1], jnp.float32)
+    if kind != "none":
+        if kind == "separate":
+            _, last = response_states(critic_params["trunk"], model, pi, pm, ri, rm, **run)
+        v, s = dropout_values(critic_params["head"], last, key, cfg.dropout_passes, cfg.dropout)
+    return old, ref, v, s
+
+
 def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
                  model: Qwen2Config, cfg: TrainConfig, use_ref: bool, chunk_rows: int,
                  use_old: bool = True):
     r = batch.num_rows
     n = r // chunk_rows
-    kind = cfg.critic_kind
-    if cfg.lora.enabled:  # adapters -> effective params; the base is the reference
-        params = effective_params(params, ref_params, cfg)
-        if kind == "separate":
-            critic_params = {**critic_params,
-                             "trunk": effective_params(critic_params["trunk"], ref_params, cfg)}
+    params, critic_params = _scoring_params(params, critic_params, ref_params, cfg)
 
     def split(x):
         return x.reshape((n, chunk_rows) + x.shape[1:])
@@ -88,26 +120,9 @@ def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
 
     def compute(x):
         pi, pm, ri, rm, i = x
-        run = dict(compute_dtype=cfg.compute_dtype)
-        lp_kw = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
-                     compute_dtype=cfg.compute_dtype)
-        old = jnp.zeros(ri.shape, jnp.float32)
-        last = None
-        if use_old or kind == "head":
-            h, last = response_states(params, model, pi, pm, ri, rm, **run)
-            if use_old:
-                old, _ = response_logprobs(params, model, h, ri, rm, **lp_kw)
-        ref = jnp.zeros_like(old)
-        if use_ref:
-            hr, _ = response_states(ref_params, model, pi, pm, ri, rm, **run)
-            ref, _ = response_logprobs(ref_params, model, hr, ri, rm, **lp_kw)
-        v = s = jnp.zeros(old.shape[:1], jnp.float32)
-        if kind != "none":
-            if kind == "separate":
-                _, last = response_states(critic_params["trunk"], model, pi, pm, ri, rm, **run)
-            v, s = dropout_values(critic_params["head"], last, jax.random.fold_in(key, i),
-                                  cfg.dropout_passes, cfg.dropout)
-        return old, ref, v, s
+        return _score_chunk(params, critic_params, ref_params, pi, pm, ri, rm,
+                            jax.random.fold_in(key, i), model=model, cfg=cfg, use_ref=use_ref,
+                            use_old=use_old)
 
     old, ref, v, s = jax.lax.map(one, xs)
     merge = lambda x: x.reshape((r,) + x.shape[2:])  # noqa: E731
@@ -129,6 +144,37 @@ use_old (False: no old-logprob pass, old_logprobs left 0; the on-policy update d
 them). Returns the batch with old/ref logprobs [R, Tr] f32 (0 off response_mask; ref 0 without
 use_ref), values [R] f32 = V(h_t) without dropout, value_std [R] f32 = std over
 cfg.dropout_passes dropout passes (0 with no critic / dropout 0; 0 on invalid rows).
+"""
+
+
+def _score_rows(params, critic_params, ref_params, batch: SampleBatch, idx, real, key, scores,
+                *, widths, model: Qwen2Config, cfg: TrainConfig, use_ref: bool,
+                use_old: bool = True):
+    params, critic_params = _scoring_params(params, critic_params, ref_params, cfg)
+    b = trim_columns(jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch), *widths)
+    old, ref, v, s = _score_chunk(params, critic_params, ref_params, b.prompt_ids, b.prompt_mask,
+                                  b.response_ids, b.response_mask, key, model=model, cfg=cfg,
+                                  use_ref=use_ref, use_old=use_old)
+    pad = batch.response_ids.shape[1] - widths[1]
+    valid = b.valid & real
+    new = (jnp.pad(old, ((0, 0), (0, pad))), jnp.pad(ref, ((0, 0), (0, pad))),
+           jnp.where(valid, v, 0.0), jnp.where(valid, s, 0.0))
+    # padding entries (real False) leave their rows as they were
+    keep = lambda x, y: jnp.where(real.reshape((-1,) + (1,) * (y.ndim - 1)), y, x[idx])  # noqa
+    return tuple(x.at[idx].set(keep(x, y)) for x, y in zip(scores, new))
+
+
+score_rows = jax.jit(_score_rows, static_argnames=("widths", "model", "cfg", "use_ref",
+                                                   "use_old"), donate_argnames=("scores",))
+score_rows.__doc__ = """`score_batch`'s passes on the rows idx of batch, at their own widths.
+
+Args: params, critic_params, ref_params as `score_batch`; batch: the placed SampleBatch (R rows);
+idx [m] int32 rows, real [m] bool (False = padding entry, left unchanged); key: the dropout
+PRNGKey of this chunk; scores: (old_logprobs [R, Tr], ref_logprobs [R, Tr], values [R],
+value_std [R]) f32 so far (donated); static widths (prompt, response columns kept, every row of
+idx must fit: `batching.trim_columns`), model, cfg, use_ref, use_old.
+Returns scores with the rows idx filled (what `score_batch` computes for them; value_std from
+this chunk's dropout key).
 """
 
 
@@ -213,63 +259,86 @@ def _metric_keys(cfg: TrainConfig, on_policy: bool = False) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, base=None, *,
-                      model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
-    rows = mb.num_rows
-    m = cfg.micro_batch_size
-    if rows % m:
-        raise ValueError(f"mini-batch rows {rows} must be a multiple of micro_batch_size {m}")
-    valid = mb.valid
+def _masked_targets(valid, adv, w, targets):
     # Rows outside the loss must not carry NaN into the gradient (0 * NaN = NaN).
-    adv = jnp.where(valid, adv, 0.0)
-    w = jnp.where(valid, w, 0.0)
-    targets = jnp.where(valid, targets, 0.0)
-    mask = loss_mask(mb)
-    norms = loss_normalizers(mask, mb.kind)
-    n_values = jnp.sum(valid & (mb.kind == KIND_ACTION)).astype(jnp.float32)
-    split = lambda x: x.reshape((rows // m, m) + x.shape[1:])  # noqa: E731
-    micro = jax.tree.map(split, (mb, adv, w, targets))
-    keys = _metric_keys(cfg, on_policy)
+    return jnp.where(valid, adv, 0.0), jnp.where(valid, w, 0.0), jnp.where(valid, targets, 0.0)
+
+
+def _minibatch_counts(mb: SampleBatch):
+    """The whole mini-batch's loss normalizers (`loss_normalizers`) and valid step-sample count."""
+    norms = loss_normalizers(loss_mask(mb), mb.kind)
+    n_values = jnp.sum(mb.valid & (mb.kind == KIND_ACTION)).astype(jnp.float32)
+    return norms, n_values
+
+
+def _zero_carry(params, critic_params, keys):
+    """Accumulator of `_accumulate_micro`: (grads of params, of critic_params, loss sum,
+    metric sums, loss tokens, valid step samples)."""
+    z = jnp.zeros((), jnp.float32)
+    return (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, critic_params),
+            z, {k: z for k in keys}, z, z)
+
+
+def _accumulate_micro(carry, params, critic_params, b: SampleBatch, a, ww, tt, norms, n_values,
+                      base, *, model: Qwen2Config, cfg: TrainConfig, on_policy: bool, keys):
+    """carry + one micro-batch's loss, gradients and metric sums (`micro_loss`; metrics scaled
+    by what they average over, so `_finish_carry` returns whole-mini-batch means). A micro-batch
+    of padding rows only (the tail of a short mini-batch) costs nothing (``lax.cond``)."""
+    gp, gc, loss_sum, msum, tok, val = carry
     grad_fn = jax.value_and_grad(micro_loss, argnums=(0, 1), has_aux=True)
-    zeros_p = jax.tree.map(jnp.zeros_like, params)
-    zeros_c = jax.tree.map(jnp.zeros_like, critic_params)
 
-    def body(carry, xs):
-        gp, gc, loss_sum, msum, tok, val = carry
-        b, a, ww, tt = xs
+    def compute(_):
+        (loss, met), (g1, g2) = grad_fn(params, critic_params, b, a, ww, tt, norms, n_values,
+                                         model=model, cfg=cfg, base=base, on_policy=on_policy)
+        return loss, {k: met[k] for k in keys}, g1, g2
 
-        def compute(_):
-            (loss, met), (g1, g2) = grad_fn(params, critic_params, b, a, ww, tt, norms,
-                                             n_values, model=model, cfg=cfg, base=base,
-                                             on_policy=on_policy)
-            return loss, {k: met[k] for k in keys}, g1, g2
+    def skip(_):
+        return (jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in keys},
+                jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, critic_params))
 
-        def skip(_):
-            return (jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in keys},
-                    zeros_p, zeros_c)
+    loss, met, g1, g2 = jax.lax.cond(jnp.any(b.valid), compute, skip, None)
+    n_tok = jnp.sum(loss_mask(b)).astype(jnp.float32)
+    n_val = jnp.sum(b.valid & (b.kind == KIND_ACTION)).astype(jnp.float32)
+    new_m = {}
+    for k in keys:
+        scale = 1.0 if k in _SUM_METRICS else (n_val if k in _VALUE_METRICS else n_tok)
+        new_m[k] = msum[k] + met[k] * scale
+    add = lambda x, y: x + y  # noqa: E731
+    return (jax.tree.map(add, gp, g1), jax.tree.map(add, gc, g2), loss_sum + loss, new_m,
+            tok + n_tok, val + n_val)
 
-        # Micro-batches of padding rows only (the tail of a short mini-batch) cost nothing.
-        loss, met, g1, g2 = jax.lax.cond(jnp.any(b.valid), compute, skip, None)
-        n_tok = jnp.sum(loss_mask(b)).astype(jnp.float32)
-        n_val = jnp.sum(b.valid & (b.kind == KIND_ACTION)).astype(jnp.float32)
-        new_m = {}
-        for k in keys:
-            scale = 1.0 if k in _SUM_METRICS else (n_val if k in _VALUE_METRICS else n_tok)
-            new_m[k] = msum[k] + met[k] * scale
-        add = lambda x, y: x + y  # noqa: E731
-        return (jax.tree.map(add, gp, g1), jax.tree.map(add, gc, g2), loss_sum + loss, new_m,
-                tok + n_tok, val + n_val), None
 
-    init = (zeros_p, zeros_c, jnp.zeros((), jnp.float32),
-            {k: jnp.zeros((), jnp.float32) for k in keys}, jnp.zeros((), jnp.float32),
-            jnp.zeros((), jnp.float32))
-    (gp, gc, loss, msum, tok, val), _ = jax.lax.scan(body, init, micro)
+def _finish_carry(carry, keys):
+    """(loss f32, grads of params, grads of critic_params, metrics) from the accumulator."""
+    gp, gc, loss, msum, tok, val = carry
     metrics = {}
     for k in keys:
         denom = 1.0 if k in _SUM_METRICS else jnp.maximum(val if k in _VALUE_METRICS else tok, 1.0)
         metrics[k] = msum[k] / denom
     metrics["tokens"] = tok
     return loss, gp, gc, metrics
+
+
+def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, base=None, *,
+                      model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
+    rows = mb.num_rows
+    m = cfg.micro_batch_size
+    if rows % m:
+        raise ValueError(f"mini-batch rows {rows} must be a multiple of micro_batch_size {m}")
+    adv, w, targets = _masked_targets(mb.valid, adv, w, targets)
+    norms, n_values = _minibatch_counts(mb)
+    split = lambda x: x.reshape((rows // m, m) + x.shape[1:])  # noqa: E731
+    micro = jax.tree.map(split, (mb, adv, w, targets))
+    keys = _metric_keys(cfg, on_policy)
+
+    def body(carry, xs):
+        b, a, ww, tt = xs
+        return _accumulate_micro(carry, params, critic_params, b, a, ww, tt, norms, n_values,
+                                 base, model=model, cfg=cfg, on_policy=on_policy,
+                                 keys=keys), None
+
+    carry, _ = jax.lax.scan(body, _zero_carry(params, critic_params, keys), micro)
+    return _finish_carry(carry, keys)
 
 
 accumulate_grads = jax.jit(_accumulate_grads, static_argnames=("model", "cfg", "on_policy"))
@@ -283,11 +352,9 @@ Every micro-batch loss is normalised by the WHOLE mini-batch's per-level counts
 """
 
 
-def _train_minibatch(state: TrainState, mb: SampleBatch, adv, w, targets, base=None, *,
-                     model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
-    loss, gp, gc, metrics = _accumulate_grads(state.params, state.critic_params, mb, adv, w,
-                                              targets, base, model=model, cfg=cfg,
-                                              on_policy=on_policy)
+def _apply_grads(state: TrainState, loss, gp, gc, metrics, *, cfg: TrainConfig):
+    """The optimizer half of a mini-batch step: AdamW on params (and critic) from summed
+    gradients; a non-finite loss, gradient or update leaves the state bit-identical."""
     gnorm = optax.global_norm(gp)
     cnorm = optax.global_norm(gc) if state.critic_params else jnp.zeros((), jnp.float32)
     finite = jnp.isfinite(gnorm) & jnp.isfinite(cnorm) & jnp.isfinite(loss)
@@ -308,9 +375,17 @@ def _train_minibatch(state: TrainState, mb: SampleBatch, adv, w, targets, base=N
                           opt_state=keep(new_opt, state.opt_state),
                           critic_params=keep(new_critic, state.critic_params),
                           critic_opt_state=keep(new_copt, state.critic_opt_state))
-    metrics.update(loss=loss, grad_norm=gnorm, critic_grad_norm=cnorm,
+    metrics = dict(metrics, loss=loss, grad_norm=gnorm, critic_grad_norm=cnorm,
                    skipped=1.0 - finite.astype(jnp.float32))
     return state, metrics
+
+
+def _train_minibatch(state: TrainState, mb: SampleBatch, adv, w, targets, base=None, *,
+                     model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
+    loss, gp, gc, metrics = _accumulate_grads(state.params, state.critic_params, mb, adv, w,
+                                              targets, base, model=model, cfg=cfg,
+                                              on_policy=on_policy)
+    return _apply_grads(state, loss, gp, gc, metrics, cfg=cfg)
 
 
 train_minibatch = jax.jit(_train_minibatch, static_argnames=("model", "cfg", "on_policy"))
@@ -329,6 +404,78 @@ non-finite step was skipped), tokens, and the token-mean loss metrics of `ppo_lo
 """
 
 
+# ----------------------------------------------------------------------------- length-grouped
+# The same mini-batch step as `train_minibatch`, run from the host one micro-batch at a time so
+# each micro-batch can have its own width (`Trainer`, cfg.group_by_length): rows sorted by
+# length share micro-batches, and a micro-batch of short rows does not pay for the longest
+# prompt of the mini-batch. One compiled `accumulate_micro` per (prompt, response) width bucket.
+
+
+def _grouped_counts(batch: SampleBatch, idx, real):
+    mb, _, _, _ = _gather(batch, batch.valid, batch.valid, batch.valid, idx, real)
+    return _minibatch_counts(mb)
+
+
+minibatch_counts = jax.jit(_grouped_counts)
+minibatch_counts.__doc__ = """(normalizers, n_values) of the mini-batch of rows idx [rows] int32
+(real [rows] bool marks the padding entries) of `batch`: the per-level loss token / sequence
+counts (`loss_normalizers`) and the valid step-sample count (f32), shared by its micro-batches."""
+
+def _zero_carry_for(params, critic_params, *, cfg: TrainConfig, on_policy: bool = False):
+    return _zero_carry(params, critic_params, _metric_keys(cfg, on_policy))
+
+
+zero_carry = jax.jit(_zero_carry_for, static_argnames=("cfg", "on_policy"))
+zero_carry.__doc__ = """The empty accumulator `accumulate_micro` adds to: zero gradients shaped like
+params and critic_params, zero loss / metric sums / counts (the metrics of cfg, on_policy)."""
+
+
+def _micro_step(carry, params, critic_params, batch: SampleBatch, adv, w, targets, idx, real,
+                norms, n_values, base=None, *, widths, model: Qwen2Config, cfg: TrainConfig,
+                on_policy: bool = False):
+    b, a, ww, tt = _gather(batch, adv, w, targets, idx, real)
+    b = trim_columns(b, *widths)
+    a, ww, tt = _masked_targets(b.valid, a, ww, tt)
+    return _accumulate_micro(carry, params, critic_params, b, a, ww, tt, norms, n_values, base,
+                             model=model, cfg=cfg, on_policy=on_policy,
+                             keys=_metric_keys(cfg, on_policy))
+
+
+accumulate_micro = jax.jit(_micro_step, static_argnames=("widths", "model", "cfg", "on_policy"),
+                           donate_argnames=("carry",))
+accumulate_micro.__doc__ = """carry + one micro-batch's loss, gradients and metric sums.
+
+Args: carry (`zero_carry(params, critic_params, cfg=, on_policy=)` or a previous result;
+donated);
+params, critic_params; batch: the scored SampleBatch [R, Tp] / [R, Tr]; adv, w, targets [R]
+f32; idx [m] int32 rows of the micro-batch, real [m] bool (False = padding entry); norms,
+n_values: the WHOLE mini-batch's counts (`minibatch_counts`); base: the frozen LoRA base or
+None; static widths = (prompt columns, response columns) kept (the last prompt columns, the
+first response columns: `batching.trim_columns`; every row of the micro-batch must fit),
+model, cfg, on_policy (see `micro_loss`). Summing every micro-batch of a mini-batch gives the
+`accumulate_grads` result up to float summation order.
+"""
+
+
+def _apply_carry(state: TrainState, carry, *, cfg: TrainConfig, on_policy: bool = False):
+    loss, gp, gc, metrics = _finish_carry(carry, _metric_keys(cfg, on_policy))
+    return _apply_grads(state, loss, gp, gc, metrics, cfg=cfg)
+
+
+_apply_static = ("cfg", "on_policy")
+_apply_accumulated = jax.jit(_apply_carry, static_argnames=_apply_static,
+                             donate_argnames=("carry",))
+_apply_accumulated_donated = jax.jit(_apply_carry, static_argnames=_apply_static,
+                                     donate_argnames=("state", "carry"))
+
+
+def apply_step(cfg: TrainConfig):
+    """The jitted optimizer step on accumulated micro-batches (`accumulate_micro`):
+    (state, carry, *, cfg, on_policy) -> (new state, metrics as `train_minibatch` returns them);
+    the carry is donated, and the state too when cfg.donate_state."""
+    return _apply_accumulated_donated if cfg.donate_state else _apply_accumulated
+
+
 def minibatch_step(cfg: TrainConfig):
     """The jitted optimizer step `Trainer.train_on_batch` runs for `cfg`: `train_minibatch`,
     with the state's buffers donated when cfg.donate_state (same arguments and results; the
@@ -337,4 +484,5 @@ def minibatch_step(cfg: TrainConfig):
 
 
 __all__ = ["effective_params", "score_batch", "advantages", "gather_rows", "micro_loss",
-           "accumulate_grads", "train_minibatch", "minibatch_step"]
+           "accumulate_grads", "train_minibatch", "minibatch_step", "minibatch_counts",
+           "zero_carry", "accumulate_micro", "apply_step", "score_rows"]

@@ -41,11 +41,14 @@ from strata_jax.distributed import host_values
 from strata_jax.models import Qwen2Config, init_params, param_shardings
 from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
 from strata_jax.sharding import logical_to_spec
-from strata_jax.training.batching import minibatch_plan, num_minibatches, trim_padding
+from strata_jax.training.batching import (length_grouped_micro_batches, minibatch_plan,
+                                          num_minibatches, row_widths, trim_padding)
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
 from strata_jax.training.state import TrainState, create_train_state, make_optimizer
-from strata_jax.training.steps import advantages, gather_rows, minibatch_step, score_batch
+from strata_jax.training.steps import (accumulate_micro, advantages, apply_step,
+                                       gather_rows, minibatch_counts, minibatch_step, score_batch,
+                                       score_rows, zero_carry)
 
 Params = dict[str, Any]
 log = logging.getLogger(__name__)
@@ -199,7 +202,9 @@ class Trainer:
 
         Only the passes something reads run: the old-logprob pass when use_old, the reference
         pass when loss.kl_coef != 0, the critic when there is one; with none of them the batch
-        is only padded and placed (no forward)."""
+        is only padded and placed (no forward). With cfg.group_by_length the rows run in
+        chunks of similar length, each at its own width (`score_rows`; the same scores, the
+        dropout masks of the value-std passes drawn per chunk)."""
         cfg = self.cfg
         chunk = cfg.score_rows or cfg.micro_batch_size
         use_ref = bool(cfg.loss.kl_coef)
@@ -212,11 +217,28 @@ class Trainer:
         batch = self.put_batch(pad_rows(batch, chunk))
         if not (use_old or use_ref or cfg.critic_kind != "none"):
             return batch
+        ref = ref_params if use_ref or self.lora else None
+        static = dict(model=self.model, cfg=cfg, use_ref=use_ref, use_old=use_old)
         with self._ctx():
-            return score_batch(state.params, state.critic_params,
-                               ref_params if use_ref or self.lora else None, batch, key,
-                               model=self.model,
-                               cfg=cfg, use_ref=use_ref, chunk_rows=chunk, use_old=use_old)
+            if not cfg.group_by_length:
+                return score_batch(state.params, state.critic_params, ref, batch, key,
+                                   chunk_rows=chunk, **static)
+            # chunks of rows of similar length, each at its own width (as the training steps)
+            need_p, need_r = row_widths(host_values(batch.prompt_mask),
+                                        host_values(batch.response_mask))
+            rows = np.arange(batch.num_rows)
+            plan = length_grouped_micro_batches(rows, host_values(batch.valid), need_p, need_r,
+                                                chunk, batch.prompt_ids.shape[1],
+                                                batch.response_ids.shape[1])
+            scores = (jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
+                      jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
+            for j, (i, r, widths) in enumerate(plan):
+                scores = score_rows(state.params, state.critic_params, ref, batch,
+                                    jnp.asarray(i), jnp.asarray(r), jax.random.fold_in(key, j),
+                                    scores, widths=widths, **static)
+            old, ref_lp, values, value_std = scores
+            return batch.replace(old_logprobs=old, ref_logprobs=ref_lp, values=values,
+                                 value_std=value_std)
 
     def train_on_batch(self, state: TrainState, batch: SampleBatch, adv: jax.Array,
                        weights: jax.Array, targets: jax.Array, key: jax.Array,
@@ -224,28 +246,60 @@ class Trainer:
                        ) -> tuple[TrainState, list[dict]]:
         """Epochs x mini-batches of `train_minibatch` on a scored batch with given advantages.
 
+        With cfg.group_by_length each mini-batch runs as length-grouped micro-batches, each at
+        its own width (`length_grouped_micro_batches`, `accumulate_micro` then `apply_step`):
+        the same optimizer step up to float summation order.
+
         Args: batch scored (`score`); adv, weights, targets [R] f32; key: shuffling PRNGKey;
         base: the frozen base params when LoRA is on (else ignored); on_policy: the batch was
         scored without the old-logprob pass (`Trainer.on_policy`; must plan one mini-batch).
-        Returns (state, per-step metric dicts of device scalars). Does not advance state.step.
+        Returns (state, per-step metric dicts of device scalars, each with host ints
+        "computed_tokens" (rows x columns the forward ran over) and "real_tokens" (prompt +
+        response tokens of its real rows)). Does not advance state.step.
         """
         cfg = self.cfg
+        m = cfg.micro_batch_size
         # host_values: a multi-host global batch is gathered (every process plans the same steps).
         valid, kind = host_values(batch.valid), host_values(batch.kind)
+        need_p, need_r = row_widths(host_values(batch.prompt_mask),
+                                    host_values(batch.response_mask))
+        tp, tr = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
         seed = int(jax.device_get(jax.random.randint(key, (), 0, 2 ** 31 - 1)))
         rng = np.random.default_rng(seed)
+        base = base if self.lora else None
         out = []
         with self._ctx():
             for _ in range(cfg.ppo_epochs):
-                for idx, real in minibatch_plan(valid, kind, cfg.mini_batch_size,
-                                                cfg.micro_batch_size, rng):
-                    mb, a, w, t = gather_rows(batch, adv, weights, targets, jnp.asarray(idx),
-                                              jnp.asarray(real))
-                    step = minibatch_step(cfg)   # train_minibatch, state donated or not
-                    state, m = step(state, mb, a, w, t, base if self.lora else None,
-                                    model=self.model, cfg=cfg, on_policy=on_policy)
-                    out.append(m)
+                for idx, real in minibatch_plan(valid, kind, cfg.mini_batch_size, m, rng):
+                    real_tokens = int(np.sum((need_p + need_r)[idx[real]]))
+                    if cfg.group_by_length:
+                        micro = length_grouped_micro_batches(idx, real, need_p, need_r, m, tp, tr)
+                        state, met = self._grouped_step(state, batch, adv, weights, targets,
+                                                        idx, real, micro, base, on_policy)
+                        computed = sum(m * (wp + wr) for _, _, (wp, wr) in micro)
+                    else:
+                        mb, a, w, t = gather_rows(batch, adv, weights, targets, jnp.asarray(idx),
+                                                  jnp.asarray(real))
+                        step = minibatch_step(cfg)   # train_minibatch, state donated or not
+                        state, met = step(state, mb, a, w, t, base, model=self.model, cfg=cfg,
+                                          on_policy=on_policy)
+                        # micro-batches holding a real row run at the batch's width
+                        computed = int(real.reshape(-1, m).any(1).sum()) * m * (tp + tr)
+                    out.append(dict(met, computed_tokens=computed, real_tokens=real_tokens))
         return state, out
+
+    def _grouped_step(self, state, batch, adv, weights, targets, idx, real, micro, base,
+                      on_policy):
+        """One optimizer step from micro-batches of their own widths (see `train_on_batch`)."""
+        cfg, model = self.cfg, self.model
+        norms, n_values = minibatch_counts(batch, jnp.asarray(idx), jnp.asarray(real))
+        carry = zero_carry(state.params, state.critic_params, cfg=cfg, on_policy=on_policy)
+        for i, r, widths in micro:
+            carry = accumulate_micro(carry, state.params, state.critic_params, batch, adv,
+                                     weights, targets, jnp.asarray(i), jnp.asarray(r), norms,
+                                     n_values, base, widths=widths, model=model, cfg=cfg,
+                                     on_policy=on_policy)
+        return apply_step(cfg)(state, carry, cfg=cfg, on_policy=on_policy)
 
     def update(self, state: TrainState, batch: SampleBatch, ref_params: Params | None = None
                ) -> tuple[TrainState, dict[str, float]]:
@@ -286,6 +340,9 @@ class Trainer:
         host_steps, host_adv, mism = jax.device_get(
             (steps, {k: v for k, v in adv_m.items() if not k.startswith("row/")}, mism))
         metrics: dict[str, float] = {k: float(v) for k, v in host_adv.items()}
+        computed = sum(s.pop("computed_tokens") for s in host_steps)
+        real_tokens = sum(s.pop("real_tokens") for s in host_steps)
+        metrics["perf/update_token_fill"] = real_tokens / max(computed, 1)
         for k in (host_steps[0] if host_steps else {}):
             vals = [float(s[k]) for s in host_steps]
             metrics[f"train/{k}"] = float(np.mean(vals))
