@@ -45,6 +45,7 @@ def run(c) -> dict:
     from strata_jax import distributed
     distributed.initialize(c)
     ex.validate(c)             # every field, before anything is built or written
+    ex.use_compilation_cache(c)
     distributed.check_config(c)
     ex.resolve(c)
     ex.check_env(c)            # e.g. the WebShop server answers
@@ -228,6 +229,7 @@ def _iteration_metrics(c, result, metrics, env_failures, compiles, *, rollout_s,
          "time/update_s": update_s,
          "compile/sampler_programs": float(compiled_program_count()),
          "compile/count": float(compiles.count), "compile/seconds": compiles.seconds,
+         "compile/cache_hits": float(compiles.cache_hits),
          **memory_metrics()}
     steps = max(result.stats.get("rollout/steps", 0.0), 1.0)
     m["perf/env_steps_per_s"] = steps / max(rollout_s, 1e-9)

@@ -42,6 +42,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     from strata_jax.test_time import TestTimeConfig, critic_scorer, evaluate_scaled
 
     ex.validate(c)
+    ex.use_compilation_cache(c)
     ex.resolve(c)
     try:
         tt = TestTimeConfig.from_config(c)

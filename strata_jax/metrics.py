@@ -339,11 +339,15 @@ def quiet_logs() -> None:
 class CompileCounter:
     """Counts XLA backend compilations in this process (every jit, eager op and sampler program)
     through ``jax.monitoring``; logged as ``compile/count`` so recompilation after warm-up shows
-    up as a rising line. Register once per process (`install`)."""
+    up as a rising line. Programs loaded from the persistent compilation cache
+    (`experiment.use_compilation_cache`) are not compiled: they count in ``cache_hits``
+    (``compile/cache_hits``). Register once per process (`install`)."""
 
     EVENT = "/jax/core/compile/backend_compile_duration"
+    HIT = "/jax/compilation_cache/cache_hits"
     count = 0
     seconds = 0.0
+    cache_hits = 0
     _installed = False
 
     @classmethod
@@ -356,6 +360,11 @@ class CompileCounter:
                     cls.count += 1
                     cls.seconds += float(duration)
 
+            def hits(name, **_):
+                if name == cls.HIT:
+                    cls.cache_hits += 1
+
             jax.monitoring.register_event_duration_secs_listener(listener)
+            jax.monitoring.register_event_listener(hits)
             cls._installed = True
         return cls

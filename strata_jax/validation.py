@@ -29,7 +29,7 @@ _ENV_KWARGS = ("server_url", "data_dir", "jvm_max_heap_mb", "fetch_valid_actions
 # distributed, metrics, checkpoints, prompts); the option dataclasses declare theirs
 # (`config_sources` of TrainConfig, RolloutConfig, SFTConfig). configs/base.py holds each.
 ASSEMBLY_KEYS = (
-    "seed", "workdir", "iterations",
+    "seed", "workdir", "iterations", "compilation_cache_dir",   # experiment.use_compilation_cache
     "model.path", "model.preset", "model.dtype", "model.tokenizer", "model.warm_start",
     "env.name", "env.split", "env.tasks", "env.max_steps", "env.max_prompt_tokens",
     "env.history_length", "env.num_workers", "env.step_timeout_s", "env.eval_list",
@@ -197,6 +197,7 @@ def validate(c: Any) -> None:
 # TaskSampler.set_state.
 RESUME_MAY_CHANGE = (
     "workdir", "iterations",          # extending a run is a resume
+    "compilation_cache_dir",          # where compiled programs are cached: speed only
     "mesh.*", "distributed.*",        # restore reshards onto any mesh / process count
     "env.num_workers",                # live envs: episodes run in waves, per-row keys are global
     "env.step_timeout_s",             # only decides when a hung env counts as crashed

@@ -2,6 +2,7 @@
 import dataclasses
 import os
 
+import jax
 import pytest
 
 from configs import sciworld
@@ -167,3 +168,24 @@ def test_unknown_config_override_is_one_clear_line(script, config, override, hin
         f"{script}: {override} names no field of the config{hint}. Fields and their defaults: "
         "configs/base.py; variants: the experiment file's docstring.")
     assert "Traceback" not in out.stderr
+
+
+def test_compilation_cache_dir_is_created_and_a_bad_one_is_a_clear_error(tmp_path):
+    from strata_jax.config import ConfigError
+    c = sciworld.get_config("tiny")
+    c.compilation_cache_dir = ""
+    assert ex.use_compilation_cache(c) is None                  # off
+    before = jax.config.jax_compilation_cache_dir
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    c.compilation_cache_dir = str(blocker / "cache")             # under a file: cannot exist
+    with pytest.raises(ConfigError, match="compilation_cache_dir=.*set it to ''"):
+        ex.use_compilation_cache(c)
+    assert jax.config.jax_compilation_cache_dir == before       # nothing changed
+    c.compilation_cache_dir = str(tmp_path / "a" / "cache")
+    try:
+        assert ex.use_compilation_cache(c) == str(tmp_path / "a" / "cache")
+        assert os.path.isdir(tmp_path / "a" / "cache")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "a" / "cache")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

@@ -14,7 +14,8 @@ from strata_jax import experiment as ex
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The decision, field by field: these may differ on resume, every other field must match.
-MAY_CHANGE = {"workdir", "iterations", "env.num_workers", "env.step_timeout_s", "sft.cache_dir",
+MAY_CHANGE = {"workdir", "iterations", "compilation_cache_dir", "env.num_workers",
+              "env.step_timeout_s", "sft.cache_dir",
               "mesh.data", "mesh.fsdp", "mesh.tensor", "ckpt.every", "ckpt.keep", "eval.every",
               "eval.split", "eval.temperature", "eval.max_tasks", "eval.episodes_per_family",
               "eval.strategy_samples", "eval.strategy_choice", "eval.probe_steps",

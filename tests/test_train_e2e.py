@@ -127,7 +127,8 @@ def test_sigterm_then_restart_matches_uninterrupted_run(reference_run, tmp_path)
     workdir = tmp_path / "preempted"
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config=configs/sciworld.py:tiny",
            f"--config.workdir={workdir}", f"--config.iterations={ITERS}",
-           f"--config.sft.cache_dir={c_ref.sft.cache_dir}"]   # the reference run's warm start
+           f"--config.sft.cache_dir={c_ref.sft.cache_dir}",   # the reference run's warm start
+           f"--config.compilation_cache_dir={tmp_path / 'jax_cache'}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     metrics = workdir / "metrics.jsonl"
     deadline = time.time() + 600
@@ -157,6 +158,9 @@ def test_sigterm_then_restart_matches_uninterrupted_run(reference_run, tmp_path)
     assert moved > 1e-4, "iteration 3 must move the params far more than the tolerance"
     assert diff <= 1e-6, diff
     assert meta["sampler_state"] == ref_meta["sampler_state"] is not None
+    # the restart loaded the first process's compiled programs (persistent compilation cache)
+    first, *_, last = read_jsonl(os.path.join(str(workdir), "metrics.jsonl"))
+    assert first["compile/cache_hits"] == 0 and last["compile/cache_hits"] >= 5, last
     # the logs: metrics.jsonl and the TensorBoard events read back (with TensorBoard's purge on
     # restart) hold one point per step, equal to the uninterrupted run's
     want = _deterministic_rows(os.path.join(c_ref.workdir, "metrics.jsonl"))
