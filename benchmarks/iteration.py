@@ -442,8 +442,11 @@ def main() -> None:
         if not args.lengths_from:
             raise SystemExit("--part grouping needs --lengths-from <run>/trajectories.jsonl")
         for mode in args.modes:
-            r = _cached(args, f"grouping_{mode}_{args.dtype}",
-                        lambda: _spawn("grouping", args, mode=mode))
+            # every setting that changes the measurement is in the cache name
+            src = os.path.basename(os.path.dirname(os.path.abspath(args.lengths_from)))
+            name = (f"grouping_{mode}_{args.dtype}_base-{args.base_dtype}_{src}_rows{args.rows}"
+                    f"_micro{args.micro}_remat-{args.remat}{'_scan' if args.scan_layers else ''}")
+            r = _cached(args, name, lambda: _spawn("grouping", args, mode=mode))
             report_grouping(r)
     if args.part in ("all", "iteration"):
         for algo in args.algos:

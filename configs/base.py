@@ -25,8 +25,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.workdir = "runs/default"
     c.iterations = 150             # one iteration = one rollout followed by its update (docs/method.md §5.8)
     # jax's persistent compilation cache: a restarted / resumed / repeated run loads its compiled
-    # programs instead of compiling them again ("" = off; shared by every run of this user)
-    c.compilation_cache_dir = "~/.cache/strata_jax/jax_cache"
+    # programs instead of compiling them again ("" = off). Beside the runs, like sft.cache_dir.
+    c.compilation_cache_dir = "runs/jax_cache"
 
     # --- Model -----------------------------------------------------------------------------
     c.model = ml_collections.ConfigDict()

@@ -68,8 +68,9 @@ def use_compilation_cache(c: Any) -> str | None:
     Compiled programs are written there (those that took >= 1 s to compile: jax's default
     threshold) and loaded by any later process that compiles the same program with the same
     jax / XLA version and devices: a resumed or repeated run skips its warm-up compilations
-    (``compile/cache_hits`` counts the loads). Call before the first compilation of the process;
-    jax keeps the directory it first used. Returns the absolute directory, or None when off.
+    (``compile/cache_hits`` counts the loads). Call before the first compilation of the process:
+    jax decides at that compilation whether the process uses a cache (a warning says when it
+    was too late). Returns the absolute directory, or None when off.
     Raises ConfigError when the directory cannot be created.
     """
     path = str(c.compilation_cache_dir or "")
@@ -83,6 +84,15 @@ def use_compilation_cache(c: Any) -> str | None:
                           f"({e}); point it at a writable folder or set it to '' (no cache)"
                           ) from e
     jax.config.update("jax_compilation_cache_dir", path)
+    try:   # jax decides once per process, at its first compilation (no public query)
+        from jax._src import compilation_cache as _cc
+        too_late = getattr(_cc, "_cache_checked", False) and not getattr(_cc, "_cache_used", True)
+    except ImportError:
+        too_late = False
+    if too_late:
+        log.warning("compilation_cache_dir=%s: this process compiled programs before it was "
+                    "set, so jax keeps the persistent cache off here (later processes use it)",
+                    path)
     return path
 
 

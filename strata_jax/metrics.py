@@ -339,9 +339,10 @@ def quiet_logs() -> None:
 class CompileCounter:
     """Counts XLA backend compilations in this process (every jit, eager op and sampler program)
     through ``jax.monitoring``; logged as ``compile/count`` so recompilation after warm-up shows
-    up as a rising line. Programs loaded from the persistent compilation cache
-    (`experiment.use_compilation_cache`) are not compiled: they count in ``cache_hits``
-    (``compile/cache_hits``). Register once per process (`install`)."""
+    up as a rising line. A program loaded from the persistent compilation cache
+    (`experiment.use_compilation_cache`) counts too (jax's compile event wraps the load; its
+    seconds are the load's), and also in ``cache_hits`` (``compile/cache_hits``). Register once
+    per process (`install`)."""
 
     EVENT = "/jax/core/compile/backend_compile_duration"
     HIT = "/jax/compilation_cache/cache_hits"

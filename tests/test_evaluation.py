@@ -294,6 +294,7 @@ def test_critic_choice_without_a_critic_is_a_clear_error(tmp_path):
         critic_scorer(trainer, state)
     c = builtin.get_config("tiny")   # a strata run: no critic
     c.workdir = str(tmp_path)
+    c.compilation_cache_dir = ""
     c.eval.strategy_samples, c.eval.strategy_choice = 2, "critic"
     with pytest.raises(ex.ConfigError, match="needs a critic and a strata run has none"):
         run_eval(c)

@@ -223,13 +223,26 @@ def test_remat_and_bf16_options(setup):
 
 
 def _count_score_calls(monkeypatch):
-    from strata_jax.training import trainer as upd   # where Trainer.score looks it up
-    calls, orig = [], upd.score_batch
+    """use_old of each `Trainer.score` call that ran a scoring forward (`score_batch`, or the
+    length-grouped `score_rows`, called once per chunk: recorded once per score call)."""
+    from strata_jax.training import trainer as upd   # where Trainer.score looks them up
+    calls, fresh = [], [False]
+    orig_score = upd.Trainer.score
 
-    def spy(*a, **k):
-        calls.append(k.get("use_old", True))
-        return orig(*a, **k)
-    monkeypatch.setattr(upd, "score_batch", spy)
+    def score(self, *a, **k):
+        fresh[0] = True
+        return orig_score(self, *a, **k)
+
+    def spy(orig):
+        def run(*a, **k):
+            if fresh[0]:
+                calls.append(k.get("use_old", True))
+                fresh[0] = False
+            return orig(*a, **k)
+        return run
+    monkeypatch.setattr(upd.Trainer, "score", score)
+    monkeypatch.setattr(upd, "score_batch", spy(upd.score_batch))
+    monkeypatch.setattr(upd, "score_rows", spy(upd.score_rows))
     return calls
 
 
@@ -427,3 +440,37 @@ def test_group_by_length_scoring_equals_the_scan_scoring(setup, algo):
                                    err_msg=f)
     assert np.abs(np.asarray(a.values)[valid]).sum() > 0
     np.testing.assert_array_equal(np.asarray(a.values)[~valid], 0.0)
+    # with dropout the value-std passes run per chunk (their masks are the chunk's own draws)
+    drop = Trainer(TINY, dataclasses.replace(cfg, dropout=0.1))
+    std = np.asarray(drop.score(state, batch, params, jax.random.PRNGKey(0)).value_std)
+    assert (std[valid] > 0).all() and (std[~valid] == 0).all()
+
+
+@pytest.mark.parametrize("algo", ["strata", "ppo"])
+def test_group_by_length_with_lora_donation_and_several_minibatches(setup, algo):
+    """Mixed prompt (3-40) and response (1-20) lengths, 10 step rows + 2 strategy rows in 3
+    mini-batches of 8 rows (padding entries included), LoRA adapters, the donated optimizer step,
+    2 epochs (the old-logprob pass), PPO's separate critic: grouped == one-width scan."""
+    from strata_jax.models.lora import LoraConfig
+    params = setup[0]
+    recs = grpo_records(n_tasks=2, per_task=5, seed=21, prompt_len=(3, 41), resp_len=(1, 21),
+                        scores=[1, 0, 0, 1, 1, 0, 1, 1, 0, 1], strategies=2)
+    batch = make_batch(recs)
+    assert len({int(x) for x in np.asarray(batch.response_mask).sum(1)}) > 5
+    cfg = train_config(algo, mini_batch_size=4, micro_batch_size=4, ppo_epochs=2, dropout=0.0,
+                       lora=LoraConfig(rank=4, alpha=8.0), donate_state=True)
+    grouped, scan = Trainer(TINY, cfg), Trainer(TINY, dataclasses.replace(cfg, group_by_length=False))
+    state = grouped.init_state(params, jax.random.PRNGKey(5))
+    # adapters with B != 0: the LoRA path changes the forward
+    state = state.replace(params=jax.tree.map(
+        lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(6), x.shape), state.params))
+    a, ma = grouped.update(jax.tree.map(jnp.copy, state), batch, params)
+    b, mb = scan.update(jax.tree.map(jnp.copy, state), batch, params)
+    assert ma["optimizer_steps"] == mb["optimizer_steps"] == 6      # 2 epochs x 3 mini-batches
+    for x, y in zip(jax.tree.leaves(tree_to_numpy(a)), jax.tree.leaves(tree_to_numpy(b))):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    for k in ma:
+        if k != "perf/update_token_fill":
+            np.testing.assert_allclose(ma[k], mb[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    assert mb["train/approx_kl_old"] != 0      # epoch 2 moved off pi_old: the ratios are live
+    assert ma["perf/update_token_fill"] > mb["perf/update_token_fill"]

@@ -41,6 +41,7 @@ def tiny_config(workdir, warm_start_cache, extra=""):
     c.workdir = str(workdir)
     c.iterations = ITERS
     c.sft.cache_dir = str(warm_start_cache)
+    c.compilation_cache_dir = ""   # in-process runs: no process-wide jax cache setting
     return c
 
 

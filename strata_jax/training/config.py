@@ -71,9 +71,9 @@ class TrainConfig:
       trim_padding (drop all-padding prompt / response columns before scoring and training,
       widths bucketed; same result), group_by_length (the rows of a mini-batch sorted by length
       into micro-batches, each run at its own width bucket: padded columns are not computed;
-      same gradient up to float summation order, one compiled gradient step per width bucket;
-      False = one scan over micro-batches at the batch's width), donate_state (the optimizer step reuses the buffers of the
-      state passed to `Trainer.update` / `train_on_batch`: one copy of params + moments less at
+      same gradient up to float summation order, one compiled gradient step per (prompt,
+      response) width-bucket pair; False = one scan over micro-batches at the batch's width),
+      donate_state (the optimizer step reuses the buffers of the state passed to `Trainer.update` / `train_on_batch`: one copy of params + moments less at
       the peak, but the caller's state object is dead after the call; on by default, False for
       a caller that updates one state more than once), scan_layers (with remat, the decoder
       layers of the gradient pass as a ``lax.scan`` over stacked weights: compiles much faster

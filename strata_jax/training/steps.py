@@ -147,35 +147,52 @@ cfg.dropout_passes dropout passes (0 with no critic / dropout 0; 0 on invalid ro
 """
 
 
-def _score_rows(params, critic_params, ref_params, batch: SampleBatch, idx, real, key, scores,
-                *, widths, model: Qwen2Config, cfg: TrainConfig, use_ref: bool,
-                use_old: bool = True):
-    params, critic_params = _scoring_params(params, critic_params, ref_params, cfg)
+def _gather_chunk(batch: SampleBatch, idx, real, *, widths):
     b = trim_columns(jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch), *widths)
+    return b.replace(valid=b.valid & real)
+
+
+def _score_rows(params, critic_params, ref_params, b: SampleBatch, key, *, model: Qwen2Config,
+                cfg: TrainConfig, use_ref: bool, use_old: bool = True):
+    params, critic_params = _scoring_params(params, critic_params, ref_params, cfg)
     old, ref, v, s = _score_chunk(params, critic_params, ref_params, b.prompt_ids, b.prompt_mask,
                                   b.response_ids, b.response_mask, key, model=model, cfg=cfg,
                                   use_ref=use_ref, use_old=use_old)
-    pad = batch.response_ids.shape[1] - widths[1]
-    valid = b.valid & real
-    new = (jnp.pad(old, ((0, 0), (0, pad))), jnp.pad(ref, ((0, 0), (0, pad))),
-           jnp.where(valid, v, 0.0), jnp.where(valid, s, 0.0))
-    # padding entries (real False) leave their rows as they were
-    keep = lambda x, y: jnp.where(real.reshape((-1,) + (1,) * (y.ndim - 1)), y, x[idx])  # noqa
-    return tuple(x.at[idx].set(keep(x, y)) for x, y in zip(scores, new))
+    return old, ref, jnp.where(b.valid, v, 0.0), jnp.where(b.valid, s, 0.0)
 
 
-score_rows = jax.jit(_score_rows, static_argnames=("widths", "model", "cfg", "use_ref",
-                                                   "use_old"), donate_argnames=("scores",))
-score_rows.__doc__ = """`score_batch`'s passes on the rows idx of batch, at their own widths.
+def _scatter_scores(scores, idx, real, new):
+    width = scores[0].shape[1]
+    out = []
+    for x, y in zip(scores, new):
+        if y.ndim == 2:
+            y = jnp.pad(y, ((0, 0), (0, width - y.shape[1])))
+        # padding entries (real False) leave their rows as they were
+        y = jnp.where(real.reshape((-1,) + (1,) * (y.ndim - 1)), y, x[idx])
+        out.append(x.at[idx].set(y))
+    return tuple(out)
 
-Args: params, critic_params, ref_params as `score_batch`; batch: the placed SampleBatch (R rows);
-idx [m] int32 rows, real [m] bool (False = padding entry, left unchanged); key: the dropout
-PRNGKey of this chunk; scores: (old_logprobs [R, Tr], ref_logprobs [R, Tr], values [R],
-value_std [R]) f32 so far (donated); static widths (prompt, response columns kept, every row of
-idx must fit: `batching.trim_columns`), model, cfg, use_ref, use_old.
-Returns scores with the rows idx filled (what `score_batch` computes for them; value_std from
-this chunk's dropout key).
+
+gather_chunk = jax.jit(_gather_chunk, static_argnames=("widths",))
+gather_chunk.__doc__ = """The rows idx [m] int32 of a SampleBatch, trimmed to static widths =
+(prompt columns, response columns) (`batching.trim_columns`; every row must fit), with valid
+&= real [m] bool (False = padding entry). A cheap program per batch shape; the programs that
+run the model (`score_rows`, `accumulate_micro`) then see only [m, widths] shapes."""
+
+score_rows = jax.jit(_score_rows, static_argnames=("model", "cfg", "use_ref", "use_old"))
+score_rows.__doc__ = """`score_batch`'s passes on one chunk of rows at its own width.
+
+Args: params, critic_params, ref_params as `score_batch`; b: the chunk (`gather_chunk`: [m, wp]
+prompt, [m, wr] response); key: the dropout PRNGKey of this chunk; static model, cfg, use_ref,
+use_old. Returns (old [m, wr], ref [m, wr], values [m], value_std [m]) f32: what `score_batch`
+computes for these rows (values / value_std 0 on invalid rows); `scatter_scores` puts them back.
+One compiled program per (m, wp, wr).
 """
+
+scatter_scores = jax.jit(_scatter_scores, donate_argnames=("scores",))
+scatter_scores.__doc__ = """scores (old_logprobs [R, Tr], ref_logprobs [R, Tr], values [R],
+value_std [R]; donated) with the rows idx [m] set to new (`score_rows`' output, response
+columns zero-padded to Tr); entries with real [m] False are left unchanged."""
 
 
 def _advantages(batch: SampleBatch, step, *, algo: str, est):
@@ -273,10 +290,10 @@ def _minibatch_counts(mb: SampleBatch):
 
 def _zero_carry(params, critic_params, keys):
     """Accumulator of `_accumulate_micro`: (grads of params, of critic_params, loss sum,
-    metric sums, loss tokens, valid step samples)."""
-    z = jnp.zeros((), jnp.float32)
+    metric sums, loss tokens, valid step samples); every leaf its own buffer (donatable)."""
+    z = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
     return (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, critic_params),
-            z, {k: z for k in keys}, z, z)
+            z(), {k: z() for k in keys}, z(), z())
 
 
 def _accumulate_micro(carry, params, critic_params, b: SampleBatch, a, ww, tt, norms, n_values,
@@ -408,7 +425,9 @@ non-finite step was skipped), tokens, and the token-mean loss metrics of `ppo_lo
 # The same mini-batch step as `train_minibatch`, run from the host one micro-batch at a time so
 # each micro-batch can have its own width (`Trainer`, cfg.group_by_length): rows sorted by
 # length share micro-batches, and a micro-batch of short rows does not pay for the longest
-# prompt of the mini-batch. One compiled `accumulate_micro` per (prompt, response) width bucket.
+# prompt of the mini-batch. The model runs only in programs that see one micro-batch
+# (`accumulate_micro`: one compilation per (prompt, response) width pair, whatever the batch's
+# row count or width); the gathers that cut micro-batches out of the batch are cheap programs.
 
 
 def _grouped_counts(batch: SampleBatch, idx, real):
@@ -421,40 +440,45 @@ minibatch_counts.__doc__ = """(normalizers, n_values) of the mini-batch of rows 
 (real [rows] bool marks the padding entries) of `batch`: the per-level loss token / sequence
 counts (`loss_normalizers`) and the valid step-sample count (f32), shared by its micro-batches."""
 
-def _zero_carry_for(params, critic_params, *, cfg: TrainConfig, on_policy: bool = False):
-    return _zero_carry(params, critic_params, _metric_keys(cfg, on_policy))
-
-
-zero_carry = jax.jit(_zero_carry_for, static_argnames=("cfg", "on_policy"))
-zero_carry.__doc__ = """The empty accumulator `accumulate_micro` adds to: zero gradients shaped like
-params and critic_params, zero loss / metric sums / counts (the metrics of cfg, on_policy)."""
-
-
-def _micro_step(carry, params, critic_params, batch: SampleBatch, adv, w, targets, idx, real,
-                norms, n_values, base=None, *, widths, model: Qwen2Config, cfg: TrainConfig,
-                on_policy: bool = False):
-    b, a, ww, tt = _gather(batch, adv, w, targets, idx, real)
-    b = trim_columns(b, *widths)
+def _micro_step(carry, params, critic_params, b: SampleBatch, a, ww, tt, norms, n_values,
+                base=None, *, model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
     a, ww, tt = _masked_targets(b.valid, a, ww, tt)
     return _accumulate_micro(carry, params, critic_params, b, a, ww, tt, norms, n_values, base,
                              model=model, cfg=cfg, on_policy=on_policy,
                              keys=_metric_keys(cfg, on_policy))
 
 
-accumulate_micro = jax.jit(_micro_step, static_argnames=("widths", "model", "cfg", "on_policy"),
+accumulate_micro = jax.jit(_micro_step, static_argnames=("model", "cfg", "on_policy"),
                            donate_argnames=("carry",))
 accumulate_micro.__doc__ = """carry + one micro-batch's loss, gradients and metric sums.
 
 Args: carry (`zero_carry(params, critic_params, cfg=, on_policy=)` or a previous result;
-donated);
-params, critic_params; batch: the scored SampleBatch [R, Tp] / [R, Tr]; adv, w, targets [R]
-f32; idx [m] int32 rows of the micro-batch, real [m] bool (False = padding entry); norms,
+donated); params, critic_params; b: the micro-batch (`gather_micro`: [m, wp] prompt, [m, wr]
+response, its own widths); a, ww, tt [m] f32 advantages, sample weights, value targets; norms,
 n_values: the WHOLE mini-batch's counts (`minibatch_counts`); base: the frozen LoRA base or
-None; static widths = (prompt columns, response columns) kept (the last prompt columns, the
-first response columns: `batching.trim_columns`; every row of the micro-batch must fit),
-model, cfg, on_policy (see `micro_loss`). Summing every micro-batch of a mini-batch gives the
-`accumulate_grads` result up to float summation order.
+None; static model, cfg, on_policy (see `micro_loss`). Summing every micro-batch of a
+mini-batch gives the `accumulate_grads` result up to float summation order. One compiled
+program per micro-batch shape (m, wp, wr).
 """
+
+
+def _gather_micro(batch: SampleBatch, adv, w, targets, idx, real, *, widths):
+    b, a, ww, tt = _gather(batch, adv, w, targets, idx, real)
+    return trim_columns(b, *widths), a, ww, tt
+
+
+gather_micro = jax.jit(_gather_micro, static_argnames=("widths",))
+gather_micro.__doc__ = """`gather_rows` of the micro-batch rows idx [m] int32 (real [m] bool,
+False = padding entry), trimmed to static widths = (prompt columns, response columns) kept
+(`batching.trim_columns`; every row must fit). Returns (micro-batch, adv, w, targets [m])."""
+
+
+def zero_carry(params, critic_params, *, cfg: TrainConfig, on_policy: bool = False):
+    """The empty accumulator `accumulate_micro` adds to: zero gradients like params and
+    critic_params (created eagerly, so each keeps its param's sharding on a mesh; under jit they
+    would come out replicated), zero loss / metric sums / counts (the metrics of cfg,
+    on_policy)."""
+    return _zero_carry(params, critic_params, _metric_keys(cfg, on_policy))
 
 
 def _apply_carry(state: TrainState, carry, *, cfg: TrainConfig, on_policy: bool = False):
@@ -465,14 +489,16 @@ def _apply_carry(state: TrainState, carry, *, cfg: TrainConfig, on_policy: bool 
 _apply_static = ("cfg", "on_policy")
 _apply_accumulated = jax.jit(_apply_carry, static_argnames=_apply_static,
                              donate_argnames=("carry",))
+# the state's buffers take the new state; the carry's would be left over (a warning), so only
+# the copying variant donates the carry (its gradient buffers can hold the new params)
 _apply_accumulated_donated = jax.jit(_apply_carry, static_argnames=_apply_static,
-                                     donate_argnames=("state", "carry"))
+                                     donate_argnames=("state",))
 
 
 def apply_step(cfg: TrainConfig):
     """The jitted optimizer step on accumulated micro-batches (`accumulate_micro`):
     (state, carry, *, cfg, on_policy) -> (new state, metrics as `train_minibatch` returns them);
-    the carry is donated, and the state too when cfg.donate_state."""
+    the state is donated when cfg.donate_state, else the carry is."""
     return _apply_accumulated_donated if cfg.donate_state else _apply_accumulated
 
 
@@ -485,4 +511,5 @@ def minibatch_step(cfg: TrainConfig):
 
 __all__ = ["effective_params", "score_batch", "advantages", "gather_rows", "micro_loss",
            "accumulate_grads", "train_minibatch", "minibatch_step", "minibatch_counts",
-           "zero_carry", "accumulate_micro", "apply_step", "score_rows"]
+           "zero_carry", "gather_micro", "accumulate_micro", "apply_step", "gather_chunk",
+           "score_rows", "scatter_scores"]

@@ -46,9 +46,10 @@ from strata_jax.training.batching import (length_grouped_micro_batches, minibatc
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
 from strata_jax.training.state import TrainState, create_train_state, make_optimizer
-from strata_jax.training.steps import (accumulate_micro, advantages, apply_step,
-                                       gather_rows, minibatch_counts, minibatch_step, score_batch,
-                                       score_rows, zero_carry)
+from strata_jax.training.steps import (accumulate_micro, advantages, apply_step, gather_chunk,
+                                       gather_micro, gather_rows, minibatch_counts,
+                                       minibatch_step, scatter_scores, score_batch, score_rows,
+                                       zero_carry)
 
 Params = dict[str, Any]
 log = logging.getLogger(__name__)
@@ -203,8 +204,9 @@ class Trainer:
         Only the passes something reads run: the old-logprob pass when use_old, the reference
         pass when loss.kl_coef != 0, the critic when there is one; with none of them the batch
         is only padded and placed (no forward). With cfg.group_by_length the rows run in
-        chunks of similar length, each at its own width (`score_rows`; the same scores, the
-        dropout masks of the value-std passes drawn per chunk)."""
+        chunks of similar length, each at its own width (`gather_chunk`, `score_rows`,
+        `scatter_scores`): the same scores for valid rows (invalid rows, which nothing reads,
+        keep 0 logprobs), the dropout masks of the value-std passes drawn per chunk."""
         cfg = self.cfg
         chunk = cfg.score_rows or cfg.micro_batch_size
         use_ref = bool(cfg.loss.kl_coef)
@@ -233,9 +235,11 @@ class Trainer:
             scores = (jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
                       jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
             for j, (i, r, widths) in enumerate(plan):
-                scores = score_rows(state.params, state.critic_params, ref, batch,
-                                    jnp.asarray(i), jnp.asarray(r), jax.random.fold_in(key, j),
-                                    scores, widths=widths, **static)
+                i, r = jnp.asarray(i), jnp.asarray(r)
+                chunk_rows = gather_chunk(batch, i, r, widths=widths)
+                new = score_rows(state.params, state.critic_params, ref, chunk_rows,
+                                 jax.random.fold_in(key, j), **static)
+                scores = scatter_scores(scores, i, r, new)
             old, ref_lp, values, value_std = scores
             return batch.replace(old_logprobs=old, ref_logprobs=ref_lp, values=values,
                                  value_std=value_std)
@@ -247,8 +251,8 @@ class Trainer:
         """Epochs x mini-batches of `train_minibatch` on a scored batch with given advantages.
 
         With cfg.group_by_length each mini-batch runs as length-grouped micro-batches, each at
-        its own width (`length_grouped_micro_batches`, `accumulate_micro` then `apply_step`):
-        the same optimizer step up to float summation order.
+        its own width (`length_grouped_micro_batches`; `gather_micro` and `accumulate_micro`
+        per micro-batch, then `apply_step`): the same optimizer step up to float summation order.
 
         Args: batch scored (`score`); adv, weights, targets [R] f32; key: shuffling PRNGKey;
         base: the frozen base params when LoRA is on (else ignored); on_policy: the batch was
@@ -261,8 +265,9 @@ class Trainer:
         m = cfg.micro_batch_size
         # host_values: a multi-host global batch is gathered (every process plans the same steps).
         valid, kind = host_values(batch.valid), host_values(batch.kind)
-        need_p, need_r = row_widths(host_values(batch.prompt_mask),
-                                    host_values(batch.response_mask))
+        pm, rm = host_values(batch.prompt_mask), host_values(batch.response_mask)
+        need_p, need_r = row_widths(pm, rm)
+        n_tokens = np.sum(pm, axis=1) + np.sum(rm, axis=1)
         tp, tr = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
         seed = int(jax.device_get(jax.random.randint(key, (), 0, 2 ** 31 - 1)))
         rng = np.random.default_rng(seed)
@@ -271,7 +276,7 @@ class Trainer:
         with self._ctx():
             for _ in range(cfg.ppo_epochs):
                 for idx, real in minibatch_plan(valid, kind, cfg.mini_batch_size, m, rng):
-                    real_tokens = int(np.sum((need_p + need_r)[idx[real]]))
+                    real_tokens = int(np.sum(n_tokens[idx[real]]))
                     if cfg.group_by_length:
                         micro = length_grouped_micro_batches(idx, real, need_p, need_r, m, tp, tr)
                         state, met = self._grouped_step(state, batch, adv, weights, targets,
@@ -295,10 +300,10 @@ class Trainer:
         norms, n_values = minibatch_counts(batch, jnp.asarray(idx), jnp.asarray(real))
         carry = zero_carry(state.params, state.critic_params, cfg=cfg, on_policy=on_policy)
         for i, r, widths in micro:
-            carry = accumulate_micro(carry, state.params, state.critic_params, batch, adv,
-                                     weights, targets, jnp.asarray(i), jnp.asarray(r), norms,
-                                     n_values, base, widths=widths, model=model, cfg=cfg,
-                                     on_policy=on_policy)
+            b, a, w, t = gather_micro(batch, adv, weights, targets, jnp.asarray(i),
+                                      jnp.asarray(r), widths=widths)
+            carry = accumulate_micro(carry, state.params, state.critic_params, b, a, w, t, norms,
+                                     n_values, base, model=model, cfg=cfg, on_policy=on_policy)
         return apply_step(cfg)(state, carry, cfg=cfg, on_policy=on_policy)
 
     def update(self, state: TrainState, batch: SampleBatch, ref_params: Params | None = None
