@@ -41,6 +41,8 @@ from strata_jax.models.lora import LoraConfig  # noqa: E402
 from strata_jax.sampling import Sampler, SamplingParams  # noqa: E402
 from strata_jax.training import TrainConfig, Trainer  # noqa: E402
 
+from benchmarks._timing import time_updates  # noqa: E402
+
 
 def _time(fn, repeats):
     fn()
@@ -118,16 +120,7 @@ def update(config, params, args, hw) -> None:
                           LoraConfig(), donate_state=True)
         trainer = Trainer(config, cfg)
         state = trainer.init_state(params, jax.random.PRNGKey(1))
-        t0 = time.perf_counter()
-        state, _ = trainer.update(state, batch, ref_params=params)
-        jax.block_until_ready(state)
-        warm = time.perf_counter() - t0
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            state, _ = trainer.update(state, batch, ref_params=params)
-            jax.block_until_ready(state)
-            times.append(time.perf_counter() - t0)
+        state, warm, times, _ = time_updates(trainer, state, batch, params, args.repeats)
         t = statistics.median(times)
         flops = (6 + 2) * n_params * tokens      # fwd + bwd, plus the reference forward
         stats = jax.devices()[0].memory_stats() or {}

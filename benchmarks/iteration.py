@@ -168,6 +168,8 @@ def jax_grouping_worker(args) -> dict:
     from strata_jax.models import load_checkpoint
     from strata_jax.training import TrainConfig, Trainer
 
+    from benchmarks._timing import time_updates
+
     compiles = CompileCounter.install()
     model, params = load_checkpoint(args.model, dtype=jax.numpy.dtype(args.base_dtype))
     lens = row_lengths(args.lengths_from, args.rows)
@@ -190,16 +192,10 @@ def jax_grouping_worker(args) -> dict:
                                       scan_layers=args.scan_layers)
         trainer = Trainer(model, cfg)
         state = trainer.init_state(params, jax.random.PRNGKey(1))
-        t = time.perf_counter()
-        state, m = trainer.update(state, batch, ref_params=params)
-        jax.block_until_ready(state)
-        warm, n_warm = time.perf_counter() - t, compiles.count
-        runs = []
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            state, m = trainer.update(state, batch, ref_params=params)
-            jax.block_until_ready(state)
-            runs.append(time.perf_counter() - t)
+        n_warm = []
+        state, warm, runs, m = time_updates(trainer, state, batch, params, args.repeats,
+                                            lambda: n_warm.append(compiles.count))
+        n_warm = n_warm[0]
         out["grouped" if grouped else "one_width"] = {
             "update_s": statistics.median(runs), "runs": runs, "warmup_s": warm,
             "compiles_warmup": n_warm, "compiles_after_warmup": compiles.count - n_warm,

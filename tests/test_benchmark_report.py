@@ -227,3 +227,25 @@ def test_grouping_benchmark_row_lengths_keep_the_mix(tmp_path):
     path.write_text(json.dumps({"step": 1, "steps": []}) + "\n")
     with pytest.raises(SystemExit, match="no step rows"):
         row_lengths(str(path), 3)
+
+
+def test_time_updates_warms_up_once_then_times_each_repeat():
+    """benchmarks/_timing.py: one warm-up update, the callback, then `repeats` timed updates,
+    each fed the previous call's state."""
+    import numpy as np
+
+    from benchmarks._timing import time_updates
+
+    events = []
+
+    class Fake:
+        def update(self, state, batch, ref_params):
+            events.append(("update", state))
+            return state + 1, {"n": state + 1}
+
+    state, warm, runs, m = time_updates(Fake(), np.int32(0), None, None, 3,
+                                        lambda: events.append(("mark", None)))
+    assert [e[0] for e in events] == ["update", "mark", "update", "update", "update"]
+    assert [e[1] for e in events if e[0] == "update"] == [0, 1, 2, 3]
+    assert state == 4 and m == {"n": 4} and len(runs) == 3 and warm >= 0
+    assert all(r >= 0 for r in runs)
