@@ -50,6 +50,19 @@ def cached_cell(out: str, name: str, cmd: list[str], cwd: str, force: bool,
     return res
 
 
+def write_summary(out: str, filename: str, args: Any) -> str:
+    """Write ``<out>/<filename>``: every cell cached in `out` (each ``<name>.json`` but the
+    summary itself, sorted by name) and the arguments of the run that wrote it, as
+    {"last_args": ..., "cells": [...]}. A run that plays a subset of the cells (``--models
+    ...``) adds to the summary instead of replacing it. Returns the summary's path."""
+    path = os.path.join(out, filename)
+    cells = [json.load(open(os.path.join(out, f))) for f in sorted(os.listdir(out))
+             if f.endswith(".json") and f != filename]
+    with open(path, "w") as f:
+        json.dump({"last_args": vars(args), "cells": cells}, f, indent=1)
+    return path
+
+
 def run_cells(out: str, cells: Sequence[tuple[str, Any]], table: bool,
               run: Callable[[Any], dict[str, Any]]) -> list[dict[str, Any]]:
     """Every cell's result in order: ``run(key)`` for each (name, key) of `cells` (which reads

@@ -42,7 +42,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks._cells import cached_cell, run_cells  # noqa: E402
+from benchmarks._cells import cached_cell, run_cells, write_summary  # noqa: E402
 from benchmarks.test_time import family_rows  # noqa: E402
 from benchmarks.zero_shot import add_budget_args, cell_variant  # noqa: E402
 
@@ -154,8 +154,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     results = run_cells(args.out, [(n, n) for n in args.cells], args.table,
                         lambda n: run_cell(args, n))
-    json.dump({"args": vars(args), "cells": results},
-              open(os.path.join(args.out, "options.json"), "w"), indent=1)
+    write_summary(args.out, "options.json", args)
     print_table(results)
     print()
     print("success / score per family:")

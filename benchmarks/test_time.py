@@ -30,7 +30,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks._cells import cached_cell, run_cells  # noqa: E402
+from benchmarks._cells import cached_cell, run_cells, write_summary  # noqa: E402
 
 
 def cells(args) -> list[tuple[int, str, int]]:
@@ -145,8 +145,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     results = run_cells(args.out, [(cell_name(*c), c) for c in cells(args)], args.table,
                         lambda c: run_cell(args, *c))
-    json.dump({"args": vars(args), "cells": results},
-              open(os.path.join(args.out, "test_time.json"), "w"), indent=1)
+    write_summary(args.out, "test_time.json", args)
     print_table(results)
 
 

@@ -27,7 +27,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks._cells import cached_cell, run_cells  # noqa: E402
+from benchmarks._cells import cached_cell, run_cells, write_summary  # noqa: E402
 
 # ScienceWorld families with gold paths of at most 11 steps (docs/method.md §11.1).
 SHORT_FAMILIES = ("find-non-living-thing", "lifespan-longest-lived", "lifespan-shortest-lived",
@@ -155,8 +155,7 @@ def main() -> None:
     keys = [(m, e, p) for m in args.models for e in args.envs for p in args.prompting]
     results = run_cells(args.out, [(cell_name(*k), k) for k in keys], args.table,
                         lambda k: run_cell(args, *k))
-    json.dump({"args": vars(args), "cells": results},
-              open(os.path.join(args.out, "zero_shot.json"), "w"), indent=1)
+    write_summary(args.out, "zero_shot.json", args)
     print_table(results)
 
 

@@ -249,3 +249,22 @@ def test_time_updates_warms_up_once_then_times_each_repeat():
     assert [e[1] for e in events if e[0] == "update"] == [0, 1, 2, 3]
     assert state == 4 and m == {"n": 4} and len(runs) == 3 and warm >= 0
     assert all(r >= 0 for r in runs)
+
+
+def test_summary_lists_every_cached_cell_not_only_this_runs(tmp_path):
+    """_cells.write_summary: a run over a subset of the cells (e.g. one more model) adds to the
+    summary file instead of replacing the other cells' rows; the summary never lists itself."""
+    import argparse
+    import json
+
+    from benchmarks._cells import write_summary
+
+    for name in ("b__x", "a__y"):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"cell": name, "success": 0.5}))
+    (tmp_path / "a__y.log").write_text("log")
+    write_summary(str(tmp_path), "summary.json", argparse.Namespace(models=["m1"]))
+    (tmp_path / "c__z.json").write_text(json.dumps({"cell": "c__z"}))      # a later run's cell
+    path = write_summary(str(tmp_path), "summary.json", argparse.Namespace(models=["m2"]))
+    s = json.load(open(path))
+    assert [c["cell"] for c in s["cells"]] == ["a__y", "b__x", "c__z"]
+    assert s["last_args"] == {"models": ["m2"]}
