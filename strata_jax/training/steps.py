@@ -147,9 +147,14 @@ cfg.dropout_passes dropout passes (0 with no critic / dropout 0; 0 on invalid ro
 """
 
 
+def _take_rows(batch: SampleBatch, idx, real) -> SampleBatch:
+    """Rows idx of every field; padding entries (real False) become invalid rows."""
+    mb = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch)
+    return mb.replace(valid=mb.valid & real)
+
+
 def _gather_chunk(batch: SampleBatch, idx, real, *, widths):
-    b = trim_columns(jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch), *widths)
-    return b.replace(valid=b.valid & real)
+    return trim_columns(_take_rows(batch, idx, real), *widths)
 
 
 def _score_rows(params, critic_params, ref_params, b: SampleBatch, key, *, model: Qwen2Config,
@@ -204,9 +209,7 @@ advantages = jax.jit(_advantages, static_argnames=("algo", "est"))
 
 def _gather(batch, adv, w, targets, idx, real):
     take = lambda x: jnp.take(x, idx, axis=0)  # noqa: E731
-    mb = jax.tree.map(take, batch)
-    mb = mb.replace(valid=mb.valid & real)
-    return mb, take(adv), take(w), take(targets)
+    return _take_rows(batch, idx, real), take(adv), take(w), take(targets)
 
 
 gather_rows = jax.jit(_gather)
@@ -431,14 +434,14 @@ non-finite step was skipped), tokens, and the token-mean loss metrics of `ppo_lo
 
 
 def _grouped_counts(batch: SampleBatch, idx, real):
-    mb, _, _, _ = _gather(batch, batch.valid, batch.valid, batch.valid, idx, real)
-    return _minibatch_counts(mb)
+    return _minibatch_counts(_take_rows(batch, idx, real))
 
 
 minibatch_counts = jax.jit(_grouped_counts)
 minibatch_counts.__doc__ = """(normalizers, n_values) of the mini-batch of rows idx [rows] int32
 (real [rows] bool marks the padding entries) of `batch`: the per-level loss token / sequence
 counts (`loss_normalizers`) and the valid step-sample count (f32), shared by its micro-batches."""
+
 
 def _micro_step(carry, params, critic_params, b: SampleBatch, a, ww, tt, norms, n_values,
                 base=None, *, model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
