@@ -46,6 +46,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sft.judge = True             # judge examples (bad steps = the noisy ones)
     c.sft.think = "I follow the plan."
     c.sft.max_plan_items = 12
+    c.sft.plan_code = "keep"       # keep | mask: memory_key plans name `enter the vault code`, not the code
     c.sft.max_gold_steps = 30
     c.sft.steps = 300
     c.sft.batch_size = 16

@@ -61,13 +61,16 @@ def sft_examples(c: Any, tokenizer: Any, cfg: SFTConfig | None = None
 
 # Version of the examples' rendering: bump it when prompts or targets change shape, so that a
 # cached warm start trained on the old rendering is not reused (2: targets end at the closing
-# tag where the sampler's stop string ends generation, not at <|im_end|>).
-EXAMPLE_FORMAT = 2
+# tag where the sampler's stop string ends generation, not at <|im_end|>; 3: memory_key's
+# one-digit vault lists its codes among the admissible actions).
+EXAMPLE_FORMAT = 3
 
 
 def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
     """A 12-hex id of everything the warm start depends on (data, prompts, model, init)."""
     sft = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"}
+    if sft["plan_code"] == "keep":   # the rendering before the option existed: existing
+        del sft["plan_code"]         # fingerprints stay valid
     d = dict(format=EXAMPLE_FORMAT, sft=sft,
              model=dataclasses.asdict(model_cfg), init=[c.model.path, c.model.preset, c.seed,
                                                         c.model.dtype, c.model.tokenizer],

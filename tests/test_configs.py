@@ -66,7 +66,9 @@ def test_env_kwargs_pass_only_what_the_env_takes():
     from configs import builtin
     from strata_jax.experiment import env_kwargs
     c = builtin.get_config("tiny")
-    assert env_kwargs(c) == {"max_steps": 8, "code_digits": 1}
+    assert env_kwargs(c) == {"max_steps": 8, "code_digits": 1, "code_attempts": 0}
+    c.env.code_attempts = 1
+    assert env_kwargs(c) == {"max_steps": 8, "code_digits": 1, "code_attempts": 1}
     # grid_nav's constructor has no code_digits: the memory_key field stays out of its kwargs.
     c.env.name = "grid_nav"
     assert env_kwargs(c) == {"max_steps": 8}

@@ -99,6 +99,68 @@ def test_memory_key_one_digit_code_and_bad_length():
         make_env("memory_key", code_digits=0)
 
 
+def _walk_to_vault(env):
+    obs = None
+    while env.expert_action() == "go north":
+        obs, *_ = env.step("go north")
+    return obs
+
+
+def test_memory_key_one_attempt_locks_the_keypad_and_ends_the_episode():
+    env = make_env("memory_key", code_digits=1, code_attempts=1, max_steps=10)
+    env.reset(Task("memory_key", "memory_key", 3))   # code 3 (above)
+    assert env.admissible_actions() == ["look", "go north"]
+    obs = _walk_to_vault(env)
+    assert obs.endswith("waits for a 1-digit code. It allows 1 more try.")
+    # one digit: the vault lists every concrete code, in order, after the moves
+    assert env.admissible_actions() == ["look", "go south"] + [f"enter {d}" for d in range(10)]
+    obs, r, done, info = env.step("enter 4")
+    assert (r, done, info["success"], info["invalid"]) == (0.0, True, False, False)
+    assert obs == "The keypad buzzes: wrong code. The keypad locks for good."
+    # the right code opens it at the first try
+    env.reset(Task("memory_key", "memory_key", 3))
+    _walk_to_vault(env)
+    assert env.step("enter code 3")[1:3] == (1.0, True)
+
+
+@pytest.mark.parametrize("action", ["enter 3", "enter", "enter code", "enter 33"])
+def test_memory_key_every_enter_is_a_try_when_attempts_are_limited(action):
+    """An `enter` before the vault, or a malformed one at it, uses an attempt: a flat policy
+    cannot keep the code in its history window by typing it on the way (it would lock the
+    keypad), and `enter 33` at a 1-digit keypad is a wrong code, not a free retry."""
+    env = make_env("memory_key", code_digits=1, code_attempts=2, max_steps=20)
+    env.reset(Task("memory_key", "memory_key", 3))
+    obs, r, done, info = env.step(action)           # at the south end, before any move
+    assert (r, done, info["invalid"]) == (0.0, False, True)
+    assert obs == "There is no keypad here; the vault's lock counts the try."
+    assert env.attempts_left == 1
+    obs = _walk_to_vault(env)
+    assert obs.endswith("It allows 1 more try.")
+    obs, r, done, info = env.step("enter 33" if action != "enter 33" else "enter")
+    assert (r, done, info["invalid"]) == (0.0, True, False)
+    assert obs.endswith("The keypad locks for good.")
+
+
+def test_memory_key_unlimited_attempts_keep_todays_rules():
+    env = make_env("memory_key", code_digits=1, max_steps=20)   # code_attempts=0 by default
+    env.reset(Task("memory_key", "memory_key", 3))
+    obs, r, done, info = env.step("enter 3")                     # before the vault: rejected
+    assert (obs, r, done, info["invalid"]) == ("Nothing happens.", 0.0, False, True)
+    obs = _walk_to_vault(env)
+    assert obs.endswith("waits for a 1-digit code.")            # no tries count shown
+    for wrong in ("enter 0", "enter 1", "enter 2"):
+        assert env.step(wrong)[1:3] == (0.0, False)
+    assert env.step("enter")[0] == "Nothing happens."            # bare verb: rejected
+    assert env.step("enter 3")[1:3] == (1.0, True)
+    with pytest.raises(ValueError, match="code_attempts must be >= 0"):
+        make_env("memory_key", code_attempts=-1)
+    # three digits: 1000 codes, the template instead of a list
+    env = make_env("memory_key", code_digits=3, code_attempts=1)
+    env.reset(Task("memory_key", "memory_key", 3))
+    _walk_to_vault(env)
+    assert env.admissible_actions() == ["look", "go south", "enter <digits>"]
+
+
 def test_deterministic_identical_copies():
     a, b = make_env("grid_nav"), make_env("grid_nav")
     t = Task("grid_nav", "grid_nav", 42)

@@ -72,6 +72,47 @@ def test_expert_episodes_and_plan(episodes):
     assert noisy.plan == ep.plan
 
 
+def test_masked_plan_names_the_keypad_not_the_code(builder, episodes):
+    """sft.plan_code="mask": the cloned strategy says where to type, never what; the action
+    targets keep the expert's real code (the keypad step is taught, the code is a guess)."""
+    assert sft.mask_codes(["go north", "enter 660", "enter", "look"]) == \
+        ["go north", sft.MASKED_CODE, sft.MASKED_CODE, "look"]
+    ex = sft.render_episode(builder, episodes[0], with_strategy=True, plan_code="mask")
+    assert ex[0].kind == "strategy" and ex[0].response_text == (
+        "<strategy>1. go north (4 times)\n2. enter the vault code</strategy>")
+    assert not any("660" in e.prompt.prefix_text for e in ex)
+    assert [e.response_text for e in ex if e.kind == "action"][-1].endswith(
+        "<action>enter 660</action>")
+    keep = sft.render_episode(builder, episodes[0], with_strategy=True)
+    assert "2. enter 660" in keep[0].response_text
+    with pytest.raises(ValueError, match="sft.plan_code must be one of"):
+        sft.SFTConfig(plan_code="hide")
+
+
+def test_noisy_expert_never_types_a_code(episodes):
+    """At memory_key's 1-digit vault the admissible actions list `enter 0` ... `enter 9`: noise
+    picks moves / look only, so no wrong code is cloned and no attempt is spent."""
+    env = MemoryKeyEnv(max_steps=100, code_digits=1, code_attempts=1)
+    rng = random.Random(0)
+    for t in MK_TASKS:
+        ep = sft.play_builtin_expert(env, t, 0.5, rng)
+        enters = [s.action for s in ep.steps if s.action.startswith("enter")]
+        assert ep.success and len(enters) == 1 and not any(s.noisy for s in ep.steps
+                                                            if s.action.startswith("enter"))
+        assert sum(s.noisy for s in ep.steps) >= 3
+
+
+def test_fingerprint_keeps_old_caches_for_the_default_plan(tok):
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, tie_word_embeddings=True)
+    c = builtin.get_config("tiny")
+    keep = warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))
+    fields = dataclasses.asdict(sft.SFTConfig.from_config(c))
+    assert fields["plan_code"] == "keep"
+    c.sft.plan_code = "mask"
+    assert warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c)) != keep
+
+
 @pytest.mark.parametrize("algo", ["strata", "flat"])
 def test_examples_are_the_rollouts_prompts(tok, builder, episodes, algo):
     strat = algo == "strata"
