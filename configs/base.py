@@ -94,7 +94,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rollout.max_strategy_tokens = 512
     c.rollout.max_judge_tokens = 256
     c.rollout.cumulative_prompts = False  # STAPO turns this on (docs/method.md §7.1)
-    c.rollout.cohorts = 2          # env stepping of one cohort overlaps decoding of the other
+    c.rollout.cohorts = 0          # 0 = auto: 1 for instant (pure-Python) envs, else 2, where env
+                                   # stepping of one cohort overlaps decoding of the other
     c.rollout.dapo_max_tries = 10   # refill rounds of an algorithm with refill (DAPO)
     c.rollout.invalid_tail_chars = 30  # chars of a format-invalid output shown in the history
     # SampleBatch padding: rows / prompt / response widths round up to the smallest listed

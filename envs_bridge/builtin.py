@@ -44,6 +44,7 @@ def builtin_task_list(name: str, split: str) -> list[Task]:
 
 class _BuiltinEnv(TextEnv):
     templates: tuple[str, ...] = ()
+    instant_steps = True
 
     def __init__(self, max_steps: int = 20) -> None:
         super().__init__(max_steps)

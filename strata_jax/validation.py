@@ -121,8 +121,9 @@ def validate(c: Any) -> None:
     r = c.rollout
     for name in ("num_strategies", "episodes_per_strategy", "oversample", "group_size",
                  "tasks_per_batch", "max_action_tokens", "max_strategy_tokens",
-                 "max_judge_tokens", "cohorts", "dapo_max_tries"):
+                 "max_judge_tokens", "dapo_max_tries"):
         at_least(f"rollout.{name}", 1)
+    at_least("rollout.cohorts", 0)     # 0 = auto (rollout.episodes.resolve_cohorts)
     for name in ("max_steps", "max_prompt_tokens", "num_workers"):
         at_least(f"env.{name}", 1)
     at_least("env.history_length", 0)
