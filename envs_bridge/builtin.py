@@ -92,19 +92,22 @@ class MemoryKeyEnv(_BuiltinEnv):
     Code attempts (``code_attempts``):
       * 0 (default): unlimited. A wrong code buzzes and the episode goes on, so with one digit a
         memoryless policy can enumerate ``enter 0`` ... ``enter 9`` at the vault.
-      * k >= 1: every ``enter ...`` action is a try, wherever it is typed and whatever follows
-        the verb: a try that is not the code (wrong digits, a malformed code such as
-        ``enter code`` or ``enter 12`` for a 1-digit vault, or any ``enter`` before the vault)
-        uses one attempt, and the k-th locks the keypad and ends the episode with reward 0.
-        Counting every ``enter`` closes the channel by which a flat policy could keep the
-        code in its history window (alternating moves with an invalid ``enter <code>``, which
-        the history records verbatim). With one attempt, a policy without the code succeeds
-        at most P(reach the vault) x 10**-code_digits: the flat ceiling by construction.
+      * k >= 1: at the keypad, an ``enter`` whose text holds exactly ``code_digits`` ASCII
+        digits is a try (separators are ignored: ``enter 6-1-6``); a wrong one uses an
+        attempt and the k-th locks the keypad and ends the episode with reward 0. An
+        ``enter`` with another number of digits (``enter code``, ``enter 12`` at a 1-digit
+        keypad) is refused without using an attempt, and so is any ``enter`` before the vault
+        (there is no keypad there: "Nothing happens."), as with unlimited attempts.
+        With one attempt, a policy that does not have the code at the keypad succeeds at most
+        P(reach the vault) x 10**-code_digits: the flat ceiling by construction.
 
-    Channels that remain open, measured by the study that uses this env rather than closed
-    here (docs/method.md §12): the action text of other rejected actions (``go north 7``) and
-    the tail of a format-invalid output (``rollout.invalid_tail_chars``), both recorded in the
-    history window.
+    Leak channels: text the agent writes stays in the history window verbatim, so a policy
+    can keep the code in view without a strategy by re-typing it on the way (an early
+    ``enter <code>``, refused, or any other action or format-invalid output holding the
+    digits: ``rollout.invalid_tail_chars`` of it are shown). They are left open here, since
+    closing them would change what the env means by an action, and measured instead: a
+    study counts the episodes in which the code was in the prompt at the keypad from any
+    source other than the strategy (docs/method.md §12).
 
     Admissible actions at the vault name every concrete code when there are at most ten
     (``enter 0`` ... ``enter 9`` for one digit), else the template ``enter <digits>``.
@@ -167,20 +170,22 @@ class MemoryKeyEnv(_BuiltinEnv):
         return f"You are in the corridor, room {self.pos} of {self.corridor}. The corridor continues north."
 
     def _enter(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
-        at_vault = self.pos == self.corridor
         digits = "".join(ch for ch in action[6:] if ch in _ASCII_DIGITS)
-        if at_vault and digits == self.code:
-            return "The vault swings open. You win.", 1.0, True, self._info(1.0)
-        if not self.code_attempts:  # unlimited: only `enter <text>` at the keypad is a try
-            if at_vault and action.startswith("enter "):
-                return "The keypad buzzes: wrong code.", 0.0, False, self._info(0.0)
+        if self.pos != self.corridor or not action.startswith("enter "):
             return "Nothing happens.", 0.0, False, self._info(0.0, invalid=True)
+        if digits == self.code:
+            return "The vault swings open. You win.", 1.0, True, self._info(1.0)
+        if not self.code_attempts:   # unlimited: any text is a (wrong) try, as it always was
+            return "The keypad buzzes: wrong code.", 0.0, False, self._info(0.0)
+        if len(digits) != self.code_digits:
+            return (f"The keypad beeps: it takes a {self.code_digits}-digit code.", 0.0, False,
+                    self._info(0.0, invalid=True))
         self.attempts_left -= 1
-        what = "The keypad buzzes: wrong code." if at_vault else (
-            "There is no keypad here; the vault's lock counts the try.")
         if self.attempts_left <= 0:
-            return f"{what} The keypad locks for good.", 0.0, True, self._info(0.0, invalid=not at_vault)
-        return what, 0.0, False, self._info(0.0, invalid=not at_vault)
+            return ("The keypad buzzes: wrong code. The keypad locks for good.", 0.0, True,
+                    self._info(0.0))
+        return (f"The keypad buzzes: wrong code. It allows {self.attempts_left} more "
+                f"{'try' if self.attempts_left == 1 else 'tries'}.", 0.0, False, self._info(0.0))
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         if action == "go north" and self.pos < self.corridor:

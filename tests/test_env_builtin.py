@@ -123,22 +123,25 @@ def test_memory_key_one_attempt_locks_the_keypad_and_ends_the_episode():
     assert env.step("enter code 3")[1:3] == (1.0, True)
 
 
-@pytest.mark.parametrize("action", ["enter 3", "enter", "enter code", "enter 33"])
-def test_memory_key_every_enter_is_a_try_when_attempts_are_limited(action):
-    """An `enter` before the vault, or a malformed one at it, uses an attempt: a flat policy
-    cannot keep the code in its history window by typing it on the way (it would lock the
-    keypad), and `enter 33` at a 1-digit keypad is a wrong code, not a free retry."""
+def test_memory_key_only_a_well_formed_code_at_the_keypad_is_a_try():
+    """Before the vault there is no keypad, and a code of the wrong length is refused: neither
+    uses an attempt; a wrong code of the right length does, down to the lock."""
     env = make_env("memory_key", code_digits=1, code_attempts=2, max_steps=20)
-    env.reset(Task("memory_key", "memory_key", 3))
-    obs, r, done, info = env.step(action)           # at the south end, before any move
-    assert (r, done, info["invalid"]) == (0.0, False, True)
-    assert obs == "There is no keypad here; the vault's lock counts the try."
-    assert env.attempts_left == 1
-    obs = _walk_to_vault(env)
-    assert obs.endswith("It allows 1 more try.")
-    obs, r, done, info = env.step("enter 33" if action != "enter 33" else "enter")
-    assert (r, done, info["invalid"]) == (0.0, True, False)
-    assert obs.endswith("The keypad locks for good.")
+    env.reset(Task("memory_key", "memory_key", 3))               # code 3
+    for early in ("enter 3", "enter 4", "enter"):
+        obs, r, done, info = env.step(early)
+        assert (obs, r, done, info["invalid"]) == ("Nothing happens.", 0.0, False, True)
+    assert env.attempts_left == 2
+    assert _walk_to_vault(env).endswith("It allows 2 more tries.")
+    for malformed in ("enter", "enter code", "enter 33"):
+        obs, r, done, info = env.step(malformed)
+        assert (r, done, info["invalid"]) == (0.0, False, True), malformed
+    assert obs == "The keypad beeps: it takes a 1-digit code." and env.attempts_left == 2
+    obs, r, done, info = env.step("enter 5")
+    assert (obs, r, done, info["invalid"]) == (
+        "The keypad buzzes: wrong code. It allows 1 more try.", 0.0, False, False)
+    obs, r, done, _ = env.step("enter 7")
+    assert (r, done) == (0.0, True) and obs.endswith("The keypad locks for good.")
 
 
 def test_memory_key_unlimited_attempts_keep_todays_rules():
