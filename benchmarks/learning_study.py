@@ -10,8 +10,10 @@ own folder under ``--out``; a job whose result exists is skipped, and train.py r
 from its last checkpoint (``ckpt.every=1``), so the queue started again after a stop continues
 where it stopped. In order:
 
-1. ``warm_start`` (with ``--warm-start mask``): behaviour cloning that teaches the walk and the
-   keypad with plans that do NOT carry the code (``sft.plan_code=mask``), cached by fingerprint.
+1. ``warm_start`` (with ``--warm-start mask`` or ``mask-actions``): behaviour cloning that
+   teaches the walk and the keypad with plans that do NOT carry the code
+   (``sft.plan_code=mask``; ``mask-actions`` trains the action rows only, so the model keeps its
+   own way of writing strategies), cached by fingerprint.
 2. ``start_strata`` / ``start_flat``: the starting policy on the fixed eval set (the first
    ``--eval-episodes`` test-split tasks, one strategy per task, temperature 0.4), StraTA and
    flat prompting.
@@ -133,8 +135,9 @@ def variant(args, algo: str, workdir: str, extra: tuple[str, ...] = ()) -> str:
             f"model.dtype={args.dtype}", f"rollout.sampler_dtype={args.dtype}",
             f"train.compute_dtype={args.dtype}", "eval.temperature=0.4",
             "log.dump_trajectories=1000"]
-    if args.warm_start == "mask":
+    if args.warm_start in ("mask", "mask-actions"):
         toks += ["model.warm_start=sft", "sft.plan_code=mask", f"sft.episodes={args.sft_episodes}",
+                 f"sft.train_strategies={args.warm_start == 'mask'}",
                  f"sft.steps={args.sft_steps}", "sft.batch_size=8", f"sft.lr={args.sft_lr}",
                  "sft.warmup_steps=5", "sft.noise=0.1", "sft.log_every=10",
                  "sft.strategy_mode=both"]
@@ -164,7 +167,7 @@ def jobs(args) -> list[dict]:
     cfg = os.path.join(REPO, "configs", "builtin.py")
     split, e = "test", args.eval_episodes
     q = []
-    if args.warm_start == "mask":
+    if args.warm_start in ("mask", "mask-actions"):
         wd = os.path.join(out, "warm_start")
         q.append(dict(name="warm_start", done=os.path.join(wd, "DONE"), touch=True,
                       argv=[py, os.path.join(REPO, "sft.py"),
@@ -348,7 +351,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--warm-start", default="", help="'' = zero-shot; mask = behaviour cloning "
-                    "with plans that do not carry the code; or an HF export dir")
+                    "with plans that do not carry the code; mask-actions = the same without "
+                    "strategy rows (the model keeps its own strategies); or an HF export dir")
     ap.add_argument("--digits", type=int, default=1)
     ap.add_argument("--max-steps", type=int, default=10)
     ap.add_argument("--eval-episodes", type=int, default=48)

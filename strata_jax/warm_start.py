@@ -69,8 +69,9 @@ EXAMPLE_FORMAT = 3
 def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
     """A 12-hex id of everything the warm start depends on (data, prompts, model, init)."""
     sft = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"}
-    if sft["plan_code"] == "keep":   # the rendering before the option existed: existing
-        del sft["plan_code"]         # fingerprints stay valid
+    for k, default in (("plan_code", "keep"), ("train_strategies", True)):
+        if sft[k] == default:   # the rendering before the option existed: existing
+            del sft[k]          # fingerprints stay valid
     d = dict(format=EXAMPLE_FORMAT, sft=sft,
              model=dataclasses.asdict(model_cfg), init=[c.model.path, c.model.preset, c.seed,
                                                         c.model.dtype, c.model.tokenizer],

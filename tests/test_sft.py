@@ -85,6 +85,11 @@ def test_masked_plan_names_the_keypad_not_the_code(builder, episodes):
         "<action>enter 660</action>")
     keep = sft.render_episode(builder, episodes[0], with_strategy=True)
     assert "2. enter 660" in keep[0].response_text
+    # actions only: the same action rows (z in their prompts), no strategy row
+    acts = sft.render_episode(builder, episodes[0], with_strategy=True, plan_code="mask",
+                              train_strategies=False)
+    assert [e.kind for e in acts] == [e.kind for e in ex[1:]]
+    assert [e.prompt.ids for e in acts] == [e.prompt.ids for e in ex[1:]]
     with pytest.raises(ValueError, match="sft.plan_code must be one of"):
         sft.SFTConfig(plan_code="hide")
 
@@ -110,7 +115,9 @@ def test_fingerprint_keeps_old_caches_for_the_default_plan(tok):
     fields = dataclasses.asdict(sft.SFTConfig.from_config(c))
     assert fields["plan_code"] == "keep"
     c.sft.plan_code = "mask"
-    assert warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c)) != keep
+    masked = warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))
+    c.sft.train_strategies = False
+    assert len({keep, masked, warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))}) == 3
 
 
 @pytest.mark.parametrize("algo", ["strata", "flat"])

@@ -28,6 +28,10 @@ class SFTConfig:
         ends with ``enter <code>``: the cloned strategies carry the code); "mask" writes every
         ``enter <code>`` item as ``enter the vault code``, so the warm start teaches the moves
         and the keypad but leaves carrying the code in the strategy for RL to discover.
+      train_strategies: train the strategy examples (StraTA form). False keeps the model's own
+        way of writing strategies (the action rows still see the rendered plan as z): with
+        ``plan_code="mask"`` the warm start then neither teaches nor unlearns putting the code
+        in the plan.
       max_gold_steps: ScienceWorld gold paths longer than this are skipped.
       steps, batch_size, lr, weight_decay, grad_clip, warmup_steps: optimisation (AdamW, linear
         warmup then cosine decay to 0 at ``steps``).
@@ -45,6 +49,7 @@ class SFTConfig:
     think: str = "I follow the plan."
     max_plan_items: int = 12
     plan_code: str = "keep"
+    train_strategies: bool = True
     max_gold_steps: int = 30
     steps: int = 300
     batch_size: int = 16

@@ -101,7 +101,8 @@ def _example(builder: PromptBuilder, prompt: PromptIds, text: str, kind: str, st
 
 def render_episode(builder: PromptBuilder, ep: ExpertEpisode, *, with_strategy: bool,
                    think: str = SFTConfig.think, judge: bool = True,
-                   max_plan_items: int = 12, plan_code: str = "keep") -> list[SFTExample]:
+                   max_plan_items: int = 12, plan_code: str = "keep",
+                   train_strategies: bool = True) -> list[SFTExample]:
     """Examples of one expert episode, rendered exactly as the rollout renders its prompts.
 
     StraTA form (`with_strategy`): the strategy example (strategy prompt of the first
@@ -109,7 +110,8 @@ def render_episode(builder: PromptBuilder, ep: ExpertEpisode, *, with_strategy: 
     holds z = the body of that block as `check_strategy` extracts it (what the rollout prepends),
     and (``judge``) the judge example listing the noisy steps. Flat form: action examples only.
     ``plan_code="mask"`` renders the plan through `mask_codes` (the action targets are the
-    expert's own actions either way).
+    expert's own actions either way); ``train_strategies=False`` leaves the strategy example out
+    (z still goes into the step prompts).
     """
     out: list[SFTExample] = []
     z = None
@@ -120,8 +122,9 @@ def render_episode(builder: PromptBuilder, ep: ExpertEpisode, *, with_strategy: 
         if check.format_fail:
             raise ValueError(f"expert strategy fails the strategy format: {check.reason}")
         z = check.text
-        out.append(_example(builder, builder.strategy_prompt(ep.pieces0, ep.first_observation),
-                            text, "strategy", True))
+        if train_strategies:
+            out.append(_example(builder, builder.strategy_prompt(ep.pieces0, ep.first_observation),
+                                text, "strategy", True))
     history: list[HistoryEntry] = []
     for t, s in enumerate(ep.steps):
         prompt = builder.step_prompt(s.pieces, s.observation, history, z)
@@ -144,7 +147,7 @@ def build_examples(builder: PromptBuilder, episodes: Sequence[ExpertEpisode],
         for strat in forms:
             out += render_episode(builder, ep, with_strategy=strat, think=cfg.think,
                                   judge=cfg.judge, max_plan_items=cfg.max_plan_items,
-                                  plan_code=cfg.plan_code)
+                                  plan_code=cfg.plan_code, train_strategies=cfg.train_strategies)
     return out
 
 
