@@ -1,10 +1,10 @@
 """The rollout options beyond the paper, measured on real weights: strategy revision, test-time
 strategy scaling, a separate judge model, each against the paper's one-strategy eval.
 
-    python benchmarks/options.py                            # the fetched 0.5B, every cell
-    python benchmarks/options.py --cells paper revise_every3 tts2_judge
-    python benchmarks/options.py --episodes 2 --max-steps 15
-    python benchmarks/options.py --table                    # the table from the cache
+    python -m benchmarks.options                            # the fetched 0.5B, every cell
+    python -m benchmarks.options --cells paper revise_every3 tts2_judge
+    python -m benchmarks.options --episodes 2 --max-steps 15
+    python -m benchmarks.options --table                    # the table from the cache
 
 Every cell is one ``eval.py --no_checkpoint`` run of the same model on the same tasks (the
 ScienceWorld dev split restricted to the families whose gold path has at most 11 steps, as in
@@ -40,7 +40,6 @@ import re
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from benchmarks._cells import cached_cell, run_cells, write_summary  # noqa: E402
 from benchmarks.test_time import family_rows  # noqa: E402
