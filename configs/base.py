@@ -10,6 +10,7 @@ read every field from here by name and refuse unknown keys; their own defaults e
 (tests/test_config_schema.py), and `strata_jax.experiment.ASSEMBLY_KEYS` lists the rest
 (docs/design.md §3).
 """
+import difflib
 import re
 
 import ml_collections
@@ -282,8 +283,11 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
             key, value = token.split("=", 1)
             _set_dotted(c, key, value)
         else:
+            names = ["tiny", "real", *ALGORITHMS, *ABLATIONS, "mean", "matched"]
+            close = difflib.get_close_matches(token, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(
-                f"unknown config variant {token!r}; use tiny, real, an algo "
+                f"unknown config variant {token!r}{hint}; use tiny, real, an algo "
                 f"{tuple(ALGORITHMS)}, an ablation {tuple(ABLATIONS)}, 'mean', 'matched' or "
                 "key=value")
     if suffix and not explicit_workdir:

@@ -209,7 +209,14 @@ def _run(script, *args, env=None):
 
 @pytest.mark.parametrize("script,args,line", [
     ("train.py", ["--config=configs/sciworld.py:tiny,grop"],
-     "train.py: --config=configs/sciworld.py:tiny,grop: unknown config variant 'grop'; use tiny"),
+     "train.py: --config=configs/sciworld.py:tiny,grop: unknown config variant 'grop' (did you "
+     "mean 'grpo'?); use tiny"),
+    ("train.py", ["--config=configs/sciworld.py:tiny", "--iterations=6"],
+     "train.py: --iterations is not a flag of this script; config fields are set as "
+     "--config.<field>=<value>: --config.iterations=6"),
+    ("eval.py", ["--config=configs/sciworld.py:tiny", "--seed=3"],
+     "eval.py: --seed is not a flag of this script; config fields are set as "
+     "--config.<field>=<value>: --config.seed=3"),
     ("eval.py", ["--config=configs/sciworld.py:tiny,optim.lrr=1e-5"],
      "eval.py: --config=configs/sciworld.py:tiny,optim.lrr=1e-5: unknown config field "
      "'optim.lrr' (did you mean 'lr'?)."),
