@@ -11,7 +11,7 @@ ScienceWorld dev split restricted to the families whose gold path has at most 11
 zero_shot.py; ``--env memory_key`` for the 3-digit vault code) with StraTA prompting, the
 eval protocol (one strategy per task, temperature ``eval.temperature`` = 0.4) and the
 action-format examples in the prompt (without them the 0.5B model fails the strategy format on
-every ScienceWorld task: README "Does it learn?"). Only the option differs:
+every ScienceWorld task: docs/results.md). Only the option differs:
 
     paper              the paper's eval: one strategy, fixed for the episode
     revise_every3      rollout.revise_every=3: a revised strategy at steps 3, 6, 9

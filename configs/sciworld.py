@@ -3,7 +3,7 @@
 Command (paper setting, Qwen2.5-1.5B-Instruct, 8 GPUs or a TPU v4-32 slice; ~150 iterations):
     python train.py --config=configs/sciworld.py --config.model.path=/ckpt/Qwen2.5-1.5B-Instruct
 Expected: ScienceWorld mean final score rises over training (the source reports 63.5 for
-Qwen2.5-7B; swap the model path for the 7B setting, see README's run guide).
+Qwen2.5-7B; swap the model path for the 7B setting, see docs/running.md).
 
 Variants (comma-separated, see configs/base.py:apply_variant):
     :tiny        CPU smoke run, no downloads: a tiny Qwen2-shape model with the offline Qwen
