@@ -1,5 +1,6 @@
 """Config files load, validate and apply variants as documented."""
 import importlib
+import os
 
 import pytest
 
@@ -79,3 +80,17 @@ def test_unknown_split_is_a_config_error_naming_the_splits():
     c = sciworld.get_config("tiny")
     with pytest.raises(ex.ConfigError, match="unknown split 'tset'; use 'train', 'dev' or 'test'"):
         ex.task_list(c, "tset")
+
+
+def test_reading_a_config_imports_no_jax():
+    """A config typo is reported before the heavy imports: reading an experiment file (variants
+    included) loads neither jax nor flax nor optax."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys; from configs import sciworld; sciworld.get_config('tiny,grpo,matched'); "
+            "print([m for m in ('jax', 'flax', 'optax') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
