@@ -118,7 +118,34 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
                 hint = msg[msg.index(" (did you mean"):] if "(did you mean" in msg else ""
                 _fail(prog, f"--config.{key} names no field of the config{hint}. {_FIELDS_HINT}")
             _fail(prog, f"--config.{msg}")
+    if spec is not None:
+        note = outside_checkout_note(spec, c)
+        if note:
+            sys.stderr.write(f"{prog}: note: {note}\n")
     return positional
+
+
+def outside_checkout_note(spec: str, config: Any) -> str | None:
+    """A note when a checkout's config is run from another directory while the run's folders
+    are relative: they land under the current directory, beside no earlier run or cached warm
+    start (``python strata-jax/train.py --config=strata-jax/configs/...`` from the parent
+    directory would otherwise start from scratch in ``./runs`` without a word). None otherwise."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(spec.partition(":")[0])))
+    if not os.path.isfile(os.path.join(root, "train.py")) or os.path.samefile(root, os.getcwd()):
+        return None
+    rel = [f for f in ("workdir", "sft.cache_dir", "compilation_cache_dir")
+           if _field(config, f) and not os.path.isabs(str(_field(config, f)))]
+    if not rel:
+        return None
+    return (f"{', '.join(rel)} ({_field(config, rel[0])}, ...) are relative to the current "
+            f"directory {os.getcwd()}, not to the checkout {root}: run from the checkout to "
+            "find its runs and cached warm starts")
+
+
+def _field(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = config.get(part) if hasattr(config, "get") else None
+    return config
 
 
 def config_flag_hint(arg: str, config: Any) -> str | None:
