@@ -105,7 +105,8 @@ def run_eval(c, split: str | None = None, step: int | None = None,
           f"({int(c.eval.episodes_per_family)} per family)"
           + (f", {tt.strategy_samples} candidates each ({tt.strategy_choice} chooses, "
              + (f"{tt.probe_steps}-step probes)" if tt.probe_steps else "full episodes)")
-             if tt.enabled else "") + " ...", flush=True)
+             if tt.enabled else "") + " (the first batch of 16 includes compiling the sampler: "
+          "minutes on a CPU for a real model) ...", flush=True)
     try:
         if tt.enabled:
             judge = build_judge_model(c, mesh) if tt.strategy_choice == "judge" else None
@@ -114,7 +115,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
                                                 judge=judge)
         else:
             metrics, episodes = evaluate(c, policy, pool, builder, tasks,
-                                         key=ex.seed_key(c, 2, at))
+                                         key=ex.seed_key(c, 2, at), progress=_progress_line())
     finally:
         pool.close()
     metrics["step"] = at
@@ -132,6 +133,19 @@ def run_eval(c, split: str | None = None, step: int | None = None,
                 f.write(json.dumps({"step": at, **rec}, default=str) + "\n")
         metrics["files"] = [stem + ".json", stem + "_trajectories.jsonl"]
     return metrics
+
+
+def _progress_line():
+    """`evaluate`'s progress callback: one line per batch of episodes, with the success so far
+    and the elapsed time."""
+    import time
+    t0 = time.time()
+
+    def show(done: int, total: int, trajectories: Any) -> None:
+        wins = sum(bool(t.success) for t in trajectories)
+        print(f"  {done}/{total} episodes played, {wins} succeeded, {time.time() - t0:.0f} s",
+              flush=True)
+    return show
 
 
 def _initial_params(c: Any, tokenizer: Any, mesh: Any) -> tuple[Any, Any]:

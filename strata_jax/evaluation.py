@@ -139,7 +139,8 @@ def episode_stats(trajs: Sequence[Any], groups: Sequence[Any], loop: LoopStats,
 
 
 def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any], key: Any,
-             batch_tasks: int = 16) -> tuple[dict[str, float], list[dict[str, Any]]]:
+             batch_tasks: int = 16, progress: Any = None
+             ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Play one episode per task with the eval protocol.
 
     Returns (metrics, episode records). Metrics: `summarize`'s (eval/success, eval/score,
@@ -153,6 +154,8 @@ def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any],
     `test_time.evaluate_scaled` when it is > 1.
     Tasks run in chunks of `batch_tasks` (one rollout call each, so the sampler batch stays
     bounded); each chunk's task uids continue the previous ones so row keys never repeat.
+    `progress(done, total, trajectories so far)` is called after each chunk (eval.py's
+    progress line: a real model's eval runs for many minutes).
     """
     rc = eval_rollout_config(c)
     trajs, groups, loop = [], [], LoopStats()
@@ -162,6 +165,8 @@ def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any],
                                  task_uid_start=start)
         trajs.extend(result.trajectories)
         groups.extend(result.strategies)
+        if progress is not None:
+            progress(len(trajs), len(tasks), trajs)
     stats = episode_stats(trajs, groups, loop, rc)
     return ({**summarize(trajs, c.env.name), **stats,
              **cost_metrics(protocol_costs(trajs, groups))}, dump_trajectories(trajs, groups))
