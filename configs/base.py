@@ -218,7 +218,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     # (0 = no cap); with env.eval_list the list is played as given (see evaluation.eval_tasks)
     c.eval = ml_collections.ConfigDict(dict(every=10, split="test", temperature=0.4, max_tasks=200,
                                             episodes_per_family=10))
-    # Test-time strategy scaling, eval.py only (docs/method.md §10.1; strata_jax/test_time.py):
+    # Test-time strategy scaling, eval.py only (docs/method.md §10.1; strata_jax/evaluation/scaling.py):
     # S candidates per task (1 = the protocol above), chosen by judge | critic | first_action
     # after probes of probe_steps steps (0 = full episodes).
     c.eval.strategy_samples = 1

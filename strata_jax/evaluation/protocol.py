@@ -1,7 +1,7 @@
-"""Evaluation: one strategy per task at the eval temperature, per-family success and score.
+"""The eval protocol: one strategy per task at the eval temperature, per-family success and score.
 
 Test-time strategy scaling (``eval.strategy_samples`` > 1, eval.py only) is
-strata_jax/test_time.py.
+`strata_jax.evaluation.scaling`.
 
 docs/method.md §10: one strategy per task (no FPS, no judge), temperature 0.4; report the success
 rate (ALFWorld won, WebShop, ScienceWorld score == 100), the mean score (WebShop score,
@@ -9,8 +9,8 @@ ScienceWorld final score 0-100), overall and per task family. Baselines (flat ro
 evaluated with one episode per task and no strategy.
 
 `format_metrics` is eval.py's printed report; eval.py's job itself (load a checkpoint, play
-`eval_tasks`, write JSON + episodes) is `strata_jax.eval_run.run_eval`, the one module that
-also reaches the test-time scaling, so neither imports the other.
+`eval_tasks`, write JSON + episodes) is `strata_jax.evaluation.run.run_eval`, the one module
+that also reaches the test-time scaling, so neither imports the other.
 """
 from __future__ import annotations
 
@@ -175,7 +175,8 @@ def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any],
 # ----------------------------------------------------------------------------- cost
 
 
-def _family(tr: Any) -> str:
+def family_of(tr: Any) -> str:
+    """The task family of a played trajectory."""
     return tr.family or task_family(tr.spec.task)
 
 
@@ -212,7 +213,7 @@ def protocol_costs(trajs: Sequence[Any], groups: Sequence[Any]
     by: dict[int, list[Any]] = {}
     for tr in trajs:
         by.setdefault(tr.spec.task_uid, []).append(tr)
-    return [(_family(ts[0]), float(strat.get(u, 0) + sum(episode_tokens(t) for t in ts)),
+    return [(family_of(ts[0]), float(strat.get(u, 0) + sum(episode_tokens(t) for t in ts)),
              float(sum(len(t.steps) for t in ts))) for u, ts in by.items()]
 
 

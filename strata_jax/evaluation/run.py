@@ -1,6 +1,7 @@
 """eval.py's job: load a run's checkpoint (or the config's model), play the eval protocol
-(`strata_jax.evaluation`) or, with ``eval.strategy_samples`` > 1, its test-time strategy scaling
-(`strata_jax.test_time`), and write the metrics JSON and every episode (docs/method.md §10).
+(`strata_jax.evaluation.protocol`) or, with ``eval.strategy_samples`` > 1, its test-time
+strategy scaling (`strata_jax.evaluation.scaling`), and write the metrics JSON and every
+episode (docs/method.md §10).
 """
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from typing import Any
 
 import jax
 
-from strata_jax.evaluation import eval_tasks, evaluate
+from strata_jax.evaluation.protocol import eval_tasks, evaluate
 
 
 def run_eval(c, split: str | None = None, step: int | None = None,
              use_checkpoint: bool = True) -> dict:
-    """Evaluate and return the metrics dict (see strata_jax.evaluation.evaluate) plus "step"
+    """Evaluate and return the metrics dict (see strata_jax.evaluation.protocol.evaluate) plus "step"
     and "files" (the JSON and trajectory paths written, process 0 only).
 
     Loads the run's checkpoint (``<workdir>/ckpt``, the newest restorable or `step`), or with
@@ -39,7 +40,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     from strata_jax.training import Checkpointer, Trainer, TrainConfig
 
     from strata_jax.rollout import build_judge_model
-    from strata_jax.test_time import TestTimeConfig, critic_scorer, evaluate_scaled
+    from strata_jax.evaluation.scaling import TestTimeConfig, critic_scorer, evaluate_scaled
 
     ex.validate(c)
     ex.use_compilation_cache(c)
