@@ -94,3 +94,13 @@ def test_reading_a_config_imports_no_jax():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_remat_policy_names_are_written_once():
+    """The policy names live in strata_jax.config (the override parser and TrainConfig read them
+    there); the model maps each name but "none" to its jax.checkpoint policy."""
+    from strata_jax import config
+    from strata_jax.models import qwen2
+    from strata_jax.training import config as train_config
+    assert train_config.REMAT_POLICIES is config.REMAT_POLICIES
+    assert ("none", *qwen2.REMAT_POLICIES) == config.REMAT_POLICIES
