@@ -61,17 +61,32 @@ def test_readme_is_short_and_quotes_no_dated_measurement():
         assert heading in text
 
 
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors of a markdown text's headings."""
+    return {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_relative_links_resolve(page):
     text = _read(page)
     missing = []
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"[a-z]+:", target):
             continue
-        path = os.path.normpath(os.path.join(os.path.dirname(page), target.split("#")[0]))
-        if not os.path.exists(os.path.join(ROOT, path)) and path not in PENDING:
+        rel, _, anchor = target.partition("#")
+        path = os.path.normpath(os.path.join(os.path.dirname(page), rel)) if rel else page
+        if not os.path.exists(os.path.join(ROOT, path)):
+            if path not in PENDING:
+                missing.append(target)
+        elif anchor and path.endswith(".md") and anchor not in anchors(_read(path)):
             missing.append(target)
     assert not missing, f"{page}: {missing}"
+
+
+def test_anchor_rule_matches_github():
+    assert anchors("## Learning from the real 0.5B: memory_key\n# Update memory: XLA's analysis") \
+        == {"learning-from-the-real-05b-memory_key", "update-memory-xlas-analysis"}
 
 
 def test_ci_runs_the_readme_test_command():
