@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from absl import app, flags
+from ml_collections import config_flags
 
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from strata_jax.cli import guarded, parse_flags  # noqa: E402
+from strata_jax.cli import guarded, parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/sciworld.py:tiny", lock_config=False)

@@ -91,11 +91,16 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
 
     prog = os.path.basename(argv[0]) if argv else "strata_jax"
     rest, overrides, spec = split_config_args(argv)
+    loaded = None
     if spec is not None:
         try:
-            load_config(spec)
+            loaded = load_config(spec)
         except (ValueError, FileNotFoundError) as e:
             _fail(prog, f"--config={spec}: {e}. {_FIELDS_HINT}")
+    for arg in rest[1:]:
+        hint = config_flag_hint(arg, loaded)
+        if hint:
+            _fail(prog, hint)
     saved = sys.argv
     sys.argv = rest   # ml_collections reads its overrides from sys.argv itself: hide them
     try:
@@ -113,7 +118,64 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
                 hint = msg[msg.index(" (did you mean"):] if "(did you mean" in msg else ""
                 _fail(prog, f"--config.{key} names no field of the config{hint}. {_FIELDS_HINT}")
             _fail(prog, f"--config.{msg}")
+    if spec is not None:
+        note = outside_checkout_note(spec, c)
+        if note:
+            sys.stderr.write(f"{prog}: note: {note}\n")
     return positional
+
+
+def outside_checkout_note(spec: str, config: Any) -> str | None:
+    """A note when a checkout's config is run from another directory while the run's folders
+    are relative: they land under the current directory, beside no earlier run or cached warm
+    start (``python strata-jax/train.py --config=strata-jax/configs/...`` from the parent
+    directory would otherwise start from scratch in ``./runs`` without a word). None otherwise."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(spec.partition(":")[0])))
+    if not os.path.isfile(os.path.join(root, "train.py")) or os.path.samefile(root, os.getcwd()):
+        return None
+    rel = [f for f in ("workdir", "sft.cache_dir", "compilation_cache_dir")
+           if _field(config, f) and not os.path.isabs(str(_field(config, f)))]
+    if not rel:
+        return None
+    return (f"{', '.join(rel)} ({_field(config, rel[0])}, ...) are relative to the current "
+            f"directory {os.getcwd()}, not to the checkout {root}: run from the checkout to "
+            "find its runs and cached warm starts")
+
+
+def _field(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = config.get(part) if hasattr(config, "get") else None
+    return config
+
+
+def config_flag_hint(arg: str, config: Any) -> str | None:
+    """The one line for a flag the script does not define but the config has as a field
+    (``--iterations=6`` for ``--config.iterations=6``), else None: absl's own message ("unknown
+    command line flag") does not say that config fields go through ``--config.``."""
+    from absl import flags
+
+    if not arg.startswith("--") or arg == "--" or config is None:
+        return None
+    name, _, value = arg[2:].partition("=")
+    if name in flags.FLAGS or (name.startswith("no") and name[2:] in flags.FLAGS):
+        return None
+    fields = [k for k in _dotted_fields(config) if k == name or k.endswith("." + name)]
+    if not fields:
+        return None
+    example = f"--config.{fields[0]}" + (f"={value}" if value else "=...")
+    return (f"--{name} is not a flag of this script; config fields are set as "
+            f"--config.<field>=<value>: {example}")
+
+
+def _dotted_fields(config: Any, prefix: str = "") -> list[str]:
+    """Every leaf field of a ConfigDict as a dotted name, shortest paths first."""
+    out = []
+    for k, v in config.items():
+        if hasattr(v, "items"):
+            out += _dotted_fields(v, f"{prefix}{k}.")
+        else:
+            out.append(prefix + k)
+    return sorted(out, key=lambda f: (f.count("."), f))
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

@@ -9,7 +9,7 @@ HF export in ``<sft.cache_dir>/<fingerprint>/`` (default ``runs/warm_start/<fing
 folder beside the runs, shared by every variant, run folder and eval of the same setting,
 since the fingerprint covers all the warm start depends on; ``sft.cache_dir=""`` keeps it per
 run in ``<workdir>/warm_start``); any other value is an export directory. ``train.py`` and
-``eval.py`` (`eval_run.run_eval`, which never trains one) call `maybe_warm_start`; ``sft.py``
+``eval.py`` (`evaluation.run.run_eval`, which never trains one) call `maybe_warm_start`; ``sft.py``
 runs `export_warm_start`, the warm start alone.
 """
 from __future__ import annotations
@@ -45,14 +45,33 @@ def expert_tasks(c: Any, cfg: SFTConfig) -> list[Task]:
     return TaskSampler(ex.task_list(c, cfg.split), seed=cfg.seed).sample(cfg.episodes)
 
 
+def interrupted(e: BaseException) -> bool:
+    """Whether `e` is the wrapper of a Ctrl-C: the expert episodes step ScienceWorld from this
+    thread, and a KeyboardInterrupt that lands inside a py4j call comes back as py4j's own
+    error (a page of chained tracebacks) with the KeyboardInterrupt as its cause or context."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def sft_examples(c: Any, tokenizer: Any, cfg: SFTConfig | None = None
                  ) -> tuple[list[SFTExample], list[ExpertEpisode]]:
     """Expert episodes of run config `c` and their examples, rendered with the run's own
     `make_prompt_builder(tokenizer, c)` (budget, history window, cumulative prompts)."""
     cfg = cfg or SFTConfig.from_config(c)
     kw = ex.env_kwargs(c)
-    eps = collect_expert_episodes(c.env.name, expert_tasks(c, cfg), noise=cfg.noise,
-                                  seed=cfg.seed, max_gold_steps=cfg.max_gold_steps, env_kwargs=kw)
+    try:
+        eps = collect_expert_episodes(c.env.name, expert_tasks(c, cfg), noise=cfg.noise,
+                                      seed=cfg.seed, max_gold_steps=cfg.max_gold_steps,
+                                      env_kwargs=kw)
+    except Exception as e:
+        if interrupted(e):   # Ctrl-C inside a simulator call: the entry point's one line
+            raise KeyboardInterrupt from None
+        raise
     if not eps:
         raise ValueError(f"no expert episode for env {c.env.name!r} (tasks {tuple(c.env.tasks)}): "
                          "every gold path exceeded sft.max_gold_steps?")

@@ -209,7 +209,14 @@ def _run(script, *args, env=None):
 
 @pytest.mark.parametrize("script,args,line", [
     ("train.py", ["--config=configs/sciworld.py:tiny,grop"],
-     "train.py: --config=configs/sciworld.py:tiny,grop: unknown config variant 'grop'; use tiny"),
+     "train.py: --config=configs/sciworld.py:tiny,grop: unknown config variant 'grop' (did you "
+     "mean 'grpo'?); use tiny"),
+    ("train.py", ["--config=configs/sciworld.py:tiny", "--iterations=6"],
+     "train.py: --iterations is not a flag of this script; config fields are set as "
+     "--config.<field>=<value>: --config.iterations=6"),
+    ("eval.py", ["--config=configs/sciworld.py:tiny", "--seed=3"],
+     "eval.py: --seed is not a flag of this script; config fields are set as "
+     "--config.<field>=<value>: --config.seed=3"),
     ("eval.py", ["--config=configs/sciworld.py:tiny,optim.lrr=1e-5"],
      "eval.py: --config=configs/sciworld.py:tiny,optim.lrr=1e-5: unknown config field "
      "'optim.lrr' (did you mean 'lr'?)."),
@@ -304,3 +311,26 @@ def test_guarded_main_turns_ctrl_c_and_user_errors_into_one_line(capsys):
         f"{prog}: error: rollout.top_p must be in (0, 1] (1 = off), got 0.0\n")
     with pytest.raises(ZeroDivisionError):
         guarded(bug)([])
+
+
+def test_running_a_checkout_config_from_elsewhere_says_where_runs_go(tmp_path):
+    """From another directory the relative run folders would land there, beside no earlier run or
+    cached warm start: one note says so (from the checkout, nothing: the one-line tests above)."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
+                          f"--config={os.path.join(ROOT, 'configs', 'sciworld.py')}:tiny",
+                          "--config.rollout.top_k=-2"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2
+    notes = [ln for ln in out.stderr.splitlines() if ln.startswith("train.py: note: ")]
+    assert notes == [f"train.py: note: workdir, sft.cache_dir, compilation_cache_dir "
+                     f"(runs/sciworld_tiny, ...) are relative to the current directory {tmp_path}"
+                     f", not to the checkout {ROOT}: run from the checkout to find its runs and "
+                     "cached warm starts"]
+    assert not (tmp_path / "runs").exists()
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
+                          f"--config={os.path.join(ROOT, 'configs', 'sciworld.py')}:tiny",
+                          f"--config.workdir={tmp_path / 'run'}",
+                          f"--config.sft.cache_dir={tmp_path / 'ws'}",
+                          "--config.compilation_cache_dir=", "--config.rollout.top_k=-2"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "note:" not in out.stderr

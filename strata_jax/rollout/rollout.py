@@ -185,7 +185,7 @@ class RolloutResult:
     skipped_tasks: list[Task] = dataclasses.field(default_factory=list)
 
     def dump(self) -> list[dict[str, Any]]:
-        """JSON-able episode records (`dump_trajectories`; fields: README "Trajectories")."""
+        """JSON-able episode records (`dump_trajectories`; fields: docs/metrics.md "Trajectories")."""
         return dump_trajectories(self.trajectories, self.strategies)
 
 

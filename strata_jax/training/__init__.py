@@ -26,7 +26,7 @@ __all__ = [
 ]
 from strata_jax.training.checkpoint import (  # noqa: E402
     Checkpointer, CheckpointWriteError, CorruptCheckpointError, PreemptionFlag, tree_to_numpy)
-from strata_jax.training.loop import LoopCheckpoints  # noqa: E402
+from strata_jax.training.loop_checkpoints import LoopCheckpoints  # noqa: E402
 
 __all__ += ["Checkpointer", "CheckpointWriteError", "CorruptCheckpointError", "PreemptionFlag",
             "tree_to_numpy", "LoopCheckpoints"]

@@ -21,8 +21,8 @@ Integrity: restore re-hashes the step's files against its manifest; a mismatch (
 the same size, a truncated or missing file) or a format-2 step without a manifest (a save cut
 short) is skipped with a warning naming the file, in favour of the next older step. Steps
 written before manifests existed (format 1) restore unverified. Cost: one sha256 pass over
-the checkpoint bytes at save and at restore (measured on a Qwen2.5-0.5B-shape state, 5.5 GB: 16% of
-the save and 22% of the restore time on 2 loaded cores; benchmarks/checkpoint_integrity.py).
+the checkpoint bytes at save and at restore, a minor share of either next to orbax's own I/O
+(benchmarks/checkpoint_integrity.py measures it; docs/results.md has the figures).
 
 Saving: a step already committed on disk is never deleted and written again (the forced final
 save of a finished run, the save on Ctrl-C right after a periodic one); a step on disk that is

@@ -15,11 +15,10 @@ from typing import Any, ClassVar
 
 from strata_jax.algos.config import EstimatorConfig, LossConfig
 from strata_jax.algos.table import get_algorithm
-from strata_jax.config import read_fields
+from strata_jax.config import REMAT_POLICIES, read_fields
 from strata_jax.models.lora import LoraConfig
 
 CRITIC_KINDS = ("auto", "none", "separate", "head")
-REMAT_POLICIES = ("none", "full", "dots")
 LR_SCHEDULES = ("constant", "cosine")
 
 # TrainConfig fields read from c.optim / c.train (every key of those sections is one of these).
