@@ -1,9 +1,9 @@
 """Does a real Qwen2.5 agent learn under StraTA? Held-out success before and after RL, against
 GRPO, with significance tests: the study on memory_key with one code attempt (docs/method.md §12).
 
-    nohup python benchmarks/learning_study.py > runs/learning_study.log 2>&1 &   # run / continue
-    python benchmarks/learning_study.py --report         # tables, tests and plot from what ran
-    python benchmarks/learning_study.py --only start     # just the starting policy's evals
+    nohup python -m benchmarks.learning_study > runs/learning_study.log 2>&1 &   # run / continue
+    python -m benchmarks.learning_study --report         # tables, tests and plot from what ran
+    python -m benchmarks.learning_study --only start     # just the starting policy's evals
 
 The study is a queue of jobs, each a ``train.py`` / ``eval.py`` / ``sft.py`` subprocess on its
 own folder under ``--out``; a job whose result exists is skipped, and train.py resumes a run
@@ -40,7 +40,6 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 ALGOS = {"strata": "strata", "grpo": "grpo"}
 # The code in the first observation: "A note on the wall reads: 'vault code 6-1-6'."
