@@ -137,7 +137,7 @@ def variant(args, algo: str, workdir: str, extra: tuple[str, ...] = ()) -> str:
     if args.warm_start in ("mask", "mask-actions"):
         toks += ["model.warm_start=sft", "sft.plan_code=mask", f"sft.episodes={args.sft_episodes}",
                  f"sft.train_strategies={args.warm_start == 'mask'}",
-                 f"sft.steps={args.sft_steps}", "sft.batch_size=8", f"sft.lr={args.sft_lr}",
+                 f"sft.steps={args.sft_steps}", f"sft.batch_size={args.sft_batch}", f"sft.lr={args.sft_lr}",
                  "sft.warmup_steps=5", "sft.noise=0.1", "sft.log_every=10",
                  "sft.strategy_mode=both"]
     elif args.warm_start:
@@ -371,6 +371,8 @@ def main() -> int:
     ap.add_argument("--sft-episodes", type=int, default=48)
     ap.add_argument("--sft-steps", type=int, default=40)
     ap.add_argument("--sft-lr", type=float, default=1e-5)
+    ap.add_argument("--sft-batch", type=int, default=8, help="full fine-tuning of the 0.5B in "
+                    "fp32 holds params, gradients and AdamW moments (~10 GB) plus activations")
     ap.add_argument("--seed-base", type=int, default=0, help="seed of the start evals")
     ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides, every job")
     ap.add_argument("--only", nargs="*", default=[], help="job name prefixes to run")
