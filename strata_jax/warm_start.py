@@ -31,6 +31,7 @@ from envs_bridge.base import Task
 from strata_jax import experiment as ex
 from strata_jax.models import Qwen2Config, export_params, load_params
 from strata_jax.rollout import make_prompt_builder
+from strata_jax.training.config import remat_policy
 from strata_jax.training.sft import (KINDS, ExpertEpisode, SFTConfig, SFTExample, build_examples,
                                      collect_expert_episodes, train_sft)
 
@@ -121,7 +122,7 @@ def run_sft(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any, out_dir
                          f"successful, {sum(s.noisy for e in eps for s in e.steps)} noisy steps), "
                          f"examples {counts}, data {t_data:.1f} s")
     params, losses = train_sft(params, model_cfg, examples, cfg,
-                               log_fn=log_fn or log.info)
+                               remat=remat_policy(c.model.remat), log_fn=log_fn or log.info)
     os.makedirs(out_dir, exist_ok=True)
     export_params(params, model_cfg, out_dir)
     meta = dict(sft=dataclasses.asdict(cfg), episodes=len(eps),
