@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +15,11 @@ import pytest
 from strata_jax.models import Qwen2Config, export_params, forward, load_checkpoint, \
     load_tokenizer, logits_from_hidden
 from strata_jax.models import fetch as fetch_mod
+from strata_jax.models import gguf as gguf_mod
 from strata_jax.models.gguf import gguf_config, gguf_name_to_hf, gguf_tensors
 from strata_jax.models.loading import resolve_checkpoint
-from tests.gguf_fixtures import KQUANT_CONFIG, byte_symbols, hf_from_gguf, write_qwen2_gguf
+from tests.gguf_fixtures import (KQUANT_CONFIG, byte_symbols, gguf_key, hf_from_gguf,
+                                 hostile_gguf, write_qwen2_gguf)
 from tests.model_fixtures import PARITY_CONFIGS, hf_logits, make_hf_model, padded_batch
 
 _fwd = jax.jit(forward, static_argnames=("config",))
@@ -148,10 +151,18 @@ def test_a_file_without_token_types_names_the_key_and_the_offline_tokenizer(smal
 
 def test_optional_metadata_defaults(small_model, tmp_path):
     """head_count_kv defaults to head_count and rope.freq_base to 10000, as in llama.cpp."""
-    path = write_qwen2_gguf(small_model, str(tmp_path / "d.gguf"),
+    mha = make_hf_model(seed=3, **PARITY_CONFIGS["untied_mha"])
+    path = write_qwen2_gguf(mha, str(tmp_path / "d.gguf"),
                             skip_keys=("qwen2.rope.freq_base", "qwen2.attention.head_count_kv"))
     cfg = gguf_config(path)
-    assert cfg.rope_theta == 10000.0 and cfg.num_kv_heads == cfg.num_heads == 4
+    heads = PARITY_CONFIGS["untied_mha"]["num_attention_heads"]
+    assert cfg.rope_theta == 10000.0 and cfg.num_kv_heads == cfg.num_heads == heads
+    # With GQA tensors the default contradicts layer 0's k width: refused, not mis-shaped.
+    path = write_qwen2_gguf(small_model, str(tmp_path / "g.gguf"),
+                            skip_keys=("qwen2.attention.head_count_kv",))
+    with pytest.raises(ValueError, match=r"head_count_kv x key_length' is 64 but tensor "
+                                         r"'blk.0.attn_k.weight' says 32"):
+        gguf_config(path)
 
 
 def test_bad_files_are_named(tmp_path):
@@ -165,6 +176,73 @@ def test_bad_files_are_named(tmp_path):
     truncated.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 5)
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         gguf_config(str(truncated))
+
+
+def _no_reader(monkeypatch):
+    """Make the reference reader fail the test if it is ever reached."""
+    import gguf
+
+    def reader(*a, **k):
+        raise AssertionError("the reference reader parsed a file the pre-scan should refuse")
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
+    gguf_mod._reader.cache_clear()
+
+
+def test_hostile_counts_are_refused_before_the_reader_parses(tmp_path, monkeypatch):
+    import struct
+    _no_reader(monkeypatch)
+    # 2**60 uint8 items declared in a file of a few dozen bytes
+    huge = hostile_gguf(str(tmp_path / "huge.gguf"), n_kv=1, pad=100,
+                        kv=gguf_key("general.x") + struct.pack("<IIQ", 9, 0, 2**60))
+    with pytest.raises(gguf_mod.GGUFError, match=r"'general.x' declares 1152921504606846976 "
+                                                 r"items \(at most 65536"):
+        gguf_config(huge)
+    # a vocabulary-sized string array one item over the bound, every item present
+    n = gguf_mod.MAX_VOCAB + 1
+    many = hostile_gguf(str(tmp_path / "many.gguf"), n_kv=1, pad=8 * n,
+                        kv=gguf_key("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, n))
+    with pytest.raises(gguf_mod.GGUFError, match=rf"declares {n} items \(at most {n - 1}"):
+        gguf_config(many)
+    # counts larger than the bytes left, a string past the end, a nested array
+    for name, kv, n_kv, msg in [
+            ("kv", b"", 2**40, "the metadata table declares 1099511627776 items"),
+            ("str", gguf_key("general.name") + struct.pack("<IQ", 8, 2**50), 1,
+             "metadata 'general.name' declares 1125899906842624 bytes"),
+            ("nest", gguf_key("general.a") + struct.pack("<IIQ", 9, 9, 1), 1,
+             "nested arrays and unknown types are refused")]:
+        path = hostile_gguf(str(tmp_path / f"{name}.gguf"), kv=kv, n_kv=n_kv, pad=64)
+        with pytest.raises(gguf_mod.GGUFError, match=re.escape(msg)):
+            gguf_config(path)
+    with pytest.raises(gguf_mod.GGUFError, match="the tensor table declares 4294967296 items"):
+        gguf_config(hostile_gguf(str(tmp_path / "t.gguf"), n_tensors=2**32, pad=64))
+
+
+@pytest.mark.parametrize("key, value, msg", [
+    ("qwen2.block_count", 2**31, "'qwen2.block_count' is 2147483648, above the 1024"),
+    ("qwen2.block_count", 3, "'qwen2.block_count' is 3 but the file holds tensors of 2 layers"),
+    ("qwen2.embedding_length", 2**40, "'qwen2.embedding_length' is 1099511627776, above"),
+    ("qwen2.embedding_length", 128, "'qwen2.embedding_length' is 128 but tensor "
+                                    "'token_embd.weight' says 64"),
+    ("qwen2.feed_forward_length", 97, "'qwen2.feed_forward_length' is 97 but tensor "
+                                      "'blk.0.ffn_up.weight' says 96"),
+    ("qwen2.context_length", 2**40, "'qwen2.context_length' is 1099511627776, above"),
+])
+def test_sizes_are_bounded_and_match_the_tensors(small_model, tmp_path, key, value, msg):
+    """A valid file with one hostile size is refused before any layer is built."""
+    path = write_qwen2_gguf(small_model, str(tmp_path / "b.gguf"), extra_kv={key: value})
+    with pytest.raises(gguf_mod.GGUFError, match=re.escape(msg)):
+        load_checkpoint(path)
+
+
+def test_a_tensor_past_the_end_of_the_file_is_named(small_model, tmp_path, monkeypatch):
+    path = write_qwen2_gguf(small_model, str(tmp_path / "cut.gguf"))
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - 1)
+    _no_reader(monkeypatch)
+    with pytest.raises(gguf_mod.GGUFError, match=r"tensor '.*' \(\d+ bytes at offset \d+\) lies "
+                                                 r"past the end of the file .*truncated"):
+        gguf_config(path)
 
 
 def test_experiment_builds_model_and_tokenizer_from_a_gguf_path(small_model, tmp_path):
