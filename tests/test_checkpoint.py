@@ -404,7 +404,17 @@ def test_tmp_folders_of_cut_short_saves_are_removed_by_the_writer_only(setup, tm
     assert all(d.exists() for d in left)
     with Checkpointer(str(tmp_path / "ckpt"), clean_tmp=True) as writer:
         assert writer.restore(trainer.abstract_state())[1]["step"] == 1
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]
+        assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]
+        real_save = writer._mngr.save
+
+        def interrupted(step, *a, **kw):   # Ctrl-C while orbax writes step 2
+            os.makedirs(tmp_path / "ckpt" / f"{step}.orbax-checkpoint-tmp" / "state")
+            raise KeyboardInterrupt
+        writer._mngr.save = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            writer.save(state0.replace(step=state0.step + 2))
+        writer._mngr.save = real_save
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]   # removed on the way out too
 
 
 def test_an_explicit_step_that_cannot_be_restored_is_one_error(setup, tmp_path):

@@ -288,10 +288,10 @@ class Checkpointer:
             if jax.process_index() == 0:   # one writer; the other hosts wait for the commit
                 write_manifest(step_dir)
             _sync_hosts(f"strata_ckpt_commit_{step}")
-        except Exception as e:
+        except BaseException as e:   # Ctrl-C / a stop signal mid-save too: leave no tmp folder
+            self._remove_partial(step)
             if not _is_disk_full(e):
                 raise
-            self._remove_partial(step)
             need = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                        for x in jax.tree.leaves(state_to_dict(state)))
             free = shutil.disk_usage(self.directory).free
