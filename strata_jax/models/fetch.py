@@ -12,7 +12,7 @@ its final name (a partial or mismatching file is removed, never used). The cache
 ``$STRATA_JAX_CACHE`` or ``~/.cache/strata_jax``.
 
 Integrity: every process re-hashes a pinned file the first time it uses it (`verify`: one
-sha256 pass, about a second per GB, small next to parsing and dequantizing the file), so a
+sha256 pass over the file, small next to parsing and dequantizing it), so a
 changed byte is caught whatever happened to its size and timestamps; a file is not hashed twice
 in one process unless it changed (device, inode, size, mtime and ctime are compared; ctime
 cannot be set back by a user). A ``.gguf`` given by path whose size is a pinned model's is
