@@ -234,6 +234,14 @@ def test_sizes_are_bounded_and_match_the_tensors(small_model, tmp_path, key, val
         load_checkpoint(path)
 
 
+def test_a_vocabulary_above_the_bound_is_refused(small_model, tmp_path, monkeypatch):
+    path = write_qwen2_gguf(small_model, str(tmp_path / "v.gguf"))
+    gguf_config(path)   # parsed (and cached) under the real bounds: the config check is next
+    monkeypatch.setattr(gguf_mod, "MAX_VOCAB", 511)   # the fixture's vocabulary is 512
+    with pytest.raises(gguf_mod.GGUFError, match=r"token_embd.weight has 512 rows, above the 511"):
+        gguf_config(path)
+
+
 def test_a_tensor_past_the_end_of_the_file_is_named(small_model, tmp_path, monkeypatch):
     path = write_qwen2_gguf(small_model, str(tmp_path / "cut.gguf"))
     size = os.path.getsize(path)

@@ -305,8 +305,9 @@ def gguf_config(path: str) -> Qwen2Config:
     context_length. vocab_size is the embedding's row count; the LM head is tied when the file
     has no ``output.weight`` (llama.cpp's rule).
 
-    Every size is bounded (layers <= MAX_LAYERS, heads <= MAX_HEADS, hidden and feed-forward
-    widths <= MAX_HIDDEN * 8, context <= MAX_CONTEXT) and checked against the tensors the file
+    Every size is bounded (layers <= MAX_LAYERS, heads <= MAX_HEADS, hidden width <=
+    MAX_HIDDEN, feed-forward width <= 8 * MAX_HIDDEN, vocabulary <= MAX_VOCAB, context <=
+    MAX_CONTEXT) and checked against the tensors the file
     holds (block_count = the ``blk.<i>`` layers present, embedding_length = the embedding's
     width, head counts x key_length = layer 0's q / k widths, feed_forward_length = its
     ffn_up width), so a hostile key cannot make the model builder allocate without bound.
@@ -350,6 +351,10 @@ def gguf_config(path: str) -> Qwen2Config:
     # GGUF shapes are [in, out]: the embedding is [D, V], a projection [D_in, D_out].
     width = lambda name: [int(d) for d in tensors[name].shape]  # noqa: E731
     vocab = width("token_embd.weight")[-1]
+    if vocab > MAX_VOCAB:
+        raise GGUFError(f"{file}: token_embd.weight has {vocab} rows, above the {MAX_VOCAB} a "
+                        "Qwen2 vocabulary can have: a damaged or hostile file; re-download or "
+                        "re-convert it")
     _agree(file, f"{arch}.embedding_length", hidden, "token_embd.weight",
            width("token_embd.weight")[0])
     present = {int(m.group(1)) for m in map(_BLOCK_RE.match, tensors) if m}
