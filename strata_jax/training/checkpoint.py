@@ -70,7 +70,7 @@ class CheckpointWriteError(OSError):
     directory and the space needed. The partial step was removed; older steps are intact."""
 
     def __str__(self) -> str:   # the sentence alone: it is the one line the user sees
-        return str(self.strerror)
+        return str(self.strerror) if self.strerror else super().__str__()
 
 
 class CorruptCheckpointError(RuntimeError):
