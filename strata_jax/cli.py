@@ -5,22 +5,80 @@
   (``--config=configs/x.py:tiny,<field>=<value>``; `strata_jax.config.set_override`).
 * `guarded`: wraps an entry point's ``main`` so that a user's mistake (a config that cannot run,
   a missing checkpoint) and Ctrl-C end with one line on stderr instead of a traceback.
+
+Every entry point (train.py, eval.py, sft.py, ``python -m strata_jax.models.fetch``) exits with
+one of these statuses, so a script can tell the outcomes apart (docs/reliability.md):
+
+  ====  ==============================================================================
+  0     finished
+  1     a bug: an unexpected exception, printed with its traceback
+  2     refused or bad input: one line on stderr says what to change; nothing was lost
+  75    preempted with a checkpoint (SIGTERM, SIGHUP or a first Ctrl-C during training):
+        the same command continues the run (75 is sysexits' EX_TEMPFAIL, "retry later")
+  130   interrupted at once (a second Ctrl-C; SIGTERM / SIGHUP / Ctrl-C outside the
+        training loop): the work in flight is lost, the newest checkpoint is kept
+  ====  ==============================================================================
 """
 from __future__ import annotations
 
 import functools
 import importlib.util
 import os
+import signal
 import sys
 from typing import Any, Callable, Sequence
 
 from absl import app
 
+EXIT_FINISHED = 0
+EXIT_BUG = 1
+EXIT_REFUSED = 2
+EXIT_PREEMPTED = 75
+EXIT_INTERRUPTED = 130
+# Signals that mean "stop": the training loop turns them into a clean stop with a checkpoint
+# (train.py's stop flag); anywhere else they stop at once, through the same path as Ctrl-C
+# so that `finally` blocks run (locks, temp folders, child processes). A closed terminal or
+# ssh session sends SIGHUP, a scheduler's preemption SIGTERM.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+_HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+
 _FIELDS_HINT = ("Fields and their defaults: configs/base.py; variants: the experiment file's "
                 "docstring.")
 
 
-def _fail(prog: str, msg: str, code: int = 2) -> None:
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP outside the training loop: raised by `stop_at_once` so that the code
+    that handles Ctrl-C (cleanup, the exception-path checkpoint) handles it too."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        """The signal's name, e.g. ``SIGTERM``."""
+        return signal.Signals(self.signum).name
+
+
+def stop_at_once(signum: int, frame: object) -> None:  # noqa: ARG001
+    """Signal handler for `STOP_SIGNALS` outside the training loop: raise `Stopped`."""
+    raise Stopped(signum)
+
+
+def install_stop_handlers() -> None:
+    """Route `STOP_SIGNALS` to `stop_at_once` (main thread only; a handler someone else
+    installed, other than the default or ignore, is left alone). ``nohup`` sets SIGHUP to
+    ignore: that is kept, so a run started with nohup survives its terminal."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in STOP_SIGNALS:
+        if signal.getsignal(s) is signal.SIG_DFL:
+            signal.signal(s, stop_at_once)
+
+
+def _fail(prog: str, msg: str, code: int = EXIT_REFUSED) -> None:
     sys.stderr.write(f"{prog}: {msg}\n")
     raise SystemExit(code)
 
@@ -97,6 +155,7 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
             loaded = load_config(spec)
         except (ValueError, FileNotFoundError) as e:
             _fail(prog, f"--config={spec}: {e}. {_FIELDS_HINT}")
+    from absl import flags
     for arg in rest[1:]:
         hint = config_flag_hint(arg, loaded)
         if hint:
@@ -104,10 +163,16 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     saved = sys.argv
     sys.argv = rest   # ml_collections reads its overrides from sys.argv itself: hide them
     try:
-        positional = app.parse_flags_with_usage(rest)
+        # absl's own parse_flags_with_usage prints the usage and exits 1 (the status of a bug)
+        positional = flags.FLAGS(rest)
+    except flags.Error as e:
+        _fail(prog, f"{e}. --helpshort lists the flags")
+    except SystemExit as e:   # absl's help flags print the help and exit 1: that is not an error
+        if any(a.split("=")[0] in _HELP_FLAGS for a in rest[1:]):
+            raise SystemExit(EXIT_FINISHED) from None
+        raise
     finally:
         sys.argv = saved
-    from absl import flags
     c = flags.FLAGS["config"].value
     for key, text in overrides:
         try:
@@ -182,26 +247,37 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean the user has something to change, not a bug: a config that cannot
     run (`experiment.ConfigError`), a missing file or checkpoint (FileNotFoundError, including
     ALFWorld's missing game data), a checkpoint that cannot be written (`CheckpointWriteError`:
-    a full disk; its message names the path and the space needed)."""
+    a full disk; its message names the path and the space needed) or restored
+    (`NoRestorableCheckpointError`: names each step and file), a model file that cannot be used
+    (`GGUFError`: malformed, hostile or inconsistent), a damaged run log (`DamagedLogError`:
+    names the file and line)."""
     from strata_jax.experiment import ConfigError
-    from strata_jax.training.checkpoint import CheckpointWriteError
-    return (ConfigError, FileNotFoundError, CheckpointWriteError)
+    from strata_jax.metrics import DamagedLogError
+    from strata_jax.models.gguf import GGUFError
+    from strata_jax.training.checkpoint import CheckpointWriteError, NoRestorableCheckpointError
+    return (ConfigError, FileNotFoundError, CheckpointWriteError, NoRestorableCheckpointError,
+            GGUFError, DamagedLogError)
 
 
 def guarded(main: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
-    """Wrap an entry point's ``main(argv)``: a `user_errors` exception becomes one line
-    ``<script>: error: <message>`` on stderr and exit status 2; Ctrl-C (KeyboardInterrupt)
-    outside the training loop's own handling becomes one line and exit status 130 (the shell's
-    status for SIGINT). Anything else propagates with its traceback (a bug)."""
+    """Wrap an entry point's ``main(argv)`` to follow the exit-code table (module docstring):
+    SIGTERM and SIGHUP are routed to `stop_at_once` first (the training loop replaces that
+    with its clean stop while it runs); a `user_errors` exception becomes one line
+    ``<script>: error: <message>`` on stderr and status 2; Ctrl-C (KeyboardInterrupt) or a
+    stop signal outside the training loop's own handling becomes one line and status 130.
+    ``main``'s return value is the status otherwise. Anything else propagates with its
+    traceback (a bug: status 1)."""
     @functools.wraps(main)
     def wrapped(argv: list[str]) -> int:
         prog = os.path.basename(sys.argv[0]) if sys.argv else "strata_jax"
+        install_stop_handlers()
         try:
             return main(argv)
-        except KeyboardInterrupt:
-            _fail(prog, "interrupted (Ctrl-C); the same command resumes a training run from "
-                        "its newest checkpoint (a warm start in progress starts over)", 130)
+        except KeyboardInterrupt as e:
+            what = f"stopped ({e.name})" if isinstance(e, Stopped) else "interrupted (Ctrl-C)"
+            _fail(prog, f"{what}; the same command resumes a training run from its newest "
+                        "checkpoint (a warm start in progress starts over)", EXIT_INTERRUPTED)
         except user_errors() as e:
             _fail(prog, f"error: {e}")
-        return 1
+        return EXIT_BUG
     return wrapped

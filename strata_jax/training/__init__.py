@@ -25,8 +25,10 @@ __all__ = [
     "num_minibatches", "trim_padding", "effective_params",
 ]
 from strata_jax.training.checkpoint import (  # noqa: E402
-    Checkpointer, CheckpointWriteError, CorruptCheckpointError, PreemptionFlag, tree_to_numpy)
+    Checkpointer, CheckpointWriteError, CorruptCheckpointError, NoRestorableCheckpointError,
+    PreemptionFlag, tree_to_numpy)
 from strata_jax.training.loop_checkpoints import LoopCheckpoints  # noqa: E402
 
-__all__ += ["Checkpointer", "CheckpointWriteError", "CorruptCheckpointError", "PreemptionFlag",
+__all__ += ["Checkpointer", "CheckpointWriteError", "CorruptCheckpointError",
+            "NoRestorableCheckpointError", "PreemptionFlag",
             "tree_to_numpy", "LoopCheckpoints"]
