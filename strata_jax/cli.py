@@ -7,7 +7,8 @@
   a missing checkpoint) and Ctrl-C end with one line on stderr instead of a traceback.
 
 Every entry point (train.py, eval.py, sft.py, ``python -m strata_jax.models.fetch``) exits with
-one of these statuses, so a script can tell the outcomes apart (docs/reliability.md):
+one of these statuses (`strata_jax.exits`), so a script can tell the outcomes apart
+(docs/reliability.md):
 
   ====  ==============================================================================
   0     finished
@@ -24,58 +25,19 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import signal
 import sys
 from typing import Any, Callable, Sequence
 
 from absl import app
 
-EXIT_FINISHED = 0
-EXIT_BUG = 1
-EXIT_REFUSED = 2
-EXIT_PREEMPTED = 75
-EXIT_INTERRUPTED = 130
-# Signals that mean "stop": the training loop turns them into a clean stop with a checkpoint
-# (train.py's stop flag); anywhere else they stop at once, through the same path as Ctrl-C
-# so that `finally` blocks run (locks, temp folders, child processes). A closed terminal or
-# ssh session sends SIGHUP, a scheduler's preemption SIGTERM.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+from strata_jax.exits import (EXIT_BUG, EXIT_FINISHED, EXIT_INTERRUPTED,  # noqa: F401
+                              EXIT_PREEMPTED, EXIT_REFUSED, STOP_SIGNALS, Stopped,
+                              install_stop_handlers, stop_at_once)
 
 _HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
 
 _FIELDS_HINT = ("Fields and their defaults: configs/base.py; variants: the experiment file's "
                 "docstring.")
-
-
-class Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP outside the training loop: raised by `stop_at_once` so that the code
-    that handles Ctrl-C (cleanup, the exception-path checkpoint) handles it too."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-    @property
-    def name(self) -> str:
-        """The signal's name, e.g. ``SIGTERM``."""
-        return signal.Signals(self.signum).name
-
-
-def stop_at_once(signum: int, frame: object) -> None:  # noqa: ARG001
-    """Signal handler for `STOP_SIGNALS` outside the training loop: raise `Stopped`."""
-    raise Stopped(signum)
-
-
-def install_stop_handlers() -> None:
-    """Route `STOP_SIGNALS` to `stop_at_once` (main thread only; a handler someone else
-    installed, other than the default or ignore, is left alone). ``nohup`` sets SIGHUP to
-    ignore: that is kept, so a run started with nohup survives its terminal."""
-    import threading
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for s in STOP_SIGNALS:
-        if signal.getsignal(s) is signal.SIG_DFL:
-            signal.signal(s, stop_at_once)
 
 
 def _fail(prog: str, msg: str, code: int = EXIT_REFUSED) -> None:

