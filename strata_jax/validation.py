@@ -206,6 +206,7 @@ RESUME_MAY_CHANGE = (
     "compilation_cache_dir",          # where compiled programs are cached: speed only
     "mesh.*", "distributed.*",        # restore reshards onto any mesh / process count
     "env.num_workers",                # live envs: episodes run in waves, per-row keys are global
+                                      # (a decode call's rows change, so float rounding may)
     "env.step_timeout_s",             # only decides when a hung env counts as crashed
     "ckpt.*", "eval.*", "log.*",      # cadence of saves, evals and trajectory dumps
     "sft.cache_dir",                  # where the warm start is cached (its content is fingerprinted)
