@@ -146,7 +146,8 @@ def test_warm_up_starts_at_learning_rate_zero():
     from strata_jax.training.state import lr_schedule, make_optimizer
     cfg = dataclasses.replace(TrainConfig(), warmup_steps=4, lr_schedule="constant")
     sched = lr_schedule(1e-3, cfg)
-    assert [float(sched(i)) for i in range(6)] == pytest.approx([0, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+    assert [float(sched(i)) for i in range(6)] == pytest.approx(
+        [0, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
     opt = make_optimizer(dataclasses.replace(cfg, lr=1e-3))
     params = {"w": jnp.ones((3,), jnp.float32)}
     updates, _ = opt.update({"w": jnp.full((3,), 0.5)}, opt.init(params), params)

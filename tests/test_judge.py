@@ -22,7 +22,8 @@ def test_parse_bad_steps():
                 "<bad_steps>1.5</bad_steps>", "<bad_steps>-1.5, 2</bad_steps>",
                 "<bad_steps>第1步</bad_steps>", "<bad_steps></bad_steps>",
                 # more significant digits than any step index: a malformed verdict, not a crash
-                "<bad_steps>" + "5" * 5000 + "</bad_steps>", "<bad_steps>2, 1" + "0" * 9 + "</bad_steps>",
+                "<bad_steps>" + "5" * 5000 + "</bad_steps>",
+                "<bad_steps>2, 1" + "0" * 9 + "</bad_steps>",
                 "<bad_steps>-" + "7" * 4301 + ", 1</bad_steps>"):
         assert parse_bad_steps(bad, 5) == (), bad
 

@@ -40,9 +40,9 @@ CASES = [
     ("<think>a <action>x</think></action><action>go</action>", "go", True),  # open tag in think
     # blank-looking characters that are not Cc / Cf: nothing visible is left, so invalid
     ("<think>a</think><action>\u3164\u2800</action>", None, False),  # hangul filler, braille blank
-    ("<think>a</think><action>\u00ad\u2060\u034f\ufe0f</action>", None, False),  # SHY, WJ, CGJ, VS16
+    ("<think>a</think><action>\u00ad\u2060\u034f\ufe0f</action>", None, False),  # SHY WJ CGJ VS16
     ("<think>a</think><action>\ue000\U000e0041</action>", None, False),  # private use, tag A
-    ("<think>a</think><action>go\u3164 north</action>", "go\u3164 north", True),  # visible words stay
+    ("<think>a</think><action>go\u3164 north</action>", "go\u3164 north", True),  # words stay
 ]
 
 

@@ -201,7 +201,8 @@ def test_temperatures_that_underflow_float32_are_refused():
         with pytest.raises(ValueError):
             SamplingParams(temperature=bad)
     # the floor itself is fine even for logits of +-1e3: finite logprobs, argmax gets ~0
-    lp = np.asarray(jax.nn.log_softmax(jnp.asarray([1e3, -1e3, 999.0]) / jnp.float32(MIN_TEMPERATURE)))
+    big = jnp.asarray([1e3, -1e3, 999.0])
+    lp = np.asarray(jax.nn.log_softmax(big / jnp.float32(MIN_TEMPERATURE)))
     assert np.isfinite(lp).all() and lp[0] == 0.0
     assert SamplingParams(temperature=MIN_TEMPERATURE).logprob_temperature == MIN_TEMPERATURE
     assert SamplingParams(temperature=0.0).is_greedy

@@ -46,10 +46,10 @@ class SamplingParams:
     """How the next token is chosen and when a row stops.
 
     Attributes:
-      temperature: softmax temperature (>= `MIN_TEMPERATURE`), or 0 meaning greedy. Logprobs are reported as
-        ``log_softmax(logits / temperature)`` of the chosen token, BEFORE top-k / top-p
-        renormalisation, so that the trainer's recomputation of pi_old matches (docs/method.md
-        §9.1).
+      temperature: softmax temperature (>= `MIN_TEMPERATURE`), or 0 meaning greedy. Logprobs
+        are reported as ``log_softmax(logits / temperature)`` of the chosen token, BEFORE
+        top-k / top-p renormalisation, so that the trainer's recomputation of pi_old matches
+        (docs/method.md §9.1).
       top_p: nucleus mass in (0, 1]; 1 disables it. Keeps the smallest set of most likely
         tokens whose mass (after temperature and top-k) reaches ``top_p``; ties at the
         threshold are all kept.
