@@ -1,4 +1,4 @@
-"""Same seed, same commit, same machine: same numbers.
+"""Same seed, same commit, same machine: same numbers; a resume on another task list is refused.
 
 The smallest built-in job (memory_key, the tiny model, a 4-step behaviour-cloning warm start,
 2 iterations) runs twice as `python train.py` in two processes. The second process trains its
@@ -59,7 +59,7 @@ def _load_safetensors(path):
     return load_file(path)
 
 
-def test_same_command_twice_gives_the_same_numbers(tmp_path):
+def test_same_command_twice_gives_the_same_numbers(tmp_path, monkeypatch):
     a = _run(tmp_path, "a")
     b = _run(tmp_path, "b")
     rows_a, rows_b = read_jsonl(str(a / "metrics.jsonl")), read_jsonl(str(b / "metrics.jsonl"))
@@ -93,18 +93,39 @@ def test_same_command_twice_gives_the_same_numbers(tmp_path):
     assert all(np.array_equal(x, y) for x, y in zip(leaves_a, leaves_b))
     assert meta_a["sampler_state"] == meta_b["sampler_state"]
 
-
-def _restore(workdir):
-    """The TrainState of checkpoint 2 of a run with the SMALL flags (host numpy leaves)."""
-    from configs import builtin
+    # Resuming run b on the same number of train tasks in another order is refused: the saved
+    # position would continue with other tasks (the task-list fingerprint).
+    import train
     from strata_jax import experiment as ex
+    c = _small_config(b)
+    c.iterations, c.sft.cache_dir = 3, str(tmp_path / "b_ws")
+    c.compilation_cache_dir = ""   # in-process: no process-wide cache setting
+    real = ex.task_list
+    monkeypatch.setattr(ex, "task_list", lambda c, split=None: real(c, split)[::-1])
+    with pytest.raises(ex.ConfigError, match=f"cannot resume {b}: sampler state is for another "
+                                             "list of 1000 tasks"):
+        train.run(c)
+    assert [r["step"] for r in read_jsonl(str(b / "metrics.jsonl"))] == [1, 2]   # untouched
+
+
+def _small_config(workdir):
+    """The config `python train.py` built from the SMALL flags, on `workdir`."""
+    from configs import builtin
     from strata_jax.config import set_override
-    from strata_jax.training import Checkpointer, Trainer, TrainConfig
     c = builtin.get_config("tiny")
     for flag in SMALL[1:]:
         key, value = flag[len("--config."):].split("=", 1)
         set_override(c, key, value)
-    c.workdir, c.model.warm_start = str(workdir), ""   # shapes only: no warm start needed
+    c.workdir = str(workdir)
+    return c
+
+
+def _restore(workdir):
+    """The TrainState of checkpoint 2 of a run with the SMALL flags (host numpy leaves)."""
+    from strata_jax import experiment as ex
+    from strata_jax.training import Checkpointer, Trainer, TrainConfig
+    c = _small_config(workdir)
+    c.model.warm_start = ""   # shapes only: no warm start needed
     tok = ex.build_tokenizer(c)
     model_cfg, params = ex.build_model(c, tok, None)
     trainer = Trainer(model_cfg, TrainConfig.from_config(c), None)
