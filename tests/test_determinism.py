@@ -1,12 +1,14 @@
 """Same seed, same commit, same machine: same numbers; a resume on another task list is refused.
 
-The smallest built-in job (memory_key, the tiny model, a 4-step behaviour-cloning warm start,
-2 iterations) runs twice as `python train.py` in two processes. The second process trains its
-own warm start (another cache dir) and loads the compiled programs the first one wrote (the
-same compilation cache), so the test covers the warm start, the compilation cache, the env
-pool's threads and the sampler's batching. Every metric that is not a wall time, a
-throughput, a memory figure or a compile / cache count must be equal, bit for bit; so must the
-episodes written, the warm start's weights and the final checkpoint.
+The smallest built-in job (memory_key, the tiny model, an 80-step behaviour-cloning warm start
+that already writes some valid actions and strategies, 2 iterations) runs twice as
+`python train.py` in two processes. The second process trains its own warm start (another
+cache dir) and loads the compiled programs the first one wrote (the same compilation cache), so
+the test covers the warm start, the compilation cache, the env pool's threads and the
+sampler's batching. Every metric that is not a wall time, a throughput, a memory figure or a
+compile / cache count must be equal, bit for bit; so must the episodes written, the warm
+start's weights and the final checkpoint. Then resuming the second run on its train task list
+reversed (same size) must be refused.
 """
 import glob
 import json
@@ -32,8 +34,8 @@ SMALL = ["--config=configs/builtin.py:tiny", "--config.iterations=2",
          "--config.rollout.episodes_per_strategy=2", "--config.rollout.group_size=4",
          "--config.env.max_steps=3", "--config.env.num_workers=4",
          "--config.rollout.max_action_tokens=16", "--config.rollout.max_strategy_tokens=16",
-         "--config.rollout.max_judge_tokens=8", "--config.sft.steps=4",
-         "--config.sft.episodes=4", "--config.sft.log_every=2", "--config.ckpt.every=1"]
+         "--config.rollout.max_judge_tokens=8", "--config.sft.steps=80",
+         "--config.sft.episodes=16", "--config.sft.log_every=20", "--config.ckpt.every=1"]
 # Wall times, throughputs, memory and compile / cache counts differ between the runs by design.
 NOT_REPLAYED = ("time/", "perf/", "compile/", "mem/")
 
@@ -74,6 +76,10 @@ def test_same_command_twice_gives_the_same_numbers(tmp_path, monkeypatch):
                 "mismatch/sampler_abs"} <= da.keys()
         diff = {k: (da[k], db[k]) for k in da if da[k] != db[k]}
         assert not diff, diff
+    # the warm start writes some valid actions and strategies, so the parser, the env steps
+    # and uneven episodes are part of what is replayed
+    assert rows_a[0]["rollout/invalid_step_frac"] < 1.0
+    assert rows_a[0]["rollout/strategy_format_fail_frac"] < 1.0
     # the episodes: every prompt, generated token, action, observation and reward
     eps_a = (a / "trajectories.jsonl").read_text()
     assert eps_a == (b / "trajectories.jsonl").read_text() and eps_a.count("\n") >= 2
