@@ -106,7 +106,10 @@ def _train(c, workdir, compiles, mesh) -> dict:
     else:
         state, meta = restored
         if meta.get("sampler_state"):
-            task_sampler.set_state(meta["sampler_state"])
+            try:
+                task_sampler.set_state(meta["sampler_state"])
+            except ValueError as e:   # another task list: continuing would draw other tasks
+                raise ex.ConfigError(f"cannot resume {workdir}: {e}") from None
         log.info("resumed from step %d in %s", meta["step"], workdir)
     start = int(jax.device_get(state.step))
 

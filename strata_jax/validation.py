@@ -18,6 +18,7 @@ from strata_jax import sharding
 from strata_jax.algos.table import get_algorithm
 from strata_jax.config import ConfigError
 from strata_jax.models import PRESETS, Qwen2Config
+from strata_jax.sampling.params import check_temperature
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ def validate(c: Any) -> None:
     neither or both of model.path and model.preset; an unknown preset; every size field below
     its minimum (N, M, sigma, group size, tasks per batch, live envs, env steps, token budgets,
     batch sizes, epochs, iterations, checkpoint keep / every, history window, cohorts); the
-    sampling fields (rollout.temperature and eval.temperature finite and >= 0, top_p in (0, 1],
+    sampling fields (rollout.temperature and eval.temperature finite and 0 or >=
+    `sampling.params.MIN_TEMPERATURE`, top_p in (0, 1],
     top_k an integer >= -1 where 0 and -1 both mean "off", the vLLM / verl spelling); a
     non-finite or negative learning rate; an unknown dtype or remat policy (TrainConfig's own
     checks); the warm start's settings (SFTConfig's checks); and,
@@ -148,6 +150,10 @@ def validate(c: Any) -> None:
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) \
                 or v < 0:
             raise ConfigError(f"{field} must be a finite number >= 0 (0 = greedy), got {v!r}")
+        try:   # a positive temperature that underflows float32 arithmetic (1e-39, 1e-46)
+            check_temperature(v, field)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if not isinstance(r.top_p, (int, float)) or not 0.0 < float(r.top_p) <= 1.0:
         raise ConfigError(f"rollout.top_p must be in (0, 1] (1 = off), got {r.top_p!r}")
     if isinstance(r.top_k, bool) or not isinstance(r.top_k, int) or r.top_k < -1:
@@ -202,6 +208,7 @@ RESUME_MAY_CHANGE = (
     "compilation_cache_dir",          # where compiled programs are cached: speed only
     "mesh.*", "distributed.*",        # restore reshards onto any mesh / process count
     "env.num_workers",                # live envs: episodes run in waves, per-row keys are global
+                                      # (a decode call's rows change, so float rounding may)
     "env.step_timeout_s",             # only decides when a hung env counts as crashed
     "ckpt.*", "eval.*", "log.*",      # cadence of saves, evals and trajectory dumps
     "sft.cache_dir",                  # where the warm start is cached (its content is fingerprinted)

@@ -15,6 +15,7 @@ runs `export_warm_start`, the warm start alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -86,6 +87,50 @@ def sft_examples(c: Any, tokenizer: Any, cfg: SFTConfig | None = None
 EXAMPLE_FORMAT = 3
 
 
+_SOURCE_ROOTS = ("strata_jax", "envs_bridge")
+
+
+@functools.lru_cache(maxsize=1)
+def source_fingerprint() -> str:
+    """A 12-hex SHA-256 of this checkout's library code: every ``*.py`` file under
+    ``strata_jax/`` and ``envs_bridge/`` (relative path and bytes, in path order).
+
+    Recorded in ``sft_meta.json`` (key ``code``): the cache key (`fingerprint`) covers the
+    warm start's settings, not the code, so an export trained by other code (an earlier
+    commit, a local edit) is still found; `maybe_warm_start` says so when it loads one, since
+    a run from it is not the run a clean clone of this code makes (docs/reliability.md).
+    """
+    base = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = []
+    for root in _SOURCE_ROOTS:
+        for d, _, names in os.walk(os.path.join(base, root)):
+            files += [os.path.join(d, n) for n in names if n.endswith(".py")]
+    h = hashlib.sha256()
+    for path in sorted(files, key=lambda f: os.path.relpath(f, base)):
+        h.update(os.path.relpath(path, base).replace(os.sep, "/").encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def stale_export_warning(out_dir: str) -> str | None:
+    """The warning for a cached export in `out_dir` trained by other code than this checkout
+    (its ``sft_meta.json`` ``code`` differs from `source_fingerprint`, or was not recorded),
+    else None."""
+    try:
+        with open(os.path.join(out_dir, META_FILE)) as f:
+            code = json.load(f).get("code")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if code == source_fingerprint():
+        return None
+    trained = f"code {code}" if code else "code that did not record its version"
+    return (f"the cached warm start {out_dir} was trained by {trained}, this checkout is "
+            f"{source_fingerprint()}: this run starts from it, so its numbers are not those of a "
+            "clean clone of this code; delete the folder (or pass --config.sft.cache_dir=<new "
+            "dir>) to retrain it")
+
+
 def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
     """A 12-hex id of everything the warm start depends on (data, prompts, model, init)."""
     sft = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"}
@@ -129,7 +174,8 @@ def run_sft(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any, out_dir
                 expert_success=float(np.mean([e.success for e in eps])), examples=counts,
                 first_loss=losses[0], final_loss=float(np.mean(losses[-10:])),
                 losses=losses[:: max(1, len(losses) // 100)], data_s=t_data,
-                wall_s=time.time() - t0, env=c.env.name, tasks=list(c.env.tasks))
+                wall_s=time.time() - t0, env=c.env.name, tasks=list(c.env.tasks),
+                code=source_fingerprint())
     with open(os.path.join(out_dir, META_FILE), "w") as f:
         json.dump(meta, f, indent=1)
     return params, meta
@@ -191,6 +237,9 @@ def maybe_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any
     out = warm_start_dir(c, model_cfg, workdir)
     if os.path.isfile(os.path.join(out, META_FILE)):
         log.info("warm start: loading cached behaviour-cloning export %s", out)
+        stale = stale_export_warning(out)
+        if stale:
+            log.warning("%s", stale)
         return load_params(out, model_cfg, dtype=dtype, mesh=mesh)
     if not train:
         raise ex.ConfigError(f"the warm start of this config is not cached in {out}; train it "
@@ -203,4 +252,5 @@ def maybe_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any
 
 
 __all__ = ["maybe_warm_start", "export_warm_start", "run_sft", "warm_start_dir", "fingerprint",
+           "source_fingerprint", "stale_export_warning",
            "sft_examples", "expert_tasks", "EXAMPLE_FORMAT", "META_FILE"]

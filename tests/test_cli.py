@@ -143,6 +143,12 @@ def test_split_config_args_forms():
                                   "got -0.1"),
     ("eval.temperature", math.inf, "eval.temperature must be a finite number >= 0 (0 = greedy), "
                                    "got inf"),
+    ("rollout.temperature", 1e-39, "rollout.temperature must be a finite number >= 1e-06 or 0 "
+                                   "(greedy), got 1e-39 (smaller temperatures overflow float32 "
+                                   "logits / temperature into NaN logprobs)"),
+    ("eval.temperature", 1e-46, "eval.temperature must be a finite number >= 1e-06 or 0 (greedy), "
+                                "got 1e-46 (smaller temperatures overflow float32 logits / "
+                                "temperature into NaN logprobs)"),
     ("rollout.max_action_tokens", 0, "rollout.max_action_tokens must be an integer >= 1, got 0 "
                                      "(--config.rollout.max_action_tokens=...)"),
     ("rollout.cohorts", -1, "rollout.cohorts must be an integer >= 0, got -1"),

@@ -1,4 +1,5 @@
 """Built-in envs, the env registry, the step bookkeeping and the task sampler."""
+import dataclasses
 import json
 import os
 import re
@@ -207,6 +208,30 @@ def test_sampler_same_seed_same_sequence_and_exact_resume():
         TaskSampler(tasks[:10], seed=7).set_state(state)
     with pytest.raises(ValueError):
         TaskSampler([], seed=0)
+
+
+def test_sampler_refuses_a_state_of_another_task_list_of_the_same_size():
+    # The same 100 dev tasks give the same fingerprint; other seeds (another split's 100
+    # tasks relabelled "dev"), one task changed, or the same tasks reordered are refused: the
+    # saved position would continue with other tasks.
+    tasks = builtin_task_list("memory_key", "dev")
+    s = TaskSampler(tasks, seed=7)
+    s.sample(5)
+    state = json.loads(json.dumps(s.get_state()))
+    assert state["num_tasks"] == 100 and len(state["tasks_sha256"]) == 64
+    TaskSampler(builtin_task_list("memory_key", "dev"), seed=0).set_state(state)   # accepted
+    other_seeds = [dataclasses.replace(t, split="dev")
+                   for t in builtin_task_list("memory_key", "test")]
+    one_changed = tasks[:50] + [dataclasses.replace(tasks[50], variation=4242)] + tasks[51:]
+    for other in (other_seeds, one_changed, tasks[::-1]):
+        assert len(other) == 100
+        with pytest.raises(ValueError, match="another list of 100 tasks"):
+            TaskSampler(other, seed=7).set_state(state)
+    # a state saved before the fingerprint was recorded is checked by size only
+    old = {k: v for k, v in state.items() if k != "tasks_sha256"}
+    resumed = TaskSampler(tasks, seed=0)
+    resumed.set_state(old)
+    assert resumed.sample(3) == TaskSampler(tasks, seed=7).sample(8)[5:]
 
 
 @pytest.mark.parametrize("guess", ["²", "①", "٣", "-²", "1" * 5000, "--3", "4.0"])

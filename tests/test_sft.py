@@ -14,6 +14,9 @@
 from __future__ import annotations
 
 import collections
+import json
+import logging
+import os
 import dataclasses
 import math
 import random
@@ -265,7 +268,7 @@ def test_sft_from_mesh_sharded_params_compiles_its_step_once(builder, episodes):
         assert trained[name].sharding == params[name].sharding, name
 
 
-def test_maybe_warm_start_caches(tmp_path, tok, monkeypatch):
+def test_maybe_warm_start_caches(tmp_path, tok, monkeypatch, caplog):
     c = builtin.get_config("tiny")
     c.sft.cache_dir = ""   # "" = per run, in <workdir>/warm_start (the default is runs/warm_start)
     c.sft.episodes, c.sft.steps, c.sft.batch_size = 1, 2, 4
@@ -280,8 +283,26 @@ def test_maybe_warm_start_caches(tmp_path, tok, monkeypatch):
     real = warm_start.run_sft
     monkeypatch.setattr(warm_start, "run_sft", lambda *a, **k: calls.append(1) or real(*a, **k))
     p1 = warm_start.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
-    p2 = warm_start.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="strata_jax.warm_start"):
+        p2 = warm_start.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
     assert calls == [1]   # second call loaded the cache
+    # trained by this checkout's code: loaded without a word; by other code: one warning
+    d = warm_start.warm_start_dir(c, cfg, str(tmp_path))
+    meta_path = os.path.join(d, warm_start.META_FILE)
+    meta = json.loads(open(meta_path).read())
+    assert meta["code"] == warm_start.source_fingerprint() and len(meta["code"]) == 12
+    assert not caplog.records and warm_start.stale_export_warning(d) is None
+    meta["code"] = "0123456789ab"
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    with caplog.at_level(logging.WARNING, logger="strata_jax.warm_start"):
+        warm_start.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the cached warm start {d} was trained by code 0123456789ab, this checkout is "
+        f"{warm_start.source_fingerprint()}: this run starts from it, so its numbers are not "
+        "those of a clean clone of this code; delete the folder (or pass "
+        "--config.sft.cache_dir=<new dir>) to retrain it"]
+    assert calls == [1]
     # A change to the env's data (memory_key code length) is another cache entry.
     d = warm_start.warm_start_dir(c, cfg, str(tmp_path))
     c.env.code_digits = 2

@@ -133,6 +133,10 @@ class TrainConfig:
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r} "
                                  f"(--config.optim.{name}=...)")
+        from strata_jax.sampling.params import check_temperature
+        # pi_old / pi_theta divide the logits by it in float32 (docs/method.md §9.1)
+        check_temperature(self.temperature, "rollout.temperature (the train temperature)",
+                          allow_greedy=False)
         if not self.adam_eps > 0:
             raise ValueError(f"train.adam_eps must be > 0 (Adam divides by sqrt(v) + eps), "
                              f"got {self.adam_eps!r}")
