@@ -390,7 +390,10 @@ def test_a_stop_signal_outside_the_loop_is_one_line_130_and_runs_cleanup(tmp_pat
     at once like Ctrl-C: `finally` blocks run (here: a marker file), one line, status 130.
     Before, SIGHUP killed the process with no line and no cleanup."""
     marker = tmp_path / "cleaned"
+    # SIGHUP's default action, as under a terminal: a suite started with nohup hands its
+    # children SIGHUP ignored, which install_stop_handlers rightly keeps.
     code = (f"import os, signal, sys, time\nsys.argv = ['prog.py']\n"
+            f"signal.signal(signal.{sig}, signal.SIG_DFL)\n"
             f"from strata_jax.cli import guarded\n"
             f"def main(argv):\n"
             f"    try:\n"
