@@ -184,3 +184,119 @@ def test_random_batches_keep_every_rows_context():
         lay = pack_rows(*make_rows(rows), max_width=max(longest, int(rng.integers(8, 30))))
         check_layout(lay, rows)
         assert lay.num_packed_tokens <= lay.num_row_tokens
+
+
+# ----------------------------------------------------------------------------- packed forward
+# The packed forward against the per-row forward (`scoring.response_states`) on a tiny random
+# model. fp32 tolerances: the two paths run the same operations on the same values, but the
+# matmuls and the softmax sums see other shapes (packed rows, a different key count per query
+# block: masked keys add exact zeros), so the results differ by summation order only, a few
+# fp32 ulps per op; through 2 layers and a log-softmax over V that stays below 1e-5 absolute
+# on logprobs / entropies of magnitude ~log V, and gradients agree to 1e-4 of each leaf's scale.
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from strata_jax.models import Qwen2Config, init_params  # noqa: E402
+from strata_jax.models.lora import LoraConfig, init_lora, lora_params  # noqa: E402
+from strata_jax.training.critic import init_value_head, value_from_hidden  # noqa: E402
+from strata_jax.training.scoring import (packed_response_states, response_logprobs,  # noqa: E402
+                                         response_states)
+
+CFG = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4)
+LORA = LoraConfig(rank=4, alpha=8)
+
+
+def tree_rows(seed=0):
+    """Rows with an instruction block, two tasks, strategies under one task, own steps and
+    responses; a row whose prompt is a prefix of another's, a duplicate and a padding row."""
+    rng = np.random.default_rng(seed)
+    tok = lambda n: rng.integers(1, CFG.vocab_size, n).tolist()  # noqa: E731
+    inst, t1, t2, s1, s2 = tok(9), tok(5), tok(4), tok(6), tok(3)
+    rows = [(inst + t1 + s1 + tok(3), tok(4)),
+            (inst + t1 + s1 + tok(5), tok(2)),
+            (inst + t1 + s2 + tok(2), tok(5)),
+            (inst + t1 + s2, tok(3)),                 # prefix of the previous row's prompt
+            (inst + t2 + tok(7), tok(1)),
+            (inst + t2 + tok(2), tok(4)),
+            (tok(6), tok(3))]                          # shares nothing
+    rows.append(rows[1])                               # a duplicate row
+    rows.append(([], []))                              # a padding row
+    return rows
+
+
+def perturbed_params(key):
+    p = init_params(CFG, key)
+    return jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.fold_in(key, x.size),
+                                                                 x.shape), p)
+
+
+def both_paths(max_width, query_chunk=128, lora=False, remat="none"):
+    """(loss fn of params for the per-row path, same for the packed path, params, base,
+    response mask); loss = sum of response logprobs + entropies/10 + values/10 (every output
+    the update reads), aux = (lp, ent, values)."""
+    rows = tree_rows()
+    pi, pm, ri, rm = (jnp.asarray(x) for x in make_rows(rows))
+    lay = pack_rows(*make_rows(rows), max_width=max_width)
+    packed = [jnp.asarray(x) for x in (lay.tokens, lay.positions, lay.mask, lay.key_end,
+                                       lay.score_index(), lay.last_index())]
+    key = jax.random.key(3)
+    base = perturbed_params(key)
+    head = init_value_head(jax.random.key(4), CFG.hidden_size, 1.0)
+    params = base
+    if lora:
+        params = init_lora(CFG, LORA, key)
+        params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(key, x.shape, x.dtype),
+                              params)
+
+    def outputs(p, states):
+        model_p = lora_params(base, p, LORA) if lora else p
+        h, last = states(model_p)
+        lp, ent = response_logprobs(model_p, CFG, h, ri, rm, temperature=0.9, chunk_size=4)
+        v = value_from_hidden(head, last) * (pm.any(1) | rm.any(1))
+        return jnp.sum(lp) + 0.1 * jnp.sum(ent) + 0.1 * jnp.sum(v), (lp, ent, v)
+
+    def per_row(p):
+        return outputs(p, lambda mp: response_states(mp, CFG, pi, pm, ri, rm, remat=remat))
+
+    def tree(p):
+        return outputs(p, lambda mp: packed_response_states(mp, CFG, *packed, remat=remat,
+                                                            query_chunk=query_chunk))
+
+    return per_row, tree, params, np.asarray(rm), lay
+
+
+@pytest.mark.parametrize("max_width, chunk, lora, remat", [
+    (128, 128, False, "none"),     # one packed row, one query block
+    (40, 8, False, "none"),        # split tree (ancestor copies), segments across 8-query blocks
+    (40, 8, True, "full"),         # LoRA over a frozen base, per-layer remat
+])
+def test_packed_forward_equals_per_row(max_width, chunk, lora, remat):
+    per_row, tree, params, rm, lay = both_paths(max_width, chunk, lora=lora, remat=remat)
+    assert lay.num_packed_tokens < lay.num_row_tokens
+    if max_width == 40:
+        assert lay.tokens.shape[0] > 1   # the tree really is split
+    per_row_vg = jax.jit(jax.value_and_grad(per_row, has_aux=True))
+    tree_vg = jax.jit(jax.value_and_grad(tree, has_aux=True))
+    (l1, (lp1, ent1, v1)), g1 = per_row_vg(params)
+    (l2, (lp2, ent2, v2)), g2 = tree_vg(params)
+    m = rm.astype(bool)
+    print("max |diff| lp, ent, v:", np.abs(np.asarray(lp2 - lp1)).max(),
+          np.abs(np.asarray(ent2 - ent1)).max(), np.abs(np.asarray(v2 - v1)).max())
+    assert np.abs(np.asarray(lp1)[m]).min() > 0   # real logprobs on every response token
+    np.testing.assert_allclose(np.asarray(lp2)[m], np.asarray(lp1)[m], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(ent2)[m], np.asarray(ent1)[m], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(v2), np.asarray(v1), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(lp2)[~m], 0.0)
+    np.testing.assert_allclose(float(l2), float(l1), rtol=1e-6)
+    leaves1, leaves2 = jax.tree.leaves(g1), jax.tree.leaves(g2)
+    assert len(leaves1) == len(leaves2) and len(leaves1) > 0
+    worst = 0.0
+    for a, b in zip(leaves2, leaves1):
+        a, b = np.asarray(a), np.asarray(b)
+        scale = np.abs(b).max()
+        assert scale > 0
+        worst = max(worst, np.abs(a - b).max() / scale)
+        assert np.abs(a - b).max() <= 1e-4 * scale + 1e-7, (np.abs(a - b).max(), scale)
+    print("max relative gradient diff:", worst)
