@@ -179,7 +179,8 @@ def test_random_batches_keep_every_rows_context():
             task = rng.integers(1, 4, rng.integers(0, 3)).tolist()
             strat = rng.integers(1, 3, rng.integers(0, 3)).tolist()
             own = rng.integers(1, 4, rng.integers(0 if inst or task else 1, 3)).tolist()
-            rows.append((inst + task + strat + own, rng.integers(1, 4, rng.integers(0, 3)).tolist()))
+            resp = rng.integers(1, 4, rng.integers(0, 3)).tolist()
+            rows.append((inst + task + strat + own, resp))
         longest = max(len(p) + len(r) for p, r in rows)
         lay = pack_rows(*make_rows(rows), max_width=max(longest, int(rng.integers(8, 30))))
         check_layout(lay, rows)
@@ -200,8 +201,8 @@ import jax.numpy as jnp  # noqa: E402
 from strata_jax.models import Qwen2Config, init_params  # noqa: E402
 from strata_jax.models.lora import LoraConfig, init_lora, lora_params  # noqa: E402
 from strata_jax.training.critic import init_value_head, value_from_hidden  # noqa: E402
-from strata_jax.training.scoring import (packed_response_states, response_logprobs,  # noqa: E402
-                                         response_states)
+from strata_jax.training.scoring import (PackedInputs, packed_response_states,  # noqa: E402
+                                         response_logprobs, response_states)
 
 CFG = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4)
@@ -232,15 +233,16 @@ def perturbed_params(key):
                                                                  x.shape), p)
 
 
-def both_paths(max_width, query_chunk=128, lora=False, remat="none"):
+def both_paths(max_width, query_chunk=128, lora=False, remat="none", dtype="float32"):
     """(loss fn of params for the per-row path, same for the packed path, params, base,
     response mask); loss = sum of response logprobs + entropies/10 + values/10 (every output
     the update reads), aux = (lp, ent, values)."""
     rows = tree_rows()
     pi, pm, ri, rm = (jnp.asarray(x) for x in make_rows(rows))
     lay = pack_rows(*make_rows(rows), max_width=max_width)
-    packed = [jnp.asarray(x) for x in (lay.tokens, lay.positions, lay.mask, lay.key_end,
-                                       lay.score_index(), lay.last_index())]
+    packed = PackedInputs(*(jnp.asarray(x) for x in (lay.tokens, lay.positions, lay.mask,
+                                                     lay.key_end, lay.score_index(),
+                                                     lay.last_index())))
     key = jax.random.key(3)
     base = perturbed_params(key)
     head = init_value_head(jax.random.key(4), CFG.hidden_size, 1.0)
@@ -253,16 +255,19 @@ def both_paths(max_width, query_chunk=128, lora=False, remat="none"):
     def outputs(p, states):
         model_p = lora_params(base, p, LORA) if lora else p
         h, last = states(model_p)
-        lp, ent = response_logprobs(model_p, CFG, h, ri, rm, temperature=0.9, chunk_size=4)
+        lp, ent = response_logprobs(model_p, CFG, h, ri, rm, temperature=0.9, chunk_size=4,
+                                    compute_dtype=dtype)
         v = value_from_hidden(head, last) * (pm.any(1) | rm.any(1))
         return jnp.sum(lp) + 0.1 * jnp.sum(ent) + 0.1 * jnp.sum(v), (lp, ent, v)
 
     def per_row(p):
-        return outputs(p, lambda mp: response_states(mp, CFG, pi, pm, ri, rm, remat=remat))
+        return outputs(p, lambda mp: response_states(mp, CFG, pi, pm, ri, rm, remat=remat,
+                                                     compute_dtype=dtype))
 
     def tree(p):
-        return outputs(p, lambda mp: packed_response_states(mp, CFG, *packed, remat=remat,
-                                                            query_chunk=query_chunk))
+        return outputs(p, lambda mp: packed_response_states(mp, CFG, packed, remat=remat,
+                                                            query_chunk=query_chunk,
+                                                            compute_dtype=dtype))
 
     return per_row, tree, params, np.asarray(rm), lay
 
@@ -300,3 +305,48 @@ def test_packed_forward_equals_per_row(max_width, chunk, lora, remat):
         worst = max(worst, np.abs(a - b).max() / scale)
         assert np.abs(a - b).max() <= 1e-4 * scale + 1e-7, (np.abs(a - b).max(), scale)
     print("max relative gradient diff:", worst)
+
+
+def test_packed_micro_batches_partition_the_rows():
+    from strata_jax.training.prefix_tree import packed_micro_batches
+    rows = tree_rows(seed=2)
+    pi, pm, ri, rm = make_rows(rows)
+    idx = np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0], np.int32)   # two padding entries
+    real = np.arange(idx.size) < 9
+    micro = packed_micro_batches(pi, pm, ri, rm, idx, real, max_width=40)
+    assert len(micro) > 1                      # the budget splits the tree
+    seen = []
+    for mb in micro:
+        assert mb.tokens.shape == (1, mb.width) and mb.width <= 40
+        assert mb.idx.size == mb.real.size == mb.score_index.shape[0] == mb.last_index.size
+        for i, r in zip(mb.idx[mb.real], np.flatnonzero(mb.real)):
+            p, resp = rows[i]
+            seq = p + resp
+            if not seq:
+                continue
+            seen.append(int(i))
+            n_r = len(resp)
+            # response column j is scored by the row's previous token; the last token is last
+            np.testing.assert_array_equal(mb.tokens[0, mb.score_index[r, :n_r]], seq[len(p) - 1:-1])
+            np.testing.assert_array_equal(mb.positions[0, mb.score_index[r, :n_r]],
+                                          np.arange(len(p) - 1, len(seq) - 1))
+            assert mb.tokens[0, mb.last_index[r]] == seq[-1]
+        assert (mb.score_index[~mb.real] == 0).all() and (mb.last_index[~mb.real] == 0).all()
+    # every real row with tokens in exactly one micro-batch (the empty padding row in none)
+    assert sorted(seen) == [i for i in range(9) if rows[i][0] or rows[i][1]]
+
+
+def test_packed_forward_bf16_tolerance():
+    """bfloat16 compute: both paths round every activation to 8 mantissa bits (2^-8 relative
+    per rounding), in a different order, so they agree only to bf16 round-off carried through
+    the layers: 1e-2 absolute on logprobs / entropies of magnitude ~log V, 2e-2 on values of
+    scale ~1; the fp32 tests above are the exactness check."""
+    per_row, tree, params, rm, _ = both_paths(40, 8, dtype="bfloat16")
+    _, (lp1, ent1, v1) = jax.jit(per_row)(params)
+    _, (lp2, ent2, v2) = jax.jit(tree)(params)
+    m = rm.astype(bool)
+    print("bf16 max |diff| lp, ent, v:", np.abs(np.asarray(lp2 - lp1)).max(),
+          np.abs(np.asarray(ent2 - ent1)).max(), np.abs(np.asarray(v2 - v1)).max())
+    np.testing.assert_allclose(np.asarray(lp2)[m], np.asarray(lp1)[m], atol=1e-2, rtol=0)
+    np.testing.assert_allclose(np.asarray(ent2)[m], np.asarray(ent1)[m], atol=1e-2, rtol=0)
+    np.testing.assert_allclose(np.asarray(v2), np.asarray(v1), atol=2e-2, rtol=0)

@@ -87,10 +87,7 @@ class PackedLayout:
         """[R] int32 flat packed index of each row's last real token (the last response token;
         the last prompt token of a row without response; 0 for an empty row): where
         `scoring.response_states` reads the value head's state."""
-        ti = self.token_index
-        real = ti >= 0
-        cols = np.where(real.any(1), ti.shape[1] - 1 - np.argmax(real[:, ::-1], axis=1), 0)
-        return np.maximum(ti[np.arange(ti.shape[0]), cols], 0).astype(np.int32)
+        return _last_real(self.token_index)
 
     def visible(self) -> np.ndarray:
         """[P, W, W] bool dense attention rule (query, key): for tests and small inspections
@@ -98,6 +95,13 @@ class PackedLayout:
         col = np.arange(self.width)
         q, k = col[:, None], col[None, :]
         return (k <= q)[None] & (q[None] < self.key_end[:, None, :]) & self.mask[:, None, :]
+
+
+def _last_real(ti: np.ndarray) -> np.ndarray:
+    """[R] int32 entry of each row's last non-negative column of ti [R, T] (0 if none)."""
+    real = ti >= 0
+    cols = np.where(real.any(1), ti.shape[1] - 1 - np.argmax(real[:, ::-1], axis=1), 0)
+    return np.maximum(ti[np.arange(ti.shape[0]), cols], 0).astype(np.int32)
 
 
 @dataclasses.dataclass
@@ -186,8 +190,8 @@ def _units(nodes, size, path: list[int], siblings: list[int], width: int) -> lis
         s = int(size[c])
         if base + s > width:
             if not nodes[c].children or base + nodes[c].end - nodes[c].start > width:
-                raise ValueError(f"a row of at least {nodes[c].end} tokens exceeds the largest packed "
-                                 f"width {width}; raise the packing width")
+                raise ValueError(f"a row of at least {nodes[c].end} tokens exceeds the largest "
+                                 f"packed width {width}; raise the packing width")
             out += _units(nodes, size, path + [c], nodes[c].children, width)
             continue
         for g in groups:
@@ -296,4 +300,83 @@ def pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, *, max_width
                         token_index=token_index.astype(np.int32), prompt_width=tp)
 
 
-__all__ = ["PackedLayout", "pack_rows"]
+@dataclasses.dataclass(frozen=True)
+class PackedMicroBatch:
+    """One micro-batch of the packed update: one packed row and the batch rows it scores.
+
+    Attributes:
+      idx: [m] int32 batch row of each micro-batch row (padding entries: row 0, real False).
+      real: [m] bool.
+      response_width: wr, the response columns the micro-batch keeps (bucketed).
+      tokens, positions, mask, key_end: [1, w] (`PackedLayout` fields of the packed row, its
+        width w bucketed).
+      score_index: [m, wr] int32 column of the state that scores response column j of row i
+        (0 for padding entries and columns).
+      last_index: [m] int32 column of row i's last real token (0 for padding entries).
+    """
+
+    idx: np.ndarray
+    real: np.ndarray
+    response_width: int
+    tokens: np.ndarray
+    positions: np.ndarray
+    mask: np.ndarray
+    key_end: np.ndarray
+    score_index: np.ndarray
+    last_index: np.ndarray
+
+    @property
+    def width(self) -> int:
+        """w, the packed row's columns (what the forward runs over)."""
+        return int(self.tokens.shape[1])
+
+
+def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, idx, real, *,
+                         max_width: int) -> list[PackedMicroBatch]:
+    """The rows idx[real] of a batch as packed micro-batches: `pack_rows` of those rows with
+    packed rows of at most max_width tokens, each packed row one micro-batch holding the rows
+    whose tokens it carries (every row lives in exactly one packed row).
+
+    Args: the batch's prompt_ids / prompt_mask [R, Tp], response_ids / response_mask [R, Tr]
+    (numpy, `pack_rows`' contract); idx [n] int, real [n] bool (a `minibatch_plan` entry, or
+    every row with real = valid); max_width: the token budget of one micro-batch.
+    Returns: [`PackedMicroBatch`] in packed-row order; static shapes are bucketed
+    (`bucket_size`: the row count m two sizes per octave; the width w and response columns wr
+    two per octave, multiples of 8, capped at max_width / Tr), so few programs compile. Real
+    rows without any token (no prompt, no response) are left out: they hold nothing to score.
+    Raises ValueError as `pack_rows` (a row longer than max_width, malformed masks).
+    """
+    idx, real = np.asarray(idx), np.asarray(real, bool)
+    rows = idx[real]
+    pm, rm = np.asarray(prompt_mask, bool), np.asarray(response_mask, bool)
+    lay = pack_rows(np.asarray(prompt_ids)[rows], pm[rows], np.asarray(response_ids)[rows],
+                    rm[rows], max_width=max_width)
+    big_w, tp, tr = lay.width, lay.prompt_width, rm.shape[1]
+    ti = lay.token_index.astype(np.int64)
+    owner = np.where((ti >= 0).any(1), ti.max(1) // big_w, -1)
+    out = []
+    for p in range(lay.tokens.shape[0]):
+        sel = np.flatnonzero(owner == p)
+        if not sel.size:
+            continue
+        fill = int(np.flatnonzero(lay.mask[p])[-1]) + 1
+        w = min(max_width, bucket_size(fill, None, 8))
+        wr = min(tr, bucket_size(max(int(rm[rows[sel]].sum(1).max()), 1), None, 8))
+        m = bucket_size(sel.size, None, 1)
+        local = np.where(ti[sel] >= 0, ti[sel] - p * big_w, -1)
+        score = np.zeros((m, wr), np.int32)
+        score[:sel.size] = np.maximum(local[:, tp - 1:tp - 1 + wr], 0)
+        last = np.zeros(m, np.int32)
+        last[:sel.size] = _last_real(local)
+        mb_idx = np.zeros(m, np.int32)
+        mb_idx[:sel.size] = rows[sel]
+        mb_real = np.arange(m) < sel.size
+        cut = lambda x: x[p:p + 1, :w].copy()  # noqa: E731
+        out.append(PackedMicroBatch(idx=mb_idx, real=mb_real, response_width=int(wr),
+                                    tokens=cut(lay.tokens), positions=cut(lay.positions),
+                                    mask=cut(lay.mask), key_end=cut(lay.key_end),
+                                    score_index=score, last_index=last))
+    return out
+
+
+__all__ = ["PackedLayout", "pack_rows", "PackedMicroBatch", "packed_micro_batches"]
