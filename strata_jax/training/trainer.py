@@ -305,15 +305,16 @@ class Trainer:
         seed = int(jax.device_get(jax.random.randint(key, (), 0, 2 ** 31 - 1)))
         rng = np.random.default_rng(seed)
         base = base if self.lora else None
+        ids = None
+        if cfg.pack_prefixes:   # the token ids on the host once (every process: the same plan)
+            ids = (host_values(batch.prompt_ids), pm, host_values(batch.response_ids), rm)
         out = []
         with self._ctx():
             for _ in range(cfg.ppo_epochs):
                 for idx, real in minibatch_plan(valid, kind, cfg.mini_batch_size, m, rng):
                     real_tokens = int(np.sum(n_tokens[idx[real]]))
                     if cfg.pack_prefixes:
-                        host = [host_values(getattr(batch, f)) for f in
-                                ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
-                        packed = packed_micro_batches(*host, idx, real, max_width=m * (tp + tr))
+                        packed = packed_micro_batches(*ids, idx, real, max_width=m * (tp + tr))
                         state, met = self._packed_step(state, batch, adv, weights, targets,
                                                        idx, real, packed, base, on_policy)
                         computed = sum(p.width for p in packed)
