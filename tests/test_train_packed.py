@@ -69,25 +69,27 @@ def test_packed_scoring_equals_per_row_scoring(params, algo):
                                    err_msg=f)
 
 
-@pytest.mark.parametrize("algo,epochs,lora", [("grpo", 1, False), ("stapo", 2, False),
-                                              ("ppo", 2, True)])
-def test_packed_update_equals_per_row_update(params, algo, epochs, lora):
-    """One iteration's update (scoring, several mini-batches of the same composition, epochs)
-    with the packed path gives the per-row path's params and metrics; it computes fewer
-    tokens; a second update of the same shapes compiles nothing."""
+@pytest.mark.parametrize("algo,epochs,lora,mini", [("grpo", 1, False, 4), ("stapo", 2, False, 4),
+                                                   ("ppo", 2, True, 4), ("grpo", 1, False, 64)])
+def test_packed_update_equals_per_row_update(params, algo, epochs, lora, mini):
+    """One iteration's update (scoring, several mini-batches of the same composition, epochs;
+    mini 64: one exactly on-policy step without the old-logprob pass) with the packed path
+    gives the per-row path's params and metrics; it computes fewer tokens; a second update of
+    the same shapes compiles nothing."""
     from strata_jax.models.lora import LoraConfig
     from tests.sampler_fixtures import compile_counter
     counter = compile_counter()
     batch = make_batch(shared_records(seed=3))
     extra = dict(lora=LoraConfig(rank=4, alpha=8.0)) if lora else {}
-    cfg = train_config(algo, ppo_epochs=epochs, dropout=0.0, mini_batch_size=4,
+    cfg = train_config(algo, ppo_epochs=epochs, dropout=0.0, mini_batch_size=mini,
                        micro_batch_size=4, **extra)
     packed = Trainer(TINY, dataclasses.replace(cfg, pack_prefixes=True))
     rows = Trainer(TINY, cfg)
     state = _moved(rows, params, jax.random.PRNGKey(4))
     a, ma = packed.update(jax.tree.map(jnp.copy, state), batch, params)
     b, mb = rows.update(jax.tree.map(jnp.copy, state), batch, params)
-    assert ma["optimizer_steps"] == mb["optimizer_steps"] == 3 * epochs
+    assert ma["optimizer_steps"] == mb["optimizer_steps"] == (3 if mini == 4 else 1) * epochs
+    assert packed.on_policy(batch) == (mini == 64)
     # AdamW's first step is ~lr * sign(g) per weight: the tolerance of test_train's grouped
     # vs scan comparison (1% of a 1e-3 step), the gradients compared through grad_norm below.
     # k_bias is the exception: its exact gradient is 0 (softmax is invariant to the per-query
