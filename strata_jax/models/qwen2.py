@@ -331,7 +331,7 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array | Tr
         for i in range(0, t, query_chunk):
             e = min(t, i + query_chunk)
             s = keys(e)
-            part = allowed if isinstance(allowed, TreeMask) else allowed[:, i:e]
+            part = allowed if isinstance(allowed, TreeMask) else allowed[:, i:e, :s]
             outs.append(block(q[:, :, :, i:e], k[:, :s], v[:, :s], part,
                               i if isinstance(allowed, TreeMask) else 0))
         out = jnp.concatenate(outs, axis=3)
@@ -399,8 +399,7 @@ def _remat_layer(x: jax.Array, layer: Params, cos: jax.Array, sin: jax.Array,
 
     Args: x [B, T, D] layer input; layer: one layer's params (arrays or `LoraWeight`s); cos,
     sin [B, T, Dh] f32 RoPE tables; allowed [B, T, T] bool or a `TreeMask`; static config,
-    query_chunk, remat
-    ("full" | "dots", `REMAT_POLICIES`). Returns [B, T, D] in x's dtype. Differentiable in x and
+    query_chunk, remat ("full" | "dots", `REMAT_POLICIES`). Returns [B, T, D] in x's dtype. Differentiable in x and
     layer (the RoPE tables and the mask get no cotangent).
 
     ``jax.checkpoint`` alone is not enough on XLA's CPU backend: a recomputation reads only the
