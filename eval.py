@@ -13,7 +13,7 @@ variant: 16), at most ``eval.max_tasks`` in all. An eval list file holds one ``t
 pair per line (or JSON pairs; see envs_bridge/scienceworld_env.py:load_eval_list), e.g.
 AgentGym's 200 ScienceWorld test items; it is played as listed.
 
-Test-time strategy scaling (docs/method.md §10.1, strata_jax/test_time.py):
+Test-time strategy scaling (docs/method.md §10.1, strata_jax/evaluation/scaling.py):
 
     python eval.py --config=configs/sciworld.py:tiny --strategy_samples=4 --strategy_choice=judge
     python eval.py --config=configs/sciworld.py:tiny,stapo --strategy_samples=4 --strategy_choice=critic --probe_steps=3
@@ -28,20 +28,15 @@ Prints one line per family, the overall success rate and score, the rollout's in
 env-rejected and strategy-format-failure fractions, and where it wrote: the metrics to
 ``<workdir>/eval_<split>_step<k>.json`` and every episode to
 ``<workdir>/eval_<split>_step<k>_trajectories.jsonl`` (read it with
-``python -m strata_jax.trajectories <that file>``). The work is `strata_jax.eval_run.run_eval`
+``python -m strata_jax.trajectories <that file>``). The work is `strata_jax.evaluation.run.run_eval`
 (also what the notebook calls).
 """
 from __future__ import annotations
 
-import os
-import sys
+from absl import app, flags
+from ml_collections import config_flags
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from strata_jax.cli import guarded, parse_flags  # noqa: E402
+from strata_jax.cli import guarded, parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=False)
@@ -64,7 +59,7 @@ flags.mark_flags_as_required(["config"])
 @guarded
 def main(argv):
     del argv
-    from strata_jax.eval_run import run_eval
+    from strata_jax.evaluation.run import run_eval
     from strata_jax.evaluation import format_metrics
     from strata_jax.metrics import quiet_logs
     quiet_logs()

@@ -20,15 +20,10 @@ Data and loss: strata_jax/training/sft/; the cache rules: strata_jax/warm_start.
 """
 from __future__ import annotations
 
-import os
-import sys
+from absl import app, flags
+from ml_collections import config_flags
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from strata_jax.cli import guarded, parse_flags  # noqa: E402
+from strata_jax.cli import guarded, parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/builtin.py:tiny", lock_config=False)

@@ -7,21 +7,19 @@
 Every run lives in ``config.workdir``: ``ckpt/`` (orbax), ``metrics.jsonl`` + ``tb/``
 (tensorboardX), ``trajectories.jsonl``. Re-running the same command resumes from the newest
 restorable checkpoint (raise ``--config.iterations`` to continue a finished run); SIGTERM
-(preemption) and Ctrl-C save and exit cleanly after the iteration in flight.
+(preemption), SIGHUP (a closed terminal or ssh session) and Ctrl-C save and exit after the
+iteration in flight, with status 75 (a finished run exits 0; the table: docs/reliability.md).
 """
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from absl import app, flags
+from ml_collections import config_flags
 
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from strata_jax.cli import guarded, parse_flags  # noqa: E402
+from strata_jax.cli import EXIT_FINISHED, EXIT_PREEMPTED, guarded, parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/sciworld.py:tiny", lock_config=False)
@@ -97,7 +95,10 @@ def _train(c, workdir, compiles, mesh) -> dict:
     ref_params = init_params if c.loss.kl_coef or trainer.lora else None
 
     # --- resume: the newest restorable checkpoint, or a fresh state -------------------------
-    ckpt = Checkpointer(os.path.join(workdir, "ckpt"), keep=c.ckpt.keep, every=c.ckpt.every)
+    # This process holds the workdir lock: it is the one writer, so the tmp folders of saves cut
+    # short (a kill, a full disk) are its own leftovers and go now.
+    ckpt = Checkpointer(os.path.join(workdir, "ckpt"), keep=c.ckpt.keep, every=c.ckpt.every,
+                        clean_tmp=True)
     restored = ckpt.restore(trainer.abstract_state(init_params))
     if restored is None:
         state = trainer.init_state(init_params, ex.seed_key(c, 0))
@@ -105,7 +106,10 @@ def _train(c, workdir, compiles, mesh) -> dict:
     else:
         state, meta = restored
         if meta.get("sampler_state"):
-            task_sampler.set_state(meta["sampler_state"])
+            try:
+                task_sampler.set_state(meta["sampler_state"])
+            except ValueError as e:   # another task list: continuing would draw other tasks
+                raise ex.ConfigError(f"cannot resume {workdir}: {e}") from None
         log.info("resumed from step %d in %s", meta["step"], workdir)
     start = int(jax.device_get(state.step))
 
@@ -255,10 +259,11 @@ def _log_iteration(c, writer, progress, step, m, result) -> None:
 
 
 def _stop_flag():
-    """The run's stop flag (`PreemptionFlag` on SIGTERM and SIGINT): SIGTERM and the first
-    Ctrl-C ask for a clean stop (the iteration in flight finishes, a checkpoint is saved, the run
-    exits 0; one log line says so). A second Ctrl-C stops at once (KeyboardInterrupt: the
-    training loop's exception path, then one line from `strata_jax.cli.guarded`)."""
+    """The run's stop flag (`PreemptionFlag` on SIGTERM, SIGHUP and SIGINT): SIGTERM, SIGHUP
+    (a closed terminal or ssh session) and the first Ctrl-C ask for a clean stop (the
+    iteration in flight finishes, a checkpoint is saved, the run exits 75; one log line says
+    so). A second Ctrl-C stops at once (KeyboardInterrupt: the training loop's exception path,
+    then one line from `strata_jax.cli.guarded` and status 130)."""
     import signal
 
     from strata_jax.training import PreemptionFlag
@@ -273,7 +278,7 @@ def _stop_flag():
                         "again stops at once)")
             self._event.set()
 
-    return StopFlag((signal.SIGTERM, signal.SIGINT))
+    return StopFlag((signal.SIGTERM, signal.SIGHUP, signal.SIGINT))
 
 
 @guarded
@@ -282,8 +287,12 @@ def main(argv):
     from strata_jax.metrics import quiet_logs
     quiet_logs()
     summary = run(_CONFIG.value)
+    if summary["status"] == "preempted":
+        print(f"preempted: step {summary['step']} saved, outputs in {summary['workdir']}; the "
+              "same command continues the run")
+        return EXIT_PREEMPTED
     print(f"{summary['status']}: step {summary['step']}, outputs in {summary['workdir']}")
-    return 0 if summary["status"] in ("done", "preempted") else 1
+    return EXIT_FINISHED
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ read). Prints numbers, asserts nothing; the page cache makes the hashing passes 
 when the files were just written (a restore after a reboot also pays the disk read, which orbax
 pays anyway).
 
-Usage: python benchmarks/checkpoint_integrity.py [--preset qwen2.5-0.5b] [--dir /tmp/ckpt_bench]
+Usage: python -m benchmarks.checkpoint_integrity [--preset qwen2.5-0.5b] [--dir /tmp/ckpt_bench]
        [--no-opt]   (params only, 1/3 of the bytes)
 """
 from __future__ import annotations
@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,7 +1,7 @@
 """What the CPU's matmul units give XLA and torch, fp32 and bf16, side by side in one run.
 
-    python benchmarks/cpu_matmul.py                     # the 0.5B's MLP up-projection shape
-    python benchmarks/cpu_matmul.py --m 4096 --k 896 --n 4864 --repeats 5
+    python -m benchmarks.cpu_matmul                     # the 0.5B's MLP up-projection shape
+    python -m benchmarks.cpu_matmul --m 4096 --k 896 --n 4864 --repeats 5
 
 The update's cost on CPU is its matmuls. On a CPU with AMX / AVX512-BF16 units, torch (oneDNN)
 runs bf16 matmuls several times faster than fp32, while XLA's CPU backend may not use those

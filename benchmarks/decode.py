@@ -19,11 +19,11 @@ Also measured in the same run:
   matmuls (every layer's q, k, v, o, gate, up, down on [B, D] with the real weights, then the
   output layer), i.e. the step time with attention, norms, sampling and loop overhead free.
 
-    python benchmarks/decode.py                       # CPU, jax + transformers, batch 1 8 32
-    python benchmarks/decode.py --batch 8 --frameworks jax
-    python benchmarks/decode.py --preset qwen2.5-1.5b --batch 64 --dtype bfloat16   # GPU
-    python benchmarks/decode.py --batch 8 --frameworks jax --stop-text   # + stop-string check
-    python benchmarks/decode.py --batch 8 32 --frameworks jax \
+    python -m benchmarks.decode                       # CPU, jax + transformers, batch 1 8 32
+    python -m benchmarks.decode --batch 8 --frameworks jax
+    python -m benchmarks.decode --preset qwen2.5-1.5b --batch 64 --dtype bfloat16   # GPU
+    python -m benchmarks.decode --batch 8 --frameworks jax --stop-text   # + stop-string check
+    python -m benchmarks.decode --batch 8 32 --frameworks jax \
         --sampler-layout fuse_qkv,fuse_gate_up          # stored vs prepared sampler copy
 
 ``--sampler-layout SPEC`` also times the sampler's inference copy made by
@@ -56,8 +56,6 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 
 def _rss_mib() -> float:
@@ -290,7 +288,7 @@ def jax_worker(args) -> dict:
 # --------------------------------------------------------------------------- parent
 
 def _spawn(kind: str, args, batch: int, ckpt: str | None) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--batch", str(batch),
+    cmd = [sys.executable, "-m", "benchmarks.decode", "--worker", kind, "--batch", str(batch),
            "--preset", args.preset, "--dtype", args.dtype, "--prompt-len", str(args.prompt_len),
            "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
     if ckpt:
@@ -301,7 +299,7 @@ def _spawn(kind: str, args, batch: int, ckpt: str | None) -> dict:
         cmd += ["--stop-text"]
     if args.sampler_layout and kind == "jax":
         cmd += ["--sampler-layout", args.sampler_layout]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -442,9 +440,8 @@ def main() -> None:
             ckpt = os.path.join(tmp, "ckpt")
             t = time.perf_counter()
             subprocess.run([sys.executable, "-c",
-                            f"import sys; sys.path.insert(0, {REPO!r}); "
                             f"from benchmarks.decode import write_checkpoint; "
-                            f"write_checkpoint({args.preset!r}, {ckpt!r})"], check=True)
+                            f"write_checkpoint({args.preset!r}, {ckpt!r})"], check=True, cwd=REPO)
             print(f"random {args.preset} checkpoint written in {time.perf_counter() - t:.0f} s")
         rates = _spawn("rates", args, args.batch[0], None) if "jax" in frameworks else {}
         for batch in args.batch:

@@ -1,19 +1,16 @@
 """ScienceWorld stepping throughput: one instance, and EnvPool with 1, 2, 4 workers (thread
 and process backends), with and without the valid-action list. Prints numbers, asserts nothing.
 
-Usage: python benchmarks/envs.py [--steps 20] [--backends thread,process]  (~2 min per backend on 2 cores)
+Usage: python -m benchmarks.envs [--steps 20] [--backends thread,process]  (~2 min per backend on 2 cores)
 Each episode replays a fixed short action loop on find-living-thing (variation 3) with a
 large step limit; env start-up is excluded (warm_up before timing).
 """
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 from envs_bridge import EnvPool, Task
 from envs_bridge.scienceworld_env import ScienceWorldEnv

@@ -1,8 +1,8 @@
 """Forward (prefill) throughput and peak RSS: strata_jax vs transformers on the same weights.
 
 Usage:
-    python benchmarks/forward.py                       # Qwen2.5-0.5B shape, fp32, batch 8 x 512
-    python benchmarks/forward.py --preset tiny --batch 2 --length 64 --repeats 2   # quick check
+    python -m benchmarks.forward                       # Qwen2.5-0.5B shape, fp32, batch 8 x 512
+    python -m benchmarks.forward --preset tiny --batch 2 --length 64 --repeats 2   # quick check
 
 Random weights (transformers' initialiser, fixed seed) are saved once as an HF checkpoint in a
 temporary dir; then each framework runs in its own subprocess so that its peak RSS (ru_maxrss,
@@ -43,7 +43,6 @@ def _run_jax(path: str, batch: int, length: int, repeats: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    sys.path.insert(0, ROOT)
     from strata_jax.models import forward, load_checkpoint, logits_from_hidden
 
     config, params = load_checkpoint(path, dtype=jnp.float32)
@@ -102,10 +101,10 @@ def _child(args: argparse.Namespace) -> None:
 
 
 def _spawn(kind: str, ckpt: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--checkpoint", ckpt,
+    cmd = [sys.executable, "-m", "benchmarks.forward", "--child", kind, "--checkpoint", ckpt,
            "--batch", str(args.batch), "--length", str(args.length),
            "--repeats", str(args.repeats)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
     lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
     if out.returncode or not lines:
         raise RuntimeError(f"{kind} run failed:\n{out.stderr[-3000:]}")
@@ -128,9 +127,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c",
-                        f"import sys; sys.path.insert(0, {ROOT!r}); "
                         f"from benchmarks.decode import write_checkpoint; "
-                        f"write_checkpoint({args.preset!r}, {tmp!r})"], check=True)
+                        f"write_checkpoint({args.preset!r}, {tmp!r})"], check=True, cwd=ROOT)
         print(f"random {args.preset} checkpoint written in {time.perf_counter() - t0:.1f}s "
               f"(fp32, batch {args.batch} x length {args.length} = {tokens} tokens per forward)")
         results = [_spawn("jax", tmp, args), _spawn("torch", tmp, args)]

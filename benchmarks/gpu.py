@@ -1,8 +1,8 @@
 """Accelerator benchmark in one call: decode throughput vs the HBM roofline, and the update step.
 
-    python benchmarks/gpu.py                                  # qwen2.5-0.5b shape, bf16, random
-    python benchmarks/gpu.py --preset qwen2.5-1.5b --batch 8 32 128 --update-rows 64
-    python benchmarks/gpu.py --model /path/to/hf_dir          # real weights (config.json + safetensors)
+    python -m benchmarks.gpu                                  # qwen2.5-0.5b shape, bf16, random
+    python -m benchmarks.gpu --preset qwen2.5-1.5b --batch 8 32 128 --update-rows 64
+    python -m benchmarks.gpu --model /path/to/hf_dir          # real weights (config.json + safetensors)
 
 Imports jax, flax (through strata_jax), numpy only (transformers is not needed; nothing reads
 ml-collections or tensorboardX), so it runs on a bare accelerator image. Budget: a few minutes
@@ -23,12 +23,9 @@ Prints, all measured in the same run on the default device:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -20,10 +20,10 @@ Parts (each runs in its own subprocess so peak RSS is per part; results are cach
               --algos strata grpo): rollout wall time, sampler seconds, env wait, sampled
               tokens, update seconds and compilations read from the run's metrics.jsonl.
 
-    python benchmarks/iteration.py --model /path/qwen05-hf                 # all parts
-    python benchmarks/iteration.py --model /path/qwen05-hf --part update --modes lora
-    python benchmarks/iteration.py --model /path/qwen05-hf --part iteration --algos grpo
-    python benchmarks/iteration.py --model /path/qwen05-hf --part grouping --modes lora \
+    python -m benchmarks.iteration --model /path/qwen05-hf                 # all parts
+    python -m benchmarks.iteration --model /path/qwen05-hf --part update --modes lora
+    python -m benchmarks.iteration --model /path/qwen05-hf --part iteration --algos grpo
+    python -m benchmarks.iteration --model /path/qwen05-hf --part grouping --modes lora \
         --lengths-from runs/bench_iteration/run_strata_lora/trajectories.jsonl
 
 --model is an HF checkpoint directory (or, where the checkout's loader reads GGUF, a .gguf
@@ -41,8 +41,6 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 
 def _rss_gb() -> float:
@@ -336,7 +334,7 @@ def iteration_worker(args) -> dict:
 # --------------------------------------------------------------------------- parent
 
 def _spawn(worker: str, args, **kw) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--model", args.model,
+    cmd = [sys.executable, "-m", "benchmarks.iteration", "--worker", worker, "--model", args.model,
            "--out", args.out, "--rows", str(args.rows), "--prompt", str(args.prompt),
            "--response", str(args.response), "--rank", str(args.rank), "--dtype", args.dtype,
            "--remat", args.remat, "--micro", str(args.micro), "--repeats", str(args.repeats),
@@ -347,7 +345,7 @@ def _spawn(worker: str, args, **kw) -> dict:
         cmd += ["--scan-layers"]
     for k, v in kw.items():
         cmd += [f"--{k}", str(v)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])

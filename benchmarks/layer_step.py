@@ -1,7 +1,7 @@
 """Where the update's time goes: decoder-layer forward + backward, strata-jax vs transformers/torch.
 
-    python benchmarks/layer_step.py                  # 0.5B layer shape, 2 layers, 4 x 832, fp32
-    python benchmarks/layer_step.py --layers 4 --rows 8 --seq 512
+    python -m benchmarks.layer_step                  # 0.5B layer shape, 2 layers, 4 x 832, fp32
+    python -m benchmarks.layer_step --layers 4 --rows 8 --seq 512
 
 The update benchmark (iteration.py) compares whole LoRA updates; this one isolates the decoder
 layers, the part of the update that is neither the LM head nor the optimizer. Both frameworks
@@ -28,12 +28,10 @@ import argparse
 import dataclasses
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 
 def _median_time(fn, repeats: int) -> tuple[float, float, float]:

@@ -1,7 +1,7 @@
 """Which weight layout XLA runs fastest for each decode-step projection (CPU or accelerator).
 
-    python benchmarks/layouts.py                        # 0.5B shape, fp32, batch 8 and 32
-    python benchmarks/layouts.py --preset qwen2.5-1.5b --batch 1 8 32 --dtype bfloat16
+    python -m benchmarks.layouts                        # 0.5B shape, fp32, batch 8 and 32
+    python -m benchmarks.layouts --preset qwen2.5-1.5b --batch 1 8 32 --dtype bfloat16
 
 For every projection of one decoder layer (q, k, v, o, gate, up, down) and the output layer, at
 each batch size, times one jitted ``x @ W`` in the candidate layouts with the same numbers:
@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

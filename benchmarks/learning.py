@@ -1,7 +1,7 @@
 """Does it learn? StraTA vs GRPO from the same behaviour-cloning warm start, on CPU.
 
-    python benchmarks/learning.py                      # full: (a) 3 seeds x 8 it, (b) 1 seed x 5 it
-    python benchmarks/learning.py --iterations 3 --seeds 1 --sw-iterations 2   # short check
+    python -m benchmarks.learning                      # full: (a) 3 seeds x 8 it, (b) 1 seed x 5 it
+    python -m benchmarks.learning --iterations 3 --seeds 1 --sw-iterations 2   # short check
 
 (a) memory_key (configs/builtin.py:tiny; the 1-digit vault code is shown ONLY in the first
     observation, so a policy without memory succeeds by guessing 1 time in 10),
@@ -29,7 +29,6 @@ import shutil
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # ScienceWorld families with the shortest gold paths (docs/method.md §11.1): 5-7 steps.
 SW_TASKS = ("find-non-living-thing", "lifespan-longest-lived", "lifespan-shortest-lived")

@@ -1,9 +1,9 @@
 """Does it learn with real weights? StraTA vs GRPO from the pretrained Qwen2.5-Coder-0.5B-Instruct.
 
-    python benchmarks/learning_real.py                       # CPU preset, in the background:
-    nohup python benchmarks/learning_real.py > runs/learning_real.log 2>&1 &
-    python benchmarks/learning_real.py --preset accelerator  # paper N=4, M=8 on one GPU / TPU
-    python benchmarks/learning_real.py --replot              # tables + plot from the saved runs
+    python -m benchmarks.learning_real                       # CPU preset, in the background:
+    nohup python -m benchmarks.learning_real > runs/learning_real.log 2>&1 &
+    python -m benchmarks.learning_real --preset accelerator  # paper N=4, M=8 on one GPU / TPU
+    python -m benchmarks.learning_real --replot              # tables + plot from the saved runs
 
 Every run is one ``train.py`` invocation on its own run folder (``--out/<env>/<algo>_s<seed>``)
 with checkpoints after every iteration, so a stopped benchmark continues where each run was when
@@ -40,7 +40,6 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 SW_TASKS = ("find-non-living-thing", "lifespan-longest-lived", "lifespan-shortest-lived")
 

@@ -1,8 +1,8 @@
 """Fetch and load cost of a real checkpoint: GGUF (or HF dir) -> fp32 params on the host.
 
-    python benchmarks/load.py                                   # fetch + load the 0.5B GGUF
-    python benchmarks/load.py --model qwen2.5-coder-1.5b-instruct
-    python benchmarks/load.py --model /path/to/model.gguf --dtype bfloat16
+    python -m benchmarks.load                                   # fetch + load the 0.5B GGUF
+    python -m benchmarks.load --model qwen2.5-coder-1.5b-instruct
+    python -m benchmarks.load --model /path/to/model.gguf --dtype bfloat16
 
 Prints, for one process: the fetch time (0 when cached), metadata / tokenizer parse time, the
 time to read + dequantize + place every tensor, the params' bytes, and the peak RSS of the
@@ -14,12 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 
 def _rss_mib() -> float:

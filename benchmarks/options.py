@@ -1,17 +1,17 @@
 """The rollout options beyond the paper, measured on real weights: strategy revision, test-time
 strategy scaling, a separate judge model, each against the paper's one-strategy eval.
 
-    python benchmarks/options.py                            # the fetched 0.5B, every cell
-    python benchmarks/options.py --cells paper revise_every3 tts2_judge
-    python benchmarks/options.py --episodes 2 --max-steps 15
-    python benchmarks/options.py --table                    # the table from the cache
+    python -m benchmarks.options                            # the fetched 0.5B, every cell
+    python -m benchmarks.options --cells paper revise_every3 tts2_judge
+    python -m benchmarks.options --episodes 2 --max-steps 15
+    python -m benchmarks.options --table                    # the table from the cache
 
 Every cell is one ``eval.py --no_checkpoint`` run of the same model on the same tasks (the
 ScienceWorld dev split restricted to the families whose gold path has at most 11 steps, as in
 zero_shot.py; ``--env memory_key`` for the 3-digit vault code) with StraTA prompting, the
 eval protocol (one strategy per task, temperature ``eval.temperature`` = 0.4) and the
 action-format examples in the prompt (without them the 0.5B model fails the strategy format on
-every ScienceWorld task: README "Does it learn?"). Only the option differs:
+every ScienceWorld task: docs/results.md). Only the option differs:
 
     paper              the paper's eval: one strategy, fixed for the episode
     revise_every3      rollout.revise_every=3: a revised strategy at steps 3, 6, 9
@@ -40,7 +40,6 @@ import re
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from benchmarks._cells import cached_cell, run_cells, write_summary  # noqa: E402
 from benchmarks.test_time import family_rows  # noqa: E402

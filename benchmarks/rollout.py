@@ -3,20 +3,17 @@
 Prints, per cohort count: rollout wall seconds, policy (sampler) seconds, seconds blocked on
 envs, env_wait_frac, and policy calls. Never asserts timings.
 
-  python benchmarks/rollout.py                         # scripted policy (decode_s per call) on a
+  python -m benchmarks.rollout                         # scripted policy (decode_s per call) on a
                                                        # grid env whose steps take env_s each
-  python benchmarks/rollout.py --sciworld              # real sampler (tiny forced-output model)
+  python -m benchmarks.rollout --sciworld              # real sampler (tiny forced-output model)
                                                        # on real ScienceWorld (JVMs)
 Options: --episodes 8 --decode_s 0.05 --env_s 0.05 --max_steps 6 --slots 8
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
@@ -63,7 +60,6 @@ def main() -> None:
         from strata_jax.models import Qwen2Config
         from strata_jax.rollout import SamplerPolicy
         from strata_jax.sampling import Sampler
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
         from tests.rollout_fixtures import FORCED_CONFIG, FORCED_TEXT, forced_output_params
         cfg = Qwen2Config(**FORCED_CONFIG)
         policy = SamplerPolicy(Sampler(cfg, max_cache_len=4096),

@@ -1,11 +1,11 @@
 """Test-time strategy scaling: success vs S and its token cost, per task family.
 
-    python benchmarks/test_time.py --config=configs/sciworld.py:tiny,real --no-checkpoint \\
+    python -m benchmarks.test_time --config=configs/sciworld.py:tiny,real --no-checkpoint \\
         --set env.tasks=find-animal+find-plant env.max_steps=15 --episodes 4
-    python benchmarks/test_time.py --config=configs/sciworld.py:tiny,stapo --choices critic judge
-    python benchmarks/test_time.py --config=configs/builtin.py:tiny --no-checkpoint \\
+    python -m benchmarks.test_time --config=configs/sciworld.py:tiny,stapo --choices critic judge
+    python -m benchmarks.test_time --config=configs/builtin.py:tiny --no-checkpoint \\
         --set model.warm_start= --episodes 1 --samples 1 2          # a CPU smoke run
-    python benchmarks/test_time.py --config=... --table            # the table from the cache
+    python -m benchmarks.test_time --config=... --table            # the table from the cache
 
 Cells: (S, chooser, probe length) for S in ``--samples`` (default 1 2 4 8), every chooser of
 ``--choices`` (S = 1 is the one-strategy eval protocol whatever the chooser: one cell) and every
@@ -28,7 +28,6 @@ import re
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from benchmarks._cells import cached_cell, run_cells, write_summary  # noqa: E402
 

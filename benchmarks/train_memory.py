@@ -1,9 +1,9 @@
 """XLA's own memory analysis of one training step (no weights allocated, nothing run).
 
 Usage:
-    python benchmarks/train_memory.py                       # 0.5B shape, 16 x (768 + 64), LoRA + full
-    python benchmarks/train_memory.py --model /path/to/hf_dir --rows 16 --prompt 768 --response 64
-    python benchmarks/train_memory.py --modes lora --remat none full dots
+    python -m benchmarks.train_memory                       # 0.5B shape, 16 x (768 + 64), LoRA + full
+    python -m benchmarks.train_memory --model /path/to/hf_dir --rows 16 --prompt 768 --response 64
+    python -m benchmarks.train_memory --modes lora --remat none full dots
 
 Lowers and compiles the trainer's `minibatch_step` (one optimizer step: forward + backward
 over the mini-batch's micro-batches, then AdamW) on abstract shapes
@@ -17,11 +17,8 @@ the compiler's, so they do not depend on the machine's load; compile time is pri
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,9 +1,9 @@
 """Throughput of one trainer update (scoring passes + advantages + mini-batched PPO steps).
 
 Usage:
-    python benchmarks/train_step.py                         # small shape: D 256, 4 layers, V 8192
-    python benchmarks/train_step.py --preset tiny --rows 16 --prompt 32 --response 32
-    python benchmarks/train_step.py --algo ppo --remat dots --dtype bfloat16
+    python -m benchmarks.train_step                         # small shape: D 256, 4 layers, V 8192
+    python -m benchmarks.train_step --preset tiny --rows 16 --prompt 32 --response 32
+    python -m benchmarks.train_step --algo ppo --remat dots --dtype bfloat16
 
 Random weights; a GRPO-style batch of `rows` one-step samples (prompt + response tokens, all
 real). The first update is a warm-up (jax compiles there); the median of the timed repeats is
@@ -15,12 +15,9 @@ never asserted; on a shared machine they are noisy.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,9 +1,9 @@
 """Zero-shot table: a real Qwen2.5 checkpoint on ScienceWorld's short families and memory_key.
 
-    python benchmarks/zero_shot.py                              # fetched 0.5B, flat and StraTA
-    python benchmarks/zero_shot.py --models qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
-    python benchmarks/zero_shot.py --episodes 4 --max-steps 15 --set rollout.max_action_tokens=128
-    python benchmarks/zero_shot.py --table                      # print the table from the cache
+    python -m benchmarks.zero_shot                              # fetched 0.5B, flat and StraTA
+    python -m benchmarks.zero_shot --models qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
+    python -m benchmarks.zero_shot --episodes 4 --max-steps 15 --set rollout.max_action_tokens=128
+    python -m benchmarks.zero_shot --table                      # print the table from the cache
 
 Cells: (model, env, prompting). env is ScienceWorld's dev split restricted to the families whose
 gold path has at most 11 steps (docs/method.md §11.1), or memory_key with the 3-digit vault code
@@ -25,7 +25,6 @@ import resource
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from benchmarks._cells import cached_cell, run_cells, write_summary  # noqa: E402
 

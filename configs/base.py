@@ -10,6 +10,7 @@ read every field from here by name and refuse unknown keys; their own defaults e
 (tests/test_config_schema.py), and `strata_jax.experiment.ASSEMBLY_KEYS` lists the rest
 (docs/design.md §3).
 """
+import difflib
 import re
 
 import ml_collections
@@ -46,6 +47,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sft.judge = True             # judge examples (bad steps = the noisy ones)
     c.sft.think = "I follow the plan."
     c.sft.max_plan_items = 12
+    c.sft.plan_code = "keep"       # keep | mask: memory_key plans name `enter the vault code`, not the code
+    c.sft.train_strategies = True  # False: clone actions only; the model keeps its own strategies
     c.sft.max_gold_steps = 30
     c.sft.steps = 300
     c.sft.batch_size = 16
@@ -93,7 +96,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rollout.max_strategy_tokens = 512
     c.rollout.max_judge_tokens = 256
     c.rollout.cumulative_prompts = False  # STAPO turns this on (docs/method.md §7.1)
-    c.rollout.cohorts = 2          # env stepping of one cohort overlaps decoding of the other
+    c.rollout.cohorts = 0          # 0 = auto: 1 for instant (pure-Python) envs, else 2, where env
+                                   # stepping of one cohort overlaps decoding of the other
     c.rollout.dapo_max_tries = 10   # refill rounds of an algorithm with refill (DAPO)
     c.rollout.invalid_tail_chars = 30  # chars of a format-invalid output shown in the history
     # SampleBatch padding: rows / prompt / response widths round up to the smallest listed
@@ -219,7 +223,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     # (0 = no cap); with env.eval_list the list is played as given (see evaluation.eval_tasks)
     c.eval = ml_collections.ConfigDict(dict(every=10, split="test", temperature=0.4, max_tasks=200,
                                             episodes_per_family=10))
-    # Test-time strategy scaling, eval.py only (docs/method.md §10.1; strata_jax/test_time.py):
+    # Test-time strategy scaling, eval.py only (docs/method.md §10.1; strata_jax/evaluation/scaling.py):
     # S candidates per task (1 = the protocol above), chosen by judge | critic | first_action
     # after probes of probe_steps steps (0 = full episodes).
     c.eval.strategy_samples = 1
@@ -284,8 +288,11 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
             key, value = token.split("=", 1)
             _set_dotted(c, key, value)
         else:
+            names = ["tiny", "real", *ALGORITHMS, *ABLATIONS, "mean", "matched"]
+            close = difflib.get_close_matches(token, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(
-                f"unknown config variant {token!r}; use tiny, real, an algo "
+                f"unknown config variant {token!r}{hint}; use tiny, real, an algo "
                 f"{tuple(ALGORITHMS)}, an ablation {tuple(ABLATIONS)}, 'mean', 'matched' or "
                 "key=value")
     if suffix and not explicit_workdir:

@@ -1,7 +1,7 @@
 """StraTA on a built-in text env (default `memory_key`, whose vault code is shown ONLY in the first
 observation; envs_bridge/builtin.py). The CPU learning benchmark's setting (benchmarks/learning.py).
 
-Command (CPU; behaviour cloning: 1500 steps at ~1.1 s each on 2 cores, once, then cached):
+Command (CPU; behaviour cloning: 1500 steps, once, then cached):
     python sft.py   --config=configs/builtin.py:tiny           # warm start only (cached)
     python train.py --config=configs/builtin.py:tiny           # StraTA from the warm start
     python train.py --config=configs/builtin.py:tiny,grpo,matched   # GRPO, same episode budget
@@ -9,7 +9,7 @@ Command (CPU; behaviour cloning: 1500 steps at ~1.1 s each on 2 cores, once, the
 Expected: under non-cumulative prompts (history window 2) the code scrolls out of the prompt
 before the vault, so a policy without a strategy can only guess it (1 in 10 with the tiny
 variant's 1-digit code, 1 in 1000 with 3); StraTA's strategy, written at step 1, can carry it.
-Measured numbers: README "Does it learn?" (benchmarks/learning.py).
+Measured numbers: docs/results.md (benchmarks/learning.py).
 
 Variants (comma-separated, configs/base.py:apply_variant): :tiny, an algo (:grpo, ...),
 :matched, ablations, key=value (e.g. ``env.name=grid_nav``).
@@ -46,8 +46,8 @@ def tiny(c):
     c.loss.kl_coef = 0.0           # no KL term, so no reference-policy scoring pass (DAPO-style)
     c.ckpt.every = 5
     c.eval.every = 0
-    # Measured (2 cores): 400 steps x 256 episodes leaves the code digit at chance in every
-    # row; 1500 steps x 512 episodes (~30 min, once, cached) starts copying it into the strategy.
+    # A shorter warm start (400 steps x 256 episodes) leaves the code digit at chance in every
+    # row; 1500 steps x 512 episodes (once, cached) starts copying it into the strategy.
     c.sft.episodes = 512
     c.sft.steps = 1500
     c.sft.log_every = 100
@@ -59,6 +59,8 @@ def get_config(arg: str | None = None):
     c = base.get_base_config()
     c.env.name = "memory_key"
     c.env.code_digits = 3          # memory_key only (other built-ins ignore it)
+    c.env.code_attempts = 0        # memory_key: tries before the keypad locks (0 = unlimited;
+                                   # 1 caps a policy without the code at chance, envs_bridge/builtin.py)
     c.env.max_steps = 10
     c.env.max_prompt_tokens = 1024
     c.adv.gigpo_step_norm = "mean_std_norm"

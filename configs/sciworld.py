@@ -3,16 +3,15 @@
 Command (paper setting, Qwen2.5-1.5B-Instruct, 8 GPUs or a TPU v4-32 slice; ~150 iterations):
     python train.py --config=configs/sciworld.py --config.model.path=/ckpt/Qwen2.5-1.5B-Instruct
 Expected: ScienceWorld mean final score rises over training (the source reports 63.5 for
-Qwen2.5-7B; swap the model path for the 7B setting, see README's run guide).
+Qwen2.5-7B; swap the model path for the 7B setting, see docs/running.md).
 
 Variants (comma-separated, see configs/base.py:apply_variant):
     :tiny        CPU smoke run, no downloads: a tiny Qwen2-shape model with the offline Qwen
                  tokenizer, behaviour-cloned on the gold paths of 2 ScienceWorld train tasks
                  (250 SFT steps, cached in runs/warm_start/<fingerprint>), then sigma=2, N=2, M=2, 4 env steps,
-                 32 new tokens, 3 iterations (measured on a quiet 2-core box: SFT 4.5 min once,
-                 then ~65 s for the 3 iterations; at iteration 1 with seed 0: 21.9% format-
-                 invalid steps, 41% rejected by ScienceWorld, 50% strategy format failures;
-                 README "Quick start" has the ranges over seeds).
+                 32 new tokens, 3 iterations; minutes on a laptop-class CPU (the warm start
+                 once, then the iterations). Its figures: docs/results.md, "The tiny
+                 main job".
     :grpo / :gigpo / :rloo / :ppo / :dapo / :stapo    baselines (group_size 8 episodes / task)
     :matched     baselines with the StraTA episode budget (group_size = N*M = 32)
     :vanilla / :diverse / :judgment / :full    StraTA ablations;  :mean   top-delta -> mean
@@ -25,7 +24,7 @@ TINY_TASKS = ("find-non-living-thing", "lifespan-longest-lived")
 
 
 def tiny(c):
-    """The README's main job: real ScienceWorld end to end on a 2-core CPU."""
+    """The README's main job: real ScienceWorld end to end on a small CPU, no downloads."""
     c.workdir = "runs/sciworld_tiny"
     c.iterations = 3
     c.model.path = ""
@@ -63,8 +62,8 @@ def tiny(c):
     c.optim.lr = 1e-4
     c.ckpt.every = 1
     c.eval.every = 0
-    # eval.py: 16 episodes per family (32 in all, ~1-2 min on 2 cores): a family's success
-    # rate moves in steps of 1/16, its standard error at most 0.125
+    # eval.py: 16 episodes per family (32 in all): a family's success rate moves in steps of
+    # 1/16, its standard error at most 0.125
     c.eval.max_tasks = 0
     c.eval.episodes_per_family = 16
 

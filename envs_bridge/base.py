@@ -122,6 +122,10 @@ class TextEnv(abc.ABC):
 
     name: str = "text_env"
     environment: str = "a text environment"
+    # True when a step is pure Python that returns in microseconds (the built-ins): there is no
+    # env time for decoding to overlap, so ``rollout.cohorts=0`` (auto) decodes every live
+    # episode in one call per step instead of splitting them into turn-taking cohorts.
+    instant_steps: bool = False
 
     def __init__(self, max_steps: int) -> None:
         if max_steps < 1:

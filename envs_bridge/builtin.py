@@ -44,6 +44,7 @@ def builtin_task_list(name: str, split: str) -> list[Task]:
 
 class _BuiltinEnv(TextEnv):
     templates: tuple[str, ...] = ()
+    instant_steps = True
 
     def __init__(self, max_steps: int = 20) -> None:
         super().__init__(max_steps)
@@ -81,33 +82,73 @@ class _BuiltinEnv(TextEnv):
 class MemoryKeyEnv(_BuiltinEnv):
     """Vault code shown only at step 1; walk `corridor` rooms north, then `enter <code>`.
 
+    The world (code, corridor of 3-5 rooms) is a pure function of the task's seed. Under
+    non-cumulative prompts with a history window of h steps the note leaves the prompt before
+    the vault can be reached (the vault is >= 3 moves north, so with h <= 2 the first
+    observation is out of the window when the agent stands at the keypad): only text the agent
+    itself carries forward can hold the code. StraTA's strategy, written at step 1 and
+    prepended to every step prompt, is the channel the method offers (docs/method.md §12).
+
+    Code attempts (``code_attempts``):
+      * 0 (default): unlimited. A wrong code buzzes and the episode goes on, so with one digit a
+        memoryless policy can enumerate ``enter 0`` ... ``enter 9`` at the vault.
+      * k >= 1: at the keypad, an ``enter`` whose text holds exactly ``code_digits`` ASCII
+        digits is a try (separators are ignored: ``enter 6-1-6``); a wrong one uses an
+        attempt and the k-th locks the keypad and ends the episode with reward 0. An
+        ``enter`` with another number of digits (``enter code``, ``enter 12`` at a 1-digit
+        keypad) is refused without using an attempt, and so is any ``enter`` before the vault
+        (there is no keypad there: "Nothing happens."), as with unlimited attempts.
+        With one attempt, a policy that does not have the code at the keypad succeeds at most
+        P(reach the vault) x 10**-code_digits: the flat ceiling by construction.
+
+    Leak channels: text the agent writes stays in the history window verbatim, so a policy
+    can keep the code in view without a strategy by re-typing it on the way (an early
+    ``enter <code>``, refused, or any other action or format-invalid output holding the
+    digits: ``rollout.invalid_tail_chars`` of it are shown). They are left open here, since
+    closing them would change what the env means by an action, and measured instead: a
+    study counts the episodes in which the code was in the prompt at the keypad from any
+    source other than the strategy (docs/method.md §12).
+
+    Admissible actions at the vault name every concrete code when there are at most ten
+    (``enter 0`` ... ``enter 9`` for one digit), else the template ``enter <digits>``.
+
     Args:
-      max_steps: step limit. code_digits: length of the code (1..9, default 3). A policy that
-        has forgotten the code succeeds by guessing with probability 10**-code_digits, so
-        ``code_digits=1`` leaves a memoryless baseline a 10% ceiling to learn towards (the CPU
-        learning benchmark), while 3 makes guessing hopeless.
-    Raises ValueError for code_digits outside 1..9.
+      max_steps: step limit.
+      code_digits: length of the code (1..9, default 3). A policy that has forgotten the code
+        guesses right with probability 10**-code_digits per try.
+      code_attempts: tries before the keypad locks (0 = unlimited, see above).
+    Raises ValueError for code_digits outside 1..9 or a negative code_attempts.
     """
 
     name = "memory_key"
     environment = "a text adventure (memory key)"
     templates = ("go north", "go south", "enter <digits>", "look")
 
-    def __init__(self, max_steps: int = 20, code_digits: int = 3) -> None:
+    def __init__(self, max_steps: int = 20, code_digits: int = 3, code_attempts: int = 0) -> None:
         super().__init__(max_steps)
         if not 1 <= int(code_digits) <= 9:
             raise ValueError(f"memory_key code_digits must be in 1..9, got {code_digits!r}")
+        if int(code_attempts) < 0:
+            raise ValueError(f"memory_key code_attempts must be >= 0 (0 = unlimited), "
+                             f"got {code_attempts!r}")
         self.code_digits = int(code_digits)
+        self.code_attempts = int(code_attempts)
 
     def _reset(self, task: Task) -> tuple[str, dict[str, Any]]:
         rng = random.Random(task.variation)
         self.code = "".join(str(rng.randrange(10)) for _ in range(self.code_digits))
         self.corridor = rng.randint(3, 5)
         self.pos = 0
+        self.attempts_left = self.code_attempts
         self._desc = "Open the vault at the far north end of the corridor by entering its code."
         obs = (f"You are at the south end of a corridor. A note on the wall reads: 'vault code "
                f"{'-'.join(self.code)}'. The note crumbles to dust as you read it.")
         return obs, self._info(0.0)
+
+    def _enter_actions(self) -> list[str]:
+        if 10 ** self.code_digits <= 10:
+            return [f"enter {d}" for d in range(10)]
+        return ["enter <digits>"]
 
     def admissible_actions(self) -> list[str]:
         acts = ["look"]
@@ -116,13 +157,35 @@ class MemoryKeyEnv(_BuiltinEnv):
         if self.pos > 0:
             acts.append("go south")
         if self.pos == self.corridor:
-            acts.append("enter <digits>")
+            acts += self._enter_actions()
         return acts
 
     def _where(self) -> str:
         if self.pos == self.corridor:
-            return f"You stand before the vault. A keypad waits for a {self.code_digits}-digit code."
+            tries = (f" It allows {self.attempts_left} more "
+                     f"{'try' if self.attempts_left == 1 else 'tries'}."
+                     if self.code_attempts else "")
+            return (f"You stand before the vault. A keypad waits for a {self.code_digits}-digit "
+                    f"code.{tries}")
         return f"You are in the corridor, room {self.pos} of {self.corridor}. The corridor continues north."
+
+    def _enter(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        digits = "".join(ch for ch in action[6:] if ch in _ASCII_DIGITS)
+        if self.pos != self.corridor or not action.startswith("enter "):
+            return "Nothing happens.", 0.0, False, self._info(0.0, invalid=True)
+        if digits == self.code:
+            return "The vault swings open. You win.", 1.0, True, self._info(1.0)
+        if not self.code_attempts:   # unlimited: any text is a (wrong) try, as it always was
+            return "The keypad buzzes: wrong code.", 0.0, False, self._info(0.0)
+        if len(digits) != self.code_digits:
+            return (f"The keypad beeps: it takes a {self.code_digits}-digit code.", 0.0, False,
+                    self._info(0.0, invalid=True))
+        self.attempts_left -= 1
+        if self.attempts_left <= 0:
+            return ("The keypad buzzes: wrong code. The keypad locks for good.", 0.0, True,
+                    self._info(0.0))
+        return (f"The keypad buzzes: wrong code. It allows {self.attempts_left} more "
+                f"{'try' if self.attempts_left == 1 else 'tries'}.", 0.0, False, self._info(0.0))
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         if action == "go north" and self.pos < self.corridor:
@@ -133,11 +196,8 @@ class MemoryKeyEnv(_BuiltinEnv):
             return self._where(), 0.0, False, self._info(0.0)
         if action == "look":
             return self._where(), 0.0, False, self._info(0.0)
-        if action.startswith("enter ") and self.pos == self.corridor:
-            digits = "".join(ch for ch in action[6:] if ch in _ASCII_DIGITS)
-            if digits == self.code:
-                return "The vault swings open. You win.", 1.0, True, self._info(1.0)
-            return "The keypad buzzes: wrong code.", 0.0, False, self._info(0.0)
+        if action == "enter" or action.startswith("enter "):
+            return self._enter(action)
         return "Nothing happens.", 0.0, False, self._info(0.0, invalid=True)
 
     def expert_action(self) -> str:

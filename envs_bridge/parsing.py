@@ -16,7 +16,9 @@ Rules [P]:
 * Tag matching is case-insensitive (`<Action>` counts). A nested `<action>` inside the action
   block makes it invalid (the model did not produce one clean action). Control and format
   characters (Unicode categories Cc / Cf: NUL, zero-width space, BOM, bidi marks) are dropped
-  from the action, so an action made only of them is empty, hence invalid.
+  from the action; an action with no visible character left (only blank-looking letters such
+  as U+3164 or U+2800, combining marks, private-use or unassigned code points:
+  `has_visible_text`) is empty, hence invalid.
 
 The step prompt states the same rule to the model (`strata_jax.rollout.prompts.STEP_INSTRUCTION`),
 and the sampler stops generating at the end of that block (`strata_jax.sampling.stops`).
@@ -52,6 +54,31 @@ class ParsedAction:
     reason: str = ""
 
 
+# Letters and symbols that render as nothing (or as blank space) although their Unicode
+# category is not a space / format / control one: Hangul fillers (U+115F, U+1160, U+3164,
+# U+FFA0), the Braille blank (U+2800), Khmer inherent vowels (U+17B4, U+17B5, category Mn but
+# listed for clarity), the Mongolian vowel separator (U+180E, Cf in current Unicode).
+_BLANK_LOOKING = frozenset("\u115f\u1160\u3164\uffa0\u2800\u17b4\u17b5\u180e")
+# Categories that never draw a glyph of their own: separators (Zs, Zl, Zp), controls (Cc),
+# format characters (Cf: zero-width space / joiners, U+2060, U+FEFF, soft hyphen, bidi marks,
+# tags), surrogates (Cs), private use (Co), unassigned (Cn), and combining marks (Mn, Me),
+# which only decorate a neighbour (a lone combining grapheme joiner or variation selector).
+_INVISIBLE_CATEGORIES = frozenset(("Zs", "Zl", "Zp", "Cc", "Cf", "Cs", "Co", "Cn", "Mn", "Me"))
+
+
+def is_visible_char(ch: str) -> bool:
+    """True when the one-character string `ch` draws a glyph of its own (see
+    `_INVISIBLE_CATEGORIES` and `_BLANK_LOOKING`): a text with none of them reads as blank."""
+    return ch not in _BLANK_LOOKING and unicodedata.category(ch) not in _INVISIBLE_CATEGORIES
+
+
+def has_visible_text(text: str) -> bool:
+    """True when `text` holds at least one visible character (`is_visible_char`). A strategy
+    or an action written only with zero-width characters, U+2060, U+FEFF, soft hyphens,
+    U+3164, U+2800, combining marks or control characters is blank to a reader and to the env."""
+    return any(is_visible_char(ch) for ch in text)
+
+
 def contains_cjk(text: str) -> bool:
     """True if `text` contains a CJK ideograph, kana, hangul, or CJK/fullwidth punctuation."""
     return _CJK_RE.search(text) is not None
@@ -83,6 +110,6 @@ def parse_action(output: str) -> ParsedAction:
     body = "".join(ch for ch in body if ch.isspace()
                    or unicodedata.category(ch) not in ("Cc", "Cf"))
     action = " ".join(body.split()).lower()
-    if not action:
+    if not has_visible_text(action):
         return ParsedAction(None, False, think.group(1).strip(), reason="empty action")
     return ParsedAction(action, True, think.group(1).strip())

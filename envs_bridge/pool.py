@@ -16,8 +16,8 @@ episode frees its slot, so any number of tasks can be played in waves of `max_li
 when a task fills the heap), ~660 MB uncapped, so 512 live JVMs would not fit: bound the
 slots by free memory / ~0.45 GB).
 
-Threads vs processes (measured with benchmarks/envs.py on a 2-core box, ScienceWorld)
-------------------------------------------------------------------------------------
+Threads vs processes (ScienceWorld; compare them with benchmarks/envs.py)
+------------------------------------------------------------------------
 `backend="thread"` (default): envs live in this process and are stepped by a thread pool.
 ScienceWorld's work happens in its JVM (py4j releases the GIL while waiting on the socket),
 ALFWorld steps are milliseconds of Python, WebShop is HTTP I/O: threads give the same
@@ -28,11 +28,9 @@ holds the GIL for long (pure-Python simulators) or leaks memory, and a hung step
 by killing the worker. Both backends have the same API and give identical transcripts, and
 every reset / step outcome carries the env's `PromptPieces` read in the same env call (in
 the worker for processes), so prompts never depend on the backend.
-Measured (benchmarks/envs.py --steps 30, 2 cores shared with other jobs, load ~7, so noisy):
-single env 34 steps/s (5 with the valid-action list); pool thread 1/2/4 workers:
-39/23/27 steps/s (3.1/4.1/5.7 with valid actions); process: 39/25/24 (5.0/5.0/6.5). On 2
-cores the JVMs saturate the CPU, so neither backend scales past ~1 worker per core and the
-backends are equal within noise; threads win on memory and simplicity, hence the default.
+The JVMs do the work, so neither backend scales past about one worker per core and the two
+step at the same rate (benchmarks/envs.py; docs/results.md); threads win on memory and
+simplicity, hence the default.
 
 Failures
 --------

@@ -149,9 +149,9 @@ def load_eval_list(path: str, split: str = "test") -> list[Task]:
 # HotSpot's identity hash: 2 = a constant. The simulator lists a room's contents in the order
 # of hash-based collections keyed by object identity, and the default identity hash comes from a
 # per-JVM-thread random state: the same task and actions then render objects in a different
-# order from one JVM to the next (measured: 5 distinct observation sequences over 8 fresh JVMs on
-# find-non-living-thing variation 72). A constant hash leaves insertion order, which is a
-# function of the task, variation and actions only (1 sequence over 8 JVMs).
+# order from one JVM to the next (fresh JVMs on one task and variation give several distinct
+# observation sequences). A constant hash leaves insertion order, which is a function of the
+# task, variation and actions only (tests/test_sciworld.py checks one sequence across JVMs).
 DETERMINISTIC_JVM_OPTS = ("-XX:+UnlockExperimentalVMOptions", "-XX:hashCode=2")
 
 

@@ -5,6 +5,20 @@
   (``--config=configs/x.py:tiny,<field>=<value>``; `strata_jax.config.set_override`).
 * `guarded`: wraps an entry point's ``main`` so that a user's mistake (a config that cannot run,
   a missing checkpoint) and Ctrl-C end with one line on stderr instead of a traceback.
+
+Every entry point (train.py, eval.py, sft.py, ``python -m strata_jax.models.fetch``) exits with
+one of these statuses (`strata_jax.exits`), so a script can tell the outcomes apart
+(docs/reliability.md):
+
+  ====  ==============================================================================
+  0     finished
+  1     a bug: an unexpected exception, printed with its traceback
+  2     refused or bad input: one line on stderr says what to change; nothing was lost
+  75    preempted with a checkpoint (SIGTERM, SIGHUP or a first Ctrl-C during training):
+        the same command continues the run (75 is sysexits' EX_TEMPFAIL, "retry later")
+  130   interrupted at once (a second Ctrl-C; SIGTERM / SIGHUP / Ctrl-C outside the
+        training loop): the work in flight is lost, the newest checkpoint is kept
+  ====  ==============================================================================
 """
 from __future__ import annotations
 
@@ -16,11 +30,17 @@ from typing import Any, Callable, Sequence
 
 from absl import app
 
+from strata_jax.exits import (EXIT_BUG, EXIT_FINISHED, EXIT_INTERRUPTED,  # noqa: F401
+                              EXIT_PREEMPTED, EXIT_REFUSED, STOP_SIGNALS, Stopped,
+                              install_stop_handlers, stop_at_once)
+
+_HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+
 _FIELDS_HINT = ("Fields and their defaults: configs/base.py; variants: the experiment file's "
                 "docstring.")
 
 
-def _fail(prog: str, msg: str, code: int = 2) -> None:
+def _fail(prog: str, msg: str, code: int = EXIT_REFUSED) -> None:
     sys.stderr.write(f"{prog}: {msg}\n")
     raise SystemExit(code)
 
@@ -91,18 +111,30 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
 
     prog = os.path.basename(argv[0]) if argv else "strata_jax"
     rest, overrides, spec = split_config_args(argv)
+    loaded = None
     if spec is not None:
         try:
-            load_config(spec)
+            loaded = load_config(spec)
         except (ValueError, FileNotFoundError) as e:
             _fail(prog, f"--config={spec}: {e}. {_FIELDS_HINT}")
+    from absl import flags
+    for arg in rest[1:]:
+        hint = config_flag_hint(arg, loaded)
+        if hint:
+            _fail(prog, hint)
     saved = sys.argv
     sys.argv = rest   # ml_collections reads its overrides from sys.argv itself: hide them
     try:
-        positional = app.parse_flags_with_usage(rest)
+        # absl's own parse_flags_with_usage prints the usage and exits 1 (the status of a bug)
+        positional = flags.FLAGS(rest)
+    except flags.Error as e:
+        _fail(prog, f"{e}. --helpshort lists the flags")
+    except SystemExit as e:   # absl's help flags print the help and exit 1: that is not an error
+        if any(a.split("=")[0] in _HELP_FLAGS for a in rest[1:]):
+            raise SystemExit(EXIT_FINISHED) from None
+        raise
     finally:
         sys.argv = saved
-    from absl import flags
     c = flags.FLAGS["config"].value
     for key, text in overrides:
         try:
@@ -113,33 +145,101 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
                 hint = msg[msg.index(" (did you mean"):] if "(did you mean" in msg else ""
                 _fail(prog, f"--config.{key} names no field of the config{hint}. {_FIELDS_HINT}")
             _fail(prog, f"--config.{msg}")
+    if spec is not None:
+        note = outside_checkout_note(spec, c)
+        if note:
+            sys.stderr.write(f"{prog}: note: {note}\n")
     return positional
+
+
+def outside_checkout_note(spec: str, config: Any) -> str | None:
+    """A note when a checkout's config is run from another directory while the run's folders
+    are relative: they land under the current directory, beside no earlier run or cached warm
+    start (``python strata-jax/train.py --config=strata-jax/configs/...`` from the parent
+    directory would otherwise start from scratch in ``./runs`` without a word). None otherwise."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(spec.partition(":")[0])))
+    if not os.path.isfile(os.path.join(root, "train.py")) or os.path.samefile(root, os.getcwd()):
+        return None
+    rel = [f for f in ("workdir", "sft.cache_dir", "compilation_cache_dir")
+           if _field(config, f) and not os.path.isabs(str(_field(config, f)))]
+    if not rel:
+        return None
+    return (f"{', '.join(rel)} ({_field(config, rel[0])}, ...) are relative to the current "
+            f"directory {os.getcwd()}, not to the checkout {root}: run from the checkout to "
+            "find its runs and cached warm starts")
+
+
+def _field(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = config.get(part) if hasattr(config, "get") else None
+    return config
+
+
+def config_flag_hint(arg: str, config: Any) -> str | None:
+    """The one line for a flag the script does not define but the config has as a field
+    (``--iterations=6`` for ``--config.iterations=6``), else None: absl's own message ("unknown
+    command line flag") does not say that config fields go through ``--config.``."""
+    from absl import flags
+
+    if not arg.startswith("--") or arg == "--" or config is None:
+        return None
+    name, _, value = arg[2:].partition("=")
+    if name in flags.FLAGS or (name.startswith("no") and name[2:] in flags.FLAGS):
+        return None
+    fields = [k for k in _dotted_fields(config) if k == name or k.endswith("." + name)]
+    if not fields:
+        return None
+    example = f"--config.{fields[0]}" + (f"={value}" if value else "=...")
+    return (f"--{name} is not a flag of this script; config fields are set as "
+            f"--config.<field>=<value>: {example}")
+
+
+def _dotted_fields(config: Any, prefix: str = "") -> list[str]:
+    """Every leaf field of a ConfigDict as a dotted name, shortest paths first."""
+    out = []
+    for k, v in config.items():
+        if hasattr(v, "items"):
+            out += _dotted_fields(v, f"{prefix}{k}.")
+        else:
+            out.append(prefix + k)
+    return sorted(out, key=lambda f: (f.count("."), f))
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean the user has something to change, not a bug: a config that cannot
     run (`experiment.ConfigError`), a missing file or checkpoint (FileNotFoundError, including
     ALFWorld's missing game data), a checkpoint that cannot be written (`CheckpointWriteError`:
-    a full disk; its message names the path and the space needed)."""
+    a full disk; its message names the path and the space needed) or restored
+    (`NoRestorableCheckpointError`: names each step and file), a model file that cannot be used
+    (`GGUFError`: malformed, hostile or inconsistent), a damaged run log (`DamagedLogError`:
+    names the file and line)."""
     from strata_jax.experiment import ConfigError
-    from strata_jax.training.checkpoint import CheckpointWriteError
-    return (ConfigError, FileNotFoundError, CheckpointWriteError)
+    from strata_jax.metrics import DamagedLogError
+    from strata_jax.models.gguf import GGUFError
+    from strata_jax.training.checkpoint import CheckpointWriteError, NoRestorableCheckpointError
+    return (ConfigError, FileNotFoundError, CheckpointWriteError, NoRestorableCheckpointError,
+            GGUFError, DamagedLogError)
 
 
 def guarded(main: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
-    """Wrap an entry point's ``main(argv)``: a `user_errors` exception becomes one line
-    ``<script>: error: <message>`` on stderr and exit status 2; Ctrl-C (KeyboardInterrupt)
-    outside the training loop's own handling becomes one line and exit status 130 (the shell's
-    status for SIGINT). Anything else propagates with its traceback (a bug)."""
+    """Wrap an entry point's ``main(argv)`` to follow the exit-code table (module docstring):
+    SIGTERM and SIGHUP are routed to `stop_at_once` first (the training loop replaces that
+    with its clean stop while it runs); a `user_errors` exception becomes one line
+    ``<script>: error: <message>`` on stderr and status 2; Ctrl-C (KeyboardInterrupt) or a
+    stop signal outside the training loop's own handling becomes one line and status 130.
+    ``main``'s return value is the status otherwise. Anything else propagates with its
+    traceback (a bug: status 1)."""
     @functools.wraps(main)
     def wrapped(argv: list[str]) -> int:
         prog = os.path.basename(sys.argv[0]) if sys.argv else "strata_jax"
+        install_stop_handlers()
         try:
             return main(argv)
-        except KeyboardInterrupt:
-            _fail(prog, "interrupted (Ctrl-C); the same command resumes a training run from "
-                        "its newest checkpoint (a warm start in progress starts over)", 130)
+        except KeyboardInterrupt as e:
+            what = f"stopped ({e.name})" if isinstance(e, Stopped) else "interrupted (Ctrl-C)"
+            _fail(prog, f"{what}; the same command resumes a training run from its newest "
+                        "checkpoint (a warm start in progress starts over)", EXIT_INTERRUPTED)
         except user_errors() as e:
             _fail(prog, f"error: {e}")
-        return 1
+        return EXIT_BUG
     return wrapped

@@ -65,24 +65,29 @@ def resolve(c: Any) -> Any:
 def use_compilation_cache(c: Any) -> str | None:
     """Turn on jax's persistent compilation cache in ``c.compilation_cache_dir`` ("" = off).
 
-    Compiled programs are written there (those that took >= 1 s to compile: jax's default
-    threshold) and loaded by any later process that compiles the same program with the same
-    jax / XLA version and devices: a resumed or repeated run skips its warm-up compilations
-    (``compile/cache_hits`` counts the loads). Call before the first compilation of the process:
-    jax decides at that compilation whether the process uses a cache (a warning says when it
-    was too late). Returns the absolute directory, or None when off.
+    Compiled programs are written to a subfolder per jax / jaxlib version and device set
+    (`strata_jax.compile_cache.cache_subdir`; those that took >= 1 s to compile: jax's default
+    threshold) and loaded by any later process that compiles the same program there: a resumed
+    or repeated run skips its warm-up compilations (``compile/cache_hits`` counts the loads).
+    Every entry is sealed with a sha256 of its key and bytes; one that fails the check
+    (damaged, or another key's) is deleted and compiled again (`compile_cache.SealedCache`).
+    Call before the first compilation of the process and after jax.distributed is set up: jax
+    decides at that compilation whether the process uses a cache (a warning says when it was
+    too late). Returns the absolute subfolder, or None when off.
     Raises ConfigError when the directory cannot be created.
     """
+    from strata_jax import compile_cache
     path = str(c.compilation_cache_dir or "")
     if not path:
         return None
-    path = os.path.abspath(os.path.expanduser(path))
+    path = os.path.join(os.path.abspath(os.path.expanduser(path)), compile_cache.cache_subdir())
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"compilation_cache_dir={c.compilation_cache_dir!r} cannot be created "
                           f"({e}); point it at a writable folder or set it to '' (no cache)"
                           ) from e
+    compile_cache.install()
     jax.config.update("jax_compilation_cache_dir", path)
     try:   # jax decides once per process, at its first compilation (no public query)
         from jax._src import compilation_cache as _cc
@@ -111,11 +116,15 @@ def build_tokenizer(c: Any):
 
 
 def checkpoint_dir(c: Any) -> str:
-    """``model.path`` as a local directory or GGUF file (`resolve_checkpoint`); a missing path,
-    a file that is not GGUF or a hub id / model name that cannot be downloaded is a ConfigError
-    that names ``--config.model.path``."""
+    """``model.path`` as a local directory or GGUF file (`resolve_checkpoint`), with its model
+    config read and checked (`checkpoint_config`: a GGUF file's header pre-scan and bounds; a
+    directory's config.json), so that train.py refuses a bad model before it writes anything.
+    A missing path, a file that is not a usable GGUF file, a bad config.json or a hub id /
+    model name that cannot be downloaded is a ConfigError that names ``--config.model.path``."""
     try:
-        return resolve_checkpoint(c.model.path)
+        path = resolve_checkpoint(c.model.path)
+        checkpoint_config(path)   # cached per file: the later loads do not parse it again
+        return path
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         raise ConfigError(f"--config.model.path={c.model.path}: {e}") from None
 

@@ -147,11 +147,16 @@ def _truncate_after(path: str, step: int | None) -> list[dict]:
     return [r for _, r in keep]
 
 
+class DamagedLogError(ValueError):
+    """A JSONL run log with an unparsable line before its last one: not a write cut short (that
+    is dropped with a warning) but a damaged file. The message names the file and the line."""
+
+
 def _parse_lines(path: str, lines: list[str]) -> list[dict]:
     """JSON rows of `lines`; a torn LAST line is dropped with a warning naming `path`.
 
-    Raises ValueError (naming the file and line) for an unparsable line before the last one:
-    that is not a cut-short append but a damaged file.
+    Raises DamagedLogError (a ValueError naming the file and line) for an unparsable line
+    before the last one: that is not a cut-short append but a damaged file.
     """
     rows = []
     for i, line in enumerate(lines):
@@ -165,8 +170,8 @@ def _parse_lines(path: str, lines: list[str]) -> list[dict]:
                 logging.getLogger(__name__).warning(msg)
                 lines.pop()
                 break
-            raise ValueError(f"{path}: line {i + 1} is not JSON ({e}); the file is damaged "
-                             "before its end: repair or remove that line") from None
+            raise DamagedLogError(f"{path}: line {i + 1} is not JSON ({e}); the file is "
+                                  "damaged before its end: repair or remove that line") from None
     return rows
 
 
@@ -174,7 +179,7 @@ def read_jsonl(path: str) -> list[dict]:
     """All rows of a JSONL file (the metrics or trajectory log).
 
     A torn last line (what a kill or a full disk leaves) is dropped with a RuntimeWarning that
-    names the file; an unparsable earlier line raises ValueError naming file and line.
+    names the file; an unparsable earlier line raises DamagedLogError naming file and line.
     """
     with open(path) as f:
         lines = [line for line in f if line.strip()]

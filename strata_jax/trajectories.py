@@ -1,16 +1,18 @@
 """Read played episodes: ``python -m strata_jax.trajectories <workdir> --iteration 3``.
 
-Prints the episodes a run logged (``<workdir>/trajectories.jsonl``; or any trajectory JSONL
-file, e.g. eval.py's ``eval_<split>_step<k>_trajectories.jsonl``) one after the other: the task
-and its goal, the strategy (parsed plan, or the raw output when the format check failed), then
-per step what the model wrote, the action sent and the env's answer, with format-invalid and
-env-rejected steps marked. The record fields are described in the README ("Trajectories");
+Reads the episodes a run logged (``<workdir>/trajectories.jsonl``; or any trajectory JSONL
+file, e.g. eval.py's ``eval_<split>_step<k>_trajectories.jsonl``). An iteration's episodes are
+listed one line each (an eval file holds dozens: a screenful of full episodes would hide the
+overview); ``--episode K`` or ``--all`` prints them in full: the task and its goal, the strategy
+(parsed plan, or the raw output when the format check failed), then per step what the model
+wrote, the action sent and the env's answer, with format-invalid and env-rejected steps marked.
+The record fields are described in docs/metrics.md ("Trajectories");
 `strata_jax.rollout.dump_trajectories` writes them. `format_episode` is also what train.py
 writes into TensorBoard's text tab.
 
-    python -m strata_jax.trajectories runs/sciworld_tiny                 # the last iteration
+    python -m strata_jax.trajectories runs/sciworld_tiny                 # the last iteration, listed
     python -m strata_jax.trajectories runs/sciworld_tiny --iteration 1 --episode 2 --full
-    python -m strata_jax.trajectories runs/sciworld_tiny/eval_dev_step3_trajectories.jsonl
+    python -m strata_jax.trajectories runs/sciworld_tiny/eval_dev_step3_trajectories.jsonl --all
 """
 from __future__ import annotations
 
@@ -72,6 +74,18 @@ def format_episode(rec: Mapping[str, Any], limit: int | None = 300, index: str =
     return "\n".join(lines)
 
 
+def summary_line(rec: Mapping[str, Any], index: str) -> str:
+    """One line for an episode: index, task, outcome, strategy check, step counts."""
+    steps = rec.get("steps", ())
+    invalid = sum(bool(s.get("invalid")) for s in steps)
+    rejected = sum(bool(s.get("env_rejected")) for s in steps)
+    ok = rec.get("strategy_format_ok")
+    strategy = {True: "strategy ok", False: "strategy FAILED", None: "no strategy"}[ok]
+    return (f"{index:>7}  {rec.get('task_id')} v{rec.get('variation')}  return "
+            f"{float(rec.get('episode_return', 0.0)):+.3f}  success {int(bool(rec.get('success')))}"
+            f"  {strategy}  {len(steps)} steps ({invalid} invalid, {rejected} rejected)")
+
+
 def trajectory_file(path: str) -> str:
     """`path` itself when it is a file, else ``<path>/trajectories.jsonl``. Raises
     FileNotFoundError saying what was looked for."""
@@ -105,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("path", help="run folder (reads trajectories.jsonl) or a trajectory JSONL file")
     p.add_argument("--iteration", type=int, default=None, help="iteration (default: the last)")
     p.add_argument("--episode", type=int, default=None, help="only this episode (1-based)")
+    p.add_argument("--all", action="store_true", help="print every episode in full")
     p.add_argument("--full", action="store_true", help="do not shorten long texts")
     a = p.parse_args(argv)
     try:
@@ -116,6 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{p.prog}: no episodes of iteration {a.iteration} in {a.path}; logged "
               f"iterations: {steps}", file=sys.stderr)
         return 2
+    if a.episode is None and not a.all and len(recs) > 1:
+        where = f"iteration {recs[0]['step']}, " if "step" in recs[0] else ""
+        print(f"{len(recs)} episodes ({where}{a.path}):")
+        for i, rec in enumerate(recs):
+            print(summary_line(rec, f"{i + 1}/{len(recs)}"))
+        print("one in full: --episode K; all of them: --all (--full: without shortening)")
+        return 0
     pick = range(len(recs)) if a.episode is None else [a.episode - 1]
     for i in pick:
         if not 0 <= i < len(recs):

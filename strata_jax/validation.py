@@ -18,12 +18,14 @@ from strata_jax import sharding
 from strata_jax.algos.table import get_algorithm
 from strata_jax.config import ConfigError
 from strata_jax.models import PRESETS, Qwen2Config
+from strata_jax.sampling.params import check_temperature
 
 log = logging.getLogger(__name__)
 
 # Optional c.env fields passed to the env constructor (besides max_steps) when the config sets
 # them and the env's constructor takes them (`env_kwargs`).
-_ENV_KWARGS = ("server_url", "data_dir", "jvm_max_heap_mb", "fetch_valid_actions", "code_digits")
+_ENV_KWARGS = ("server_url", "data_dir", "jvm_max_heap_mb", "fetch_valid_actions", "code_digits",
+               "code_attempts")
 
 # The config keys the run assembly reads itself (this module, train.py, eval.py, evaluation,
 # distributed, metrics, checkpoints, prompts); the option dataclasses declare theirs
@@ -96,7 +98,8 @@ def validate(c: Any) -> None:
     neither or both of model.path and model.preset; an unknown preset; every size field below
     its minimum (N, M, sigma, group size, tasks per batch, live envs, env steps, token budgets,
     batch sizes, epochs, iterations, checkpoint keep / every, history window, cohorts); the
-    sampling fields (rollout.temperature and eval.temperature finite and >= 0, top_p in (0, 1],
+    sampling fields (rollout.temperature and eval.temperature finite and 0 or >=
+    `sampling.params.MIN_TEMPERATURE`, top_p in (0, 1],
     top_k an integer >= -1 where 0 and -1 both mean "off", the vLLM / verl spelling); a
     non-finite or negative learning rate; an unknown dtype or remat policy (TrainConfig's own
     checks); the warm start's settings (SFTConfig's checks); and,
@@ -120,8 +123,9 @@ def validate(c: Any) -> None:
     r = c.rollout
     for name in ("num_strategies", "episodes_per_strategy", "oversample", "group_size",
                  "tasks_per_batch", "max_action_tokens", "max_strategy_tokens",
-                 "max_judge_tokens", "cohorts", "dapo_max_tries"):
+                 "max_judge_tokens", "dapo_max_tries"):
         at_least(f"rollout.{name}", 1)
+    at_least("rollout.cohorts", 0)     # 0 = auto (rollout.episodes.resolve_cohorts)
     for name in ("max_steps", "max_prompt_tokens", "num_workers"):
         at_least(f"env.{name}", 1)
     at_least("env.history_length", 0)
@@ -146,6 +150,10 @@ def validate(c: Any) -> None:
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) \
                 or v < 0:
             raise ConfigError(f"{field} must be a finite number >= 0 (0 = greedy), got {v!r}")
+        try:   # a positive temperature that underflows float32 arithmetic (1e-39, 1e-46)
+            check_temperature(v, field)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if not isinstance(r.top_p, (int, float)) or not 0.0 < float(r.top_p) <= 1.0:
         raise ConfigError(f"rollout.top_p must be in (0, 1] (1 = off), got {r.top_p!r}")
     if isinstance(r.top_k, bool) or not isinstance(r.top_k, int) or r.top_k < -1:
@@ -200,6 +208,7 @@ RESUME_MAY_CHANGE = (
     "compilation_cache_dir",          # where compiled programs are cached: speed only
     "mesh.*", "distributed.*",        # restore reshards onto any mesh / process count
     "env.num_workers",                # live envs: episodes run in waves, per-row keys are global
+                                      # (a decode call's rows change, so float rounding may)
     "env.step_timeout_s",             # only decides when a hung env counts as crashed
     "ckpt.*", "eval.*", "log.*",      # cadence of saves, evals and trajectory dumps
     "sft.cache_dir",                  # where the warm start is cached (its content is fingerprinted)

@@ -9,12 +9,13 @@ HF export in ``<sft.cache_dir>/<fingerprint>/`` (default ``runs/warm_start/<fing
 folder beside the runs, shared by every variant, run folder and eval of the same setting,
 since the fingerprint covers all the warm start depends on; ``sft.cache_dir=""`` keeps it per
 run in ``<workdir>/warm_start``); any other value is an export directory. ``train.py`` and
-``eval.py`` (`eval_run.run_eval`, which never trains one) call `maybe_warm_start`; ``sft.py``
+``eval.py`` (`evaluation.run.run_eval`, which never trains one) call `maybe_warm_start`; ``sft.py``
 runs `export_warm_start`, the warm start alone.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -31,6 +32,7 @@ from envs_bridge.base import Task
 from strata_jax import experiment as ex
 from strata_jax.models import Qwen2Config, export_params, load_params
 from strata_jax.rollout import make_prompt_builder
+from strata_jax.training.config import remat_policy
 from strata_jax.training.sft import (KINDS, ExpertEpisode, SFTConfig, SFTExample, build_examples,
                                      collect_expert_episodes, train_sft)
 
@@ -45,14 +47,33 @@ def expert_tasks(c: Any, cfg: SFTConfig) -> list[Task]:
     return TaskSampler(ex.task_list(c, cfg.split), seed=cfg.seed).sample(cfg.episodes)
 
 
+def interrupted(e: BaseException) -> bool:
+    """Whether `e` is the wrapper of a Ctrl-C: the expert episodes step ScienceWorld from this
+    thread, and a KeyboardInterrupt that lands inside a py4j call comes back as py4j's own
+    error (a page of chained tracebacks) with the KeyboardInterrupt as its cause or context."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def sft_examples(c: Any, tokenizer: Any, cfg: SFTConfig | None = None
                  ) -> tuple[list[SFTExample], list[ExpertEpisode]]:
     """Expert episodes of run config `c` and their examples, rendered with the run's own
     `make_prompt_builder(tokenizer, c)` (budget, history window, cumulative prompts)."""
     cfg = cfg or SFTConfig.from_config(c)
     kw = ex.env_kwargs(c)
-    eps = collect_expert_episodes(c.env.name, expert_tasks(c, cfg), noise=cfg.noise,
-                                  seed=cfg.seed, max_gold_steps=cfg.max_gold_steps, env_kwargs=kw)
+    try:
+        eps = collect_expert_episodes(c.env.name, expert_tasks(c, cfg), noise=cfg.noise,
+                                      seed=cfg.seed, max_gold_steps=cfg.max_gold_steps,
+                                      env_kwargs=kw)
+    except Exception as e:
+        if interrupted(e):   # Ctrl-C inside a simulator call: the entry point's one line
+            raise KeyboardInterrupt from None
+        raise
     if not eps:
         raise ValueError(f"no expert episode for env {c.env.name!r} (tasks {tuple(c.env.tasks)}): "
                          "every gold path exceeded sft.max_gold_steps?")
@@ -61,13 +82,61 @@ def sft_examples(c: Any, tokenizer: Any, cfg: SFTConfig | None = None
 
 # Version of the examples' rendering: bump it when prompts or targets change shape, so that a
 # cached warm start trained on the old rendering is not reused (2: targets end at the closing
-# tag where the sampler's stop string ends generation, not at <|im_end|>).
-EXAMPLE_FORMAT = 2
+# tag where the sampler's stop string ends generation, not at <|im_end|>; 3: memory_key's
+# one-digit vault lists its codes among the admissible actions).
+EXAMPLE_FORMAT = 3
+
+
+_SOURCE_ROOTS = ("strata_jax", "envs_bridge")
+
+
+@functools.lru_cache(maxsize=1)
+def source_fingerprint() -> str:
+    """A 12-hex SHA-256 of this checkout's library code: every ``*.py`` file under
+    ``strata_jax/`` and ``envs_bridge/`` (relative path and bytes, in path order).
+
+    Recorded in ``sft_meta.json`` (key ``code``): the cache key (`fingerprint`) covers the
+    warm start's settings, not the code, so an export trained by other code (an earlier
+    commit, a local edit) is still found; `maybe_warm_start` says so when it loads one, since
+    a run from it is not the run a clean clone of this code makes (docs/reliability.md).
+    """
+    base = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = []
+    for root in _SOURCE_ROOTS:
+        for d, _, names in os.walk(os.path.join(base, root)):
+            files += [os.path.join(d, n) for n in names if n.endswith(".py")]
+    h = hashlib.sha256()
+    for path in sorted(files, key=lambda f: os.path.relpath(f, base)):
+        h.update(os.path.relpath(path, base).replace(os.sep, "/").encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def stale_export_warning(out_dir: str) -> str | None:
+    """The warning for a cached export in `out_dir` trained by other code than this checkout
+    (its ``sft_meta.json`` ``code`` differs from `source_fingerprint`, or was not recorded),
+    else None."""
+    try:
+        with open(os.path.join(out_dir, META_FILE)) as f:
+            code = json.load(f).get("code")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if code == source_fingerprint():
+        return None
+    trained = f"code {code}" if code else "code that did not record its version"
+    return (f"the cached warm start {out_dir} was trained by {trained}, this checkout is "
+            f"{source_fingerprint()}: this run starts from it, so its numbers are not those of a "
+            "clean clone of this code; delete the folder (or pass --config.sft.cache_dir=<new "
+            "dir>) to retrain it")
 
 
 def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
     """A 12-hex id of everything the warm start depends on (data, prompts, model, init)."""
     sft = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"}
+    for k, default in (("plan_code", "keep"), ("train_strategies", True)):
+        if sft[k] == default:   # the rendering before the option existed: existing
+            del sft[k]          # fingerprints stay valid
     d = dict(format=EXAMPLE_FORMAT, sft=sft,
              model=dataclasses.asdict(model_cfg), init=[c.model.path, c.model.preset, c.seed,
                                                         c.model.dtype, c.model.tokenizer],
@@ -98,14 +167,15 @@ def run_sft(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any, out_dir
                          f"successful, {sum(s.noisy for e in eps for s in e.steps)} noisy steps), "
                          f"examples {counts}, data {t_data:.1f} s")
     params, losses = train_sft(params, model_cfg, examples, cfg,
-                               log_fn=log_fn or log.info)
+                               remat=remat_policy(c.model.remat), log_fn=log_fn or log.info)
     os.makedirs(out_dir, exist_ok=True)
     export_params(params, model_cfg, out_dir)
     meta = dict(sft=dataclasses.asdict(cfg), episodes=len(eps),
                 expert_success=float(np.mean([e.success for e in eps])), examples=counts,
                 first_loss=losses[0], final_loss=float(np.mean(losses[-10:])),
                 losses=losses[:: max(1, len(losses) // 100)], data_s=t_data,
-                wall_s=time.time() - t0, env=c.env.name, tasks=list(c.env.tasks))
+                wall_s=time.time() - t0, env=c.env.name, tasks=list(c.env.tasks),
+                code=source_fingerprint())
     with open(os.path.join(out_dir, META_FILE), "w") as f:
         json.dump(meta, f, indent=1)
     return params, meta
@@ -167,6 +237,9 @@ def maybe_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any
     out = warm_start_dir(c, model_cfg, workdir)
     if os.path.isfile(os.path.join(out, META_FILE)):
         log.info("warm start: loading cached behaviour-cloning export %s", out)
+        stale = stale_export_warning(out)
+        if stale:
+            log.warning("%s", stale)
         return load_params(out, model_cfg, dtype=dtype, mesh=mesh)
     if not train:
         raise ex.ConfigError(f"the warm start of this config is not cached in {out}; train it "
@@ -179,4 +252,5 @@ def maybe_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any
 
 
 __all__ = ["maybe_warm_start", "export_warm_start", "run_sft", "warm_start_dir", "fingerprint",
+           "source_fingerprint", "stale_export_warning",
            "sft_examples", "expert_tasks", "EXAMPLE_FORMAT", "META_FILE"]

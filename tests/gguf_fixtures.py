@@ -80,7 +80,8 @@ def write_qwen2_gguf(model, path: str, types: dict[str, str] | None = None,
         type "F32" | "F16" | "Q8_0" | "Q4_K" | "Q6_K" for its matrices; norms and biases are F32.
       default: storage type of the matrices not in `types`.
       arch: ``general.architecture`` to write (another value tests the refusal).
-      extra_kv: extra ``{key: value}`` string/float metadata (e.g. RoPE scaling).
+      extra_kv: extra ``{key: value}`` metadata (e.g. RoPE scaling): a str, a float, or an int
+        (uint32, uint64 above 2**32-1); a key written by default is replaced.
       skip_keys: metadata keys to leave out (tests the missing-key errors).
     Returns: path.
     """
@@ -102,10 +103,15 @@ def write_qwen2_gguf(model, path: str, types: dict[str, str] | None = None,
         f"{arch}.attention.layer_norm_rms_epsilon": ("float32", float(cfg.rms_norm_eps)),
     }
     for key, (kind, value) in kv.items():
-        if key not in skip_keys:
+        if key not in skip_keys and key not in (extra_kv or {}):
             getattr(w, f"add_{kind}")(key, value)
     for key, value in (extra_kv or {}).items():
-        (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, int):
+            (w.add_uint32 if value < 2**32 else w.add_uint64)(key, value)
+        else:
+            w.add_float32(key, value)
     tokens, token_types = tiny_vocab(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
@@ -159,3 +165,20 @@ def hf_from_gguf(path: str):
                                                  dtype=torch.float32)
     model.config._attn_implementation = "eager"
     return model.eval()
+
+
+def hostile_gguf(path: str, kv: bytes = b"", n_kv: int = 0, n_tensors: int = 0,
+                 pad: int = 0) -> str:
+    """A hand-made GGUF v3 file: the header with the given counts, the raw metadata bytes `kv`
+    and `pad` zero bytes (the counts need not agree with what follows: that is the point)."""
+    import struct
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + kv + b"\0" * pad)
+    return path
+
+
+def gguf_key(key: str) -> bytes:
+    """A GGUF string (u64 length + utf-8 bytes), e.g. a metadata key."""
+    import struct
+    raw = key.encode()
+    return struct.pack("<Q", len(raw)) + raw

@@ -31,6 +31,7 @@ class SlowGridEnv(GridNavEnv):
     """grid_nav whose steps and resets take `delay_s` seconds (an env slower than decoding)."""
 
     name = "slow_grid"
+    instant_steps = False
 
     def __init__(self, max_steps: int = 4, size: int = 5, delay_s: float = 0.05) -> None:
         super().__init__(max_steps, size)

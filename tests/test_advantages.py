@@ -345,6 +345,23 @@ def test_stapo_bonus_off_without_a_critic():
     assert float(m["stapo/selected_frac"]) == 1.0
 
 
+def test_stapo_modifier_normalises_and_floors_over_the_rows_the_estimator_trains():
+    # StraTA + the modifier (eta .5, floor .2). Strategy s2's only episode crashed: its row is
+    # valid but the estimator gives it weight 0. Strategy level over s0, s1 only:
+    # A = +-.5 / (.5 + 1e-6) -> w 1 and .3 (sum 1.3, n 2) -> 2/1.3, .6/1.3; s2 stays 0 (it got
+    # the floor and a share of the mean before). Action level: s0's and s1's episodes are
+    # one-row groups (GRPO singleton: A = R / (1 + 1e-6)): 1 and the floor .2 -> 2/1.2, .4/1.2.
+    recs = [strat(0, 0), strat(0, 1), strat(0, 2), act(0, 0, 0, 1.0, strategy_id=0),
+            act(0, 1, 0, 0.0, strategy_id=1), act(0, 2, 0, 0.5, strategy_id=2, valid=False)]
+    adv, w, _ = run("strata", recs, stapo_weighting=True, stapo_floor=0.2)
+    np.testing.assert_allclose(adv, [1, -1, 0, 1, 0, 0], atol=3e-6)
+    np.testing.assert_allclose(w, [2 / 1.3, 0.6 / 1.3, 0, 2 / 1.2, 0.4 / 1.2, 0], rtol=1e-6)
+    # eta's quantile is over the trained rows too: |A| sorted 0, 1, 1, 1 (s2's 0 left out)
+    # at q .25 -> .75 (with s2: 0, 0, 1, 1, 1 -> 0)
+    _, _, m = run("strata", recs, stapo_weighting=True, stapo_eta_quantile=0.25)
+    assert float(m["stapo/eta"]) == pytest.approx(0.75, rel=1e-5)
+
+
 def test_stapo_all_zero_weights_case():
     w, m = _weights(np.array([0.1, -0.2, 0.0, 0.4], np.float32))
     np.testing.assert_array_equal(w, np.zeros(4))

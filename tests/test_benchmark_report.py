@@ -143,7 +143,7 @@ def test_options_cells_differ_from_the_paper_eval_only_in_their_option(env, tmp_
     from benchmarks.options import CELLS, build_parser, cell_command
     from configs import builtin, sciworld
     from strata_jax import experiment as ex
-    from strata_jax.test_time import TestTimeConfig
+    from strata_jax.evaluation.scaling import TestTimeConfig
     args = build_parser().parse_args(["--env", env, "--judge", "judge.gguf",
                                       "--out", str(tmp_path)])
     mod = sciworld if env == "scienceworld" else builtin

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -14,7 +15,8 @@ import pytest
 
 from strata_jax.models import init_params
 from strata_jax.sharding import make_mesh
-from strata_jax.training import Checkpointer, Trainer, tree_to_numpy
+from strata_jax.training import (Checkpointer, NoRestorableCheckpointError, Trainer,
+                                 tree_to_numpy)
 from tests.trainer_fixtures import TINY, iteration_batch, run_loop, train_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -307,11 +309,16 @@ def test_a_step_without_its_manifest_was_never_committed(setup, tmp_path):
         ckpt.save(state0.replace(step=state0.step + 1))
         ckpt.save(state0.replace(step=state0.step + 2))
     os.remove(tmp_path / "ckpt" / "2" / "checksums.json")
-    # keep=1, yet step 1 was deleted only after step 2 was committed; now nothing verifies
-    with pytest.warns(RuntimeWarning, match="checksums.json is missing"), \
-            pytest.raises(RuntimeError, match="no restorable checkpoint"), \
-            Checkpointer(str(tmp_path / "ckpt")) as ckpt:
-        ckpt.restore(trainer.abstract_state())
+    # keep=1, yet step 1 was deleted only after step 2 was committed; now nothing verifies:
+    # one error naming the file and what to do, no "falling back" warning (nothing is older)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(NoRestorableCheckpointError,
+                           match=r"no restorable checkpoint in .*ckpt \(step 2: "
+                                 r"CorruptCheckpointError: .*checksums.json is missing.*\)\. "
+                                 r"Restore the named file from a copy, or move .* aside"), \
+                Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+            ckpt.restore(trainer.abstract_state())
     with Checkpointer(str(tmp_path / "ckpt"), keep=1) as ckpt:
         ckpt.save(state0.replace(step=state0.step + 2, params=jax.tree.map(lambda x: x * 2,
                                                                             state0.params)))
@@ -379,3 +386,72 @@ def test_a_step_restore_skipped_as_corrupt_is_replaced_by_the_next_save(setup, t
     assert meta["step"] == 2
     np.testing.assert_array_equal(np.asarray(restored.params["embed"]),
                                   np.asarray(state0.params["embed"]) - 3.0)
+
+
+def test_tmp_folders_of_cut_short_saves_are_removed_by_the_writer_only(setup, tmp_path):
+    """A kill or a full disk mid-save leaves ``<step>.orbax-checkpoint-tmp*``: the run's next
+    start (the directory's one writer) removes it; a reader (eval.py) leaves it alone."""
+    params, trainer, state0 = setup
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.save(state0.replace(step=state0.step + 1))
+    left = [tmp_path / "ckpt" / "2.orbax-checkpoint-tmp" / "state",
+            tmp_path / "ckpt" / "3.orbax-checkpoint-tmp-1733112000" / "meta"]
+    for d in left:
+        d.mkdir(parents=True)
+        (d / "data").write_bytes(b"x" * 100)
+    with Checkpointer(str(tmp_path / "ckpt")) as reader:
+        assert reader.restore(trainer.abstract_state())[1]["step"] == 1
+    assert all(d.exists() for d in left)
+    with Checkpointer(str(tmp_path / "ckpt"), clean_tmp=True) as writer:
+        assert writer.restore(trainer.abstract_state())[1]["step"] == 1
+        assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]
+        real_save = writer._mngr.save
+
+        def interrupted(step, *a, **kw):   # Ctrl-C while orbax writes step 2
+            os.makedirs(tmp_path / "ckpt" / f"{step}.orbax-checkpoint-tmp" / "state")
+            raise KeyboardInterrupt
+        writer._mngr.save = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            writer.save(state0.replace(step=state0.step + 2))
+        writer._mngr.save = real_save
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]   # removed on the way out too
+
+
+def test_an_explicit_step_that_cannot_be_restored_is_one_error(setup, tmp_path):
+    params, trainer, state0 = setup
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.save(state0.replace(step=state0.step + 1))
+        with pytest.raises(NoRestorableCheckpointError,
+                           match=r"checkpoint step 7 in .* cannot be restored \(step 7: "
+                                 r"FileNotFoundError: there is no step 7 \(steps on disk: \[1\]\)"):
+            ckpt.restore(trainer.abstract_state(), step=7)
+    victim = _largest_data_file(str(tmp_path / "ckpt" / "1"))
+    os.remove(victim)
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        with pytest.raises(NoRestorableCheckpointError,
+                           match=rf"step 1: CorruptCheckpointError: .*{os.path.basename(victim)} "
+                                 r"is missing"):
+            ckpt.restore(trainer.abstract_state(), step=1)
+
+
+def test_orbax_disk_full_records_are_dropped_and_others_kept(caplog):
+    """On a full disk orbax logs one error with a traceback per writer thread; the one
+    CheckpointWriteError line replaces them. Other orbax errors still reach the log."""
+    import logging
+
+    from strata_jax.training import checkpoint as ck
+    absl = logging.getLogger("absl")
+    absl.addFilter(ck._DISK_FULL_NOISE)
+    here = os.path.join(os.path.dirname(ck.ocp.__file__), "future.py")
+
+    def emit(msg, exc=None):
+        rec = absl.makeRecord("absl", logging.ERROR, here, 1, msg, (),
+                              (type(exc), exc, None) if exc else None)
+        absl.handle(rec)
+
+    with caplog.at_level(logging.ERROR, logger="absl"):
+        emit("_SignalingThread.run() raised an exception: RESOURCE_EXHAUSTED: Error writing "
+             "params.w/0", ValueError("RESOURCE_EXHAUSTED: Failed writing"))
+        emit("thread failed", OSError(28, "No space left on device"))
+        emit("another orbax failure", ValueError("permission denied"))
+    assert [r.getMessage() for r in caplog.records] == ["another orbax failure"]

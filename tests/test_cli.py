@@ -143,9 +143,15 @@ def test_split_config_args_forms():
                                   "got -0.1"),
     ("eval.temperature", math.inf, "eval.temperature must be a finite number >= 0 (0 = greedy), "
                                    "got inf"),
+    ("rollout.temperature", 1e-39, "rollout.temperature must be a finite number >= 1e-06 or 0 "
+                                   "(greedy), got 1e-39 (smaller temperatures overflow float32 "
+                                   "logits / temperature into NaN logprobs)"),
+    ("eval.temperature", 1e-46, "eval.temperature must be a finite number >= 1e-06 or 0 (greedy), "
+                                "got 1e-46 (smaller temperatures overflow float32 logits / "
+                                "temperature into NaN logprobs)"),
     ("rollout.max_action_tokens", 0, "rollout.max_action_tokens must be an integer >= 1, got 0 "
                                      "(--config.rollout.max_action_tokens=...)"),
-    ("rollout.cohorts", 0, "rollout.cohorts must be an integer >= 1, got 0"),
+    ("rollout.cohorts", -1, "rollout.cohorts must be an integer >= 0, got -1"),
     ("optim.micro_batch_size", 0, "optim.micro_batch_size must be an integer >= 1, got 0"),
     ("env.history_length", -1, "env.history_length must be an integer >= 0, got -1"),
     ("env.max_prompt_tokens", 0, "env.max_prompt_tokens must be an integer >= 1, got 0"),
@@ -209,7 +215,14 @@ def _run(script, *args, env=None):
 
 @pytest.mark.parametrize("script,args,line", [
     ("train.py", ["--config=configs/sciworld.py:tiny,grop"],
-     "train.py: --config=configs/sciworld.py:tiny,grop: unknown config variant 'grop'; use tiny"),
+     "train.py: --config=configs/sciworld.py:tiny,grop: unknown config variant 'grop' (did you "
+     "mean 'grpo'?); use tiny"),
+    ("train.py", ["--config=configs/sciworld.py:tiny", "--iterations=6"],
+     "train.py: --iterations is not a flag of this script; config fields are set as "
+     "--config.<field>=<value>: --config.iterations=6"),
+    ("eval.py", ["--config=configs/sciworld.py:tiny", "--seed=3"],
+     "eval.py: --seed is not a flag of this script; config fields are set as "
+     "--config.<field>=<value>: --config.seed=3"),
     ("eval.py", ["--config=configs/sciworld.py:tiny,optim.lrr=1e-5"],
      "eval.py: --config=configs/sciworld.py:tiny,optim.lrr=1e-5: unknown config field "
      "'optim.lrr' (did you mean 'lr'?)."),
@@ -238,6 +251,47 @@ def test_user_mistakes_are_one_line_and_write_nothing(tmp_path, script, args, li
     assert err[0].startswith(line.format(workdir=workdir)), err[0]
     assert "Traceback" not in out.stderr
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize("script, extra", [("train.py", []),
+                                           ("eval.py", ["--no_checkpoint", "--split=dev"])])
+def test_a_hostile_model_file_is_one_line_before_anything_is_written(tmp_path, script, extra):
+    """A GGUF declaring a 2**60-item metadata array (it hung the reference reader): one line
+    naming the flag, the file and what to do; no traceback, no workdir."""
+    import struct
+
+    from tests.gguf_fixtures import gguf_key, hostile_gguf
+    model = hostile_gguf(str(tmp_path / "m.gguf"), n_kv=1, pad=100,
+                         kv=gguf_key("general.x") + struct.pack("<IIQ", 9, 0, 2**60))
+    workdir = tmp_path / "run"
+    out = _run(script, "--config=configs/sciworld.py:tiny", f"--config.model.path={model}",
+               "--config.model.preset=", f"--config.workdir={workdir}", *extra)
+    assert out.returncode == 2, out.stderr
+    err = [ln for ln in out.stderr.strip().splitlines()
+           if " strata_jax" not in ln and " envs_bridge" not in ln]
+    assert err == [f"{script}: error: --config.model.path={model}: {model} is not a readable "
+                   "GGUF file (malformed or hostile): metadata array 'general.x' declares "
+                   "1152921504606846976 items (at most 65536 are accepted); re-download or "
+                   "re-convert it"], out.stderr
+    assert not workdir.exists()
+
+
+def test_damaged_runs_and_checkpoints_are_user_errors_of_one_line(capsys):
+    """A checkpoint that cannot be restored, a damaged metrics.jsonl and a bad model file end
+    train.py / eval.py with one line and status 2 (they were tracebacks)."""
+    from strata_jax.cli import guarded, user_errors
+    from strata_jax.metrics import DamagedLogError
+    from strata_jax.models.gguf import GGUFError
+    from strata_jax.training import NoRestorableCheckpointError
+    assert {NoRestorableCheckpointError, DamagedLogError, GGUFError} <= set(user_errors())
+    for err in (NoRestorableCheckpointError("no restorable checkpoint in w/ckpt (step 3: ...)"),
+                DamagedLogError("w/metrics.jsonl: line 2 is not JSON"), GGUFError("m.gguf: bad")):
+        def main(argv, err=err):
+            raise err
+        with pytest.raises(SystemExit) as e:
+            guarded(main)([])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.endswith(f": error: {err}\n")
 
 
 def test_existing_run_of_another_config_is_refused_in_one_line(tmp_path):
@@ -270,12 +324,13 @@ def test_ctrl_c_is_a_clean_stop_and_a_second_one_stops_at_once():
             os.kill(os.getpid(), signal.SIGINT)
     finally:
         flag.uninstall()
-    flag = train._stop_flag().install()
-    try:
-        os.kill(os.getpid(), signal.SIGTERM)          # preemption: the same clean stop
-        assert flag.requested
-    finally:
-        flag.uninstall()
+    for sig in (signal.SIGTERM, signal.SIGHUP):       # preemption, a closed terminal: the same
+        flag = train._stop_flag().install()           # clean stop
+        try:
+            os.kill(os.getpid(), sig)
+            assert flag.requested
+        finally:
+            flag.uninstall()
 
 
 def test_guarded_main_turns_ctrl_c_and_user_errors_into_one_line(capsys):
@@ -304,3 +359,84 @@ def test_guarded_main_turns_ctrl_c_and_user_errors_into_one_line(capsys):
         f"{prog}: error: rollout.top_p must be in (0, 1] (1 = off), got 0.0\n")
     with pytest.raises(ZeroDivisionError):
         guarded(bug)([])
+
+
+def test_running_a_checkout_config_from_elsewhere_says_where_runs_go(tmp_path):
+    """From another directory the relative run folders would land there, beside no earlier run or
+    cached warm start: one note says so (from the checkout, nothing: the one-line tests above)."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
+                          f"--config={os.path.join(ROOT, 'configs', 'sciworld.py')}:tiny",
+                          "--config.rollout.top_k=-2"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2
+    notes = [ln for ln in out.stderr.splitlines() if ln.startswith("train.py: note: ")]
+    assert notes == [f"train.py: note: workdir, sft.cache_dir, compilation_cache_dir "
+                     f"(runs/sciworld_tiny, ...) are relative to the current directory {tmp_path}"
+                     f", not to the checkout {ROOT}: run from the checkout to find its runs and "
+                     "cached warm starts"]
+    assert not (tmp_path / "runs").exists()
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
+                          f"--config={os.path.join(ROOT, 'configs', 'sciworld.py')}:tiny",
+                          f"--config.workdir={tmp_path / 'run'}",
+                          f"--config.sft.cache_dir={tmp_path / 'ws'}",
+                          "--config.compilation_cache_dir=", "--config.rollout.top_k=-2"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "note:" not in out.stderr
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_outside_the_loop_is_one_line_130_and_runs_cleanup(tmp_path, sig):
+    """Outside the training loop (setup, a warm start, eval, a fetch) SIGTERM and SIGHUP stop
+    at once like Ctrl-C: `finally` blocks run (here: a marker file), one line, status 130.
+    Before, SIGHUP killed the process with no line and no cleanup."""
+    marker = tmp_path / "cleaned"
+    code = (f"import os, signal, sys, time\nsys.argv = ['prog.py']\n"
+            f"from strata_jax.cli import guarded\n"
+            f"def main(argv):\n"
+            f"    try:\n"
+            f"        os.kill(os.getpid(), signal.{sig}); time.sleep(30)\n"
+            f"    finally:\n"
+            f"        open({str(marker)!r}, 'w').close()\n"
+            f"guarded(main)([])\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 130, out.stderr
+    assert out.stderr == (f"prog.py: stopped ({sig}); the same command resumes a training run "
+                          "from its newest checkpoint (a warm start in progress starts over)\n")
+    assert marker.exists()
+
+
+def test_a_preempted_run_exits_75_a_finished_one_0(monkeypatch, capsys):
+    import signal
+
+    import types
+
+    import train
+    from strata_jax import metrics
+    monkeypatch.setattr(train, "_CONFIG", types.SimpleNamespace(value=None))
+    monkeypatch.setattr(metrics, "quiet_logs", lambda: None)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for status, code in (("done", 0), ("preempted", 75)):
+            monkeypatch.setattr(train, "run", lambda c, s=status: {"status": s, "step": 3,
+                                                                   "workdir": "w"})
+            assert train.main([]) == code
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    out = capsys.readouterr().out
+    assert "done: step 3, outputs in w" in out
+    assert "preempted: step 3 saved, outputs in w; the same command continues the run" in out
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--config=configs/sciworld.py:tiny", "--bogus"],
+     "train.py: Unknown command line flag 'bogus'. --helpshort lists the flags"),
+    ([], "train.py: flag --config=None: Flag --config must have a value other than None.. "
+         "--helpshort lists the flags"),
+])
+def test_flag_errors_exit_2_in_one_line(args, line):
+    out = _run("train.py", *args)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [line]
+    assert _run("train.py", "--helpshort").returncode == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+import numpy as np
 import pytest
 
 from configs import base
@@ -135,3 +136,19 @@ def test_a_missing_key_is_refused_not_defaulted():
     del c.train["compute_dtype"]
     with pytest.raises(ConfigError, match="the config lacks 'train.compute_dtype'"):
         TrainConfig.from_config(c)
+
+
+def test_warm_up_starts_at_learning_rate_zero():
+    # docs/method.md §9.3: optax's linear warm-up from 0, so the first optimiser step (RL
+    # update and behaviour cloning alike) runs at rate 0 and moves no parameter.
+    import jax.numpy as jnp
+    import optax
+    from strata_jax.training.state import lr_schedule, make_optimizer
+    cfg = dataclasses.replace(TrainConfig(), warmup_steps=4, lr_schedule="constant")
+    sched = lr_schedule(1e-3, cfg)
+    assert [float(sched(i)) for i in range(6)] == pytest.approx(
+        [0, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+    opt = make_optimizer(dataclasses.replace(cfg, lr=1e-3))
+    params = {"w": jnp.ones((3,), jnp.float32)}
+    updates, _ = opt.update({"w": jnp.full((3,), 0.5)}, opt.init(params), params)
+    assert np.asarray(optax.apply_updates(params, updates)["w"]).tolist() == [1.0, 1.0, 1.0]

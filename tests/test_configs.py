@@ -1,5 +1,6 @@
 """Config files load, validate and apply variants as documented."""
 import importlib
+import os
 
 import pytest
 
@@ -66,7 +67,9 @@ def test_env_kwargs_pass_only_what_the_env_takes():
     from configs import builtin
     from strata_jax.experiment import env_kwargs
     c = builtin.get_config("tiny")
-    assert env_kwargs(c) == {"max_steps": 8, "code_digits": 1}
+    assert env_kwargs(c) == {"max_steps": 8, "code_digits": 1, "code_attempts": 0}
+    c.env.code_attempts = 1
+    assert env_kwargs(c) == {"max_steps": 8, "code_digits": 1, "code_attempts": 1}
     # grid_nav's constructor has no code_digits: the memory_key field stays out of its kwargs.
     c.env.name = "grid_nav"
     assert env_kwargs(c) == {"max_steps": 8}
@@ -79,3 +82,27 @@ def test_unknown_split_is_a_config_error_naming_the_splits():
     c = sciworld.get_config("tiny")
     with pytest.raises(ex.ConfigError, match="unknown split 'tset'; use 'train', 'dev' or 'test'"):
         ex.task_list(c, "tset")
+
+
+def test_reading_a_config_imports_no_jax():
+    """A config typo is reported before the heavy imports: reading an experiment file (variants
+    included) loads neither jax nor flax nor optax."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys; from configs import sciworld; sciworld.get_config('tiny,grpo,matched'); "
+            "print([m for m in ('jax', 'flax', 'optax') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_remat_policy_names_are_written_once():
+    """The policy names live in strata_jax.config (the override parser and TrainConfig read them
+    there); the model maps each name but "none" to its jax.checkpoint policy."""
+    from strata_jax import config
+    from strata_jax.models import qwen2
+    from strata_jax.training import config as train_config
+    assert train_config.REMAT_POLICIES is config.REMAT_POLICIES
+    assert ("none", *qwen2.REMAT_POLICIES) == config.REMAT_POLICIES

@@ -3,6 +3,8 @@ import dataclasses
 import os
 
 import jax
+import jax.numpy as jnp
+import jaxlib
 import pytest
 
 from configs import sciworld
@@ -184,8 +186,79 @@ def test_compilation_cache_dir_is_created_and_a_bad_one_is_a_clear_error(tmp_pat
     assert jax.config.jax_compilation_cache_dir == before       # nothing changed
     c.compilation_cache_dir = str(tmp_path / "a" / "cache")
     try:
-        assert ex.use_compilation_cache(c) == str(tmp_path / "a" / "cache")
-        assert os.path.isdir(tmp_path / "a" / "cache")
-        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "a" / "cache")
+        # one folder per jax / jaxlib version and device set under the configured directory
+        sub = (f"jax-{jax.__version__}_jaxlib-{jaxlib.__version__}_{jax.devices()[0].platform}-"
+               f"{jax.devices()[0].device_kind.lower()}-x{jax.device_count()}")
+        assert ex.use_compilation_cache(c) == str(tmp_path / "a" / "cache" / sub)
+        assert os.path.isdir(tmp_path / "a" / "cache" / sub)
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "a" / "cache" / sub)
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+@pytest.fixture
+def fresh_jax_cache(tmp_path):
+    """jax's persistent cache in a fresh folder for this test, every program stored."""
+    from jax._src import compilation_cache as cc
+
+    from strata_jax import compile_cache
+    saved = {k: getattr(jax.config, k) for k in (
+        "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes")}
+    compile_cache.install()
+    cc.reset_cache()
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jc"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    yield tmp_path / "jc"
+    cc.reset_cache()
+    for k, v in saved.items():
+        jax.config.update(k, v)
+
+
+def _entries(folder):
+    return sorted(p for p in folder.iterdir() if p.name.endswith("-cache"))
+
+
+def test_swapped_or_damaged_cache_entries_are_evicted_and_recompiled(fresh_jax_cache):
+    """Two entries with swapped contents loaded as hits and returned each other's results
+    (jax trusts file names); a damaged entry was never rewritten. Sealed entries fail their
+    check instead: deleted, compiled again, stored anew, the right results."""
+    import numpy as np
+
+    from jax._src import compilation_cache as cc
+    x = jnp.arange(6.0)
+
+    def head(v):
+        return v[:2] + 1
+
+    def colsum(v):
+        return jnp.outer(v, v).sum(0)
+
+    def run():
+        jax.clear_caches()   # forget compiled programs in memory: load from the folder
+        return np.asarray(jax.jit(head)(x)), np.asarray(jax.jit(colsum)(x))
+
+    first = run()
+    a, = [p for p in _entries(fresh_jax_cache) if p.name.startswith("jit_head-")]
+    b, = [p for p in _entries(fresh_jax_cache) if p.name.startswith("jit_colsum-")]
+    good = {a.name: a.read_bytes(), b.name: b.read_bytes()}
+    assert all(v.startswith(b"strata-sealed-v1") for v in good.values())
+    a.write_bytes(good[b.name])                       # swap the two entries' contents
+    b.write_bytes(good[a.name])
+    cache = cc._cache
+    again = run()
+    assert [r.shape for r in again] == [(2,), (6,)]
+    for r, r0 in zip(again, first):
+        np.testing.assert_array_equal(r, r0)
+    assert sorted(cache.evicted) == sorted(p.name[:-len("-cache")] for p in (a, b))
+    from strata_jax.compile_cache import unseal
+    for p in (a, b):                                  # rewritten, each under its own key
+        assert unseal(p.name[:-len("-cache")], p.read_bytes()) is not None
+    damaged = bytearray(good[a.name])
+    damaged[-5] ^= 0x40                               # a bit flip inside one entry
+    a.write_bytes(bytes(damaged))
+    run()
+    assert cache.evicted[-1] == a.name[:-len("-cache")]
+    assert unseal(a.name[:-len("-cache")], a.read_bytes()) is not None   # good again
+

@@ -1,4 +1,5 @@
 """Built-in envs, the env registry, the step bookkeeping and the task sampler."""
+import dataclasses
 import json
 import os
 import re
@@ -99,6 +100,71 @@ def test_memory_key_one_digit_code_and_bad_length():
         make_env("memory_key", code_digits=0)
 
 
+def _walk_to_vault(env):
+    obs = None
+    while env.expert_action() == "go north":
+        obs, *_ = env.step("go north")
+    return obs
+
+
+def test_memory_key_one_attempt_locks_the_keypad_and_ends_the_episode():
+    env = make_env("memory_key", code_digits=1, code_attempts=1, max_steps=10)
+    env.reset(Task("memory_key", "memory_key", 3))   # code 3 (above)
+    assert env.admissible_actions() == ["look", "go north"]
+    obs = _walk_to_vault(env)
+    assert obs.endswith("waits for a 1-digit code. It allows 1 more try.")
+    # one digit: the vault lists every concrete code, in order, after the moves
+    assert env.admissible_actions() == ["look", "go south"] + [f"enter {d}" for d in range(10)]
+    obs, r, done, info = env.step("enter 4")
+    assert (r, done, info["success"], info["invalid"]) == (0.0, True, False, False)
+    assert obs == "The keypad buzzes: wrong code. The keypad locks for good."
+    # the right code opens it at the first try
+    env.reset(Task("memory_key", "memory_key", 3))
+    _walk_to_vault(env)
+    assert env.step("enter code 3")[1:3] == (1.0, True)
+
+
+def test_memory_key_only_a_well_formed_code_at_the_keypad_is_a_try():
+    """Before the vault there is no keypad, and a code of the wrong length is refused: neither
+    uses an attempt; a wrong code of the right length does, down to the lock."""
+    env = make_env("memory_key", code_digits=1, code_attempts=2, max_steps=20)
+    env.reset(Task("memory_key", "memory_key", 3))               # code 3
+    for early in ("enter 3", "enter 4", "enter"):
+        obs, r, done, info = env.step(early)
+        assert (obs, r, done, info["invalid"]) == ("Nothing happens.", 0.0, False, True)
+    assert env.attempts_left == 2
+    assert _walk_to_vault(env).endswith("It allows 2 more tries.")
+    for malformed in ("enter", "enter code", "enter 33"):
+        obs, r, done, info = env.step(malformed)
+        assert (r, done, info["invalid"]) == (0.0, False, True), malformed
+    assert obs == "The keypad beeps: it takes a 1-digit code." and env.attempts_left == 2
+    obs, r, done, info = env.step("enter 5")
+    assert (obs, r, done, info["invalid"]) == (
+        "The keypad buzzes: wrong code. It allows 1 more try.", 0.0, False, False)
+    obs, r, done, _ = env.step("enter 7")
+    assert (r, done) == (0.0, True) and obs.endswith("The keypad locks for good.")
+
+
+def test_memory_key_unlimited_attempts_keep_todays_rules():
+    env = make_env("memory_key", code_digits=1, max_steps=20)   # code_attempts=0 by default
+    env.reset(Task("memory_key", "memory_key", 3))
+    obs, r, done, info = env.step("enter 3")                     # before the vault: rejected
+    assert (obs, r, done, info["invalid"]) == ("Nothing happens.", 0.0, False, True)
+    obs = _walk_to_vault(env)
+    assert obs.endswith("waits for a 1-digit code.")            # no tries count shown
+    for wrong in ("enter 0", "enter 1", "enter 2"):
+        assert env.step(wrong)[1:3] == (0.0, False)
+    assert env.step("enter")[0] == "Nothing happens."            # bare verb: rejected
+    assert env.step("enter 3")[1:3] == (1.0, True)
+    with pytest.raises(ValueError, match="code_attempts must be >= 0"):
+        make_env("memory_key", code_attempts=-1)
+    # three digits: 1000 codes, the template instead of a list
+    env = make_env("memory_key", code_digits=3, code_attempts=1)
+    env.reset(Task("memory_key", "memory_key", 3))
+    _walk_to_vault(env)
+    assert env.admissible_actions() == ["look", "go south", "enter <digits>"]
+
+
 def test_deterministic_identical_copies():
     a, b = make_env("grid_nav"), make_env("grid_nav")
     t = Task("grid_nav", "grid_nav", 42)
@@ -142,6 +208,30 @@ def test_sampler_same_seed_same_sequence_and_exact_resume():
         TaskSampler(tasks[:10], seed=7).set_state(state)
     with pytest.raises(ValueError):
         TaskSampler([], seed=0)
+
+
+def test_sampler_refuses_a_state_of_another_task_list_of_the_same_size():
+    # The same 100 dev tasks give the same fingerprint; other seeds (another split's 100
+    # tasks relabelled "dev"), one task changed, or the same tasks reordered are refused: the
+    # saved position would continue with other tasks.
+    tasks = builtin_task_list("memory_key", "dev")
+    s = TaskSampler(tasks, seed=7)
+    s.sample(5)
+    state = json.loads(json.dumps(s.get_state()))
+    assert state["num_tasks"] == 100 and len(state["tasks_sha256"]) == 64
+    TaskSampler(builtin_task_list("memory_key", "dev"), seed=0).set_state(state)   # accepted
+    other_seeds = [dataclasses.replace(t, split="dev")
+                   for t in builtin_task_list("memory_key", "test")]
+    one_changed = tasks[:50] + [dataclasses.replace(tasks[50], variation=4242)] + tasks[51:]
+    for other in (other_seeds, one_changed, tasks[::-1]):
+        assert len(other) == 100
+        with pytest.raises(ValueError, match="another list of 100 tasks"):
+            TaskSampler(other, seed=7).set_state(state)
+    # a state saved before the fingerprint was recorded is checked by size only
+    old = {k: v for k, v in state.items() if k != "tasks_sha256"}
+    resumed = TaskSampler(tasks, seed=0)
+    resumed.set_state(old)
+    assert resumed.sample(3) == TaskSampler(tasks, seed=7).sample(8)[5:]
 
 
 @pytest.mark.parametrize("guess", ["²", "①", "٣", "-²", "1" * 5000, "--3", "4.0"])

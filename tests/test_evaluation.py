@@ -1,5 +1,5 @@
 """Evaluation: per-family summaries by the env's family, flat baselines' metrics, and
-test-time strategy scaling (strata_jax/test_time.py) with a scripted policy on memory_key."""
+test-time strategy scaling (strata_jax/evaluation/scaling.py) with a scripted policy on memory_key."""
 from __future__ import annotations
 
 import re
@@ -15,7 +15,7 @@ from strata_jax.evaluation import (eval_rollout_config, evaluate, format_metrics
 from strata_jax.models import load_tokenizer
 from strata_jax.rollout import PromptBuilder, ScriptedPolicy, collect_rollout, rollout_stats
 from strata_jax.rollout.records import EpisodeSpec, LoopStats, StepRecord, Trajectory
-from strata_jax.test_time import (TestTimeConfig, choose, critic_scorer, evaluate_scaled,
+from strata_jax.evaluation.scaling import (TestTimeConfig, choose, critic_scorer, evaluate_scaled,
                                   first_action_votes)
 
 GAME = ("/data/alfworld/json_2.1.1/valid_unseen/pick_cool_then_place_in_recep-Apple-None-"
@@ -283,7 +283,7 @@ def test_critic_scorer_gives_the_trainers_values(algo, kind):
 
 def test_critic_choice_without_a_critic_is_a_clear_error(tmp_path):
     from strata_jax import experiment as ex
-    from strata_jax.eval_run import run_eval
+    from strata_jax.evaluation.run import run_eval
     from strata_jax.models import init_params
     from strata_jax.training import Trainer
     from tests.trainer_fixtures import TINY, train_config
@@ -317,7 +317,7 @@ def test_choosers_by_hand():
     # first actions: invalid, a, b, a, b -> a and b tie at 2; a was taken first (candidate 1)
     votes = first_action_votes([probe(None), probe("a"), probe("b"), probe("a"), probe("b")])
     assert votes == [0.0, 2.0, 2.0, 2.0, 2.0] and choose(votes) == 1
-    from strata_jax.test_time import judge_scores
+    from strata_jax.evaluation.scaling import judge_scores
     scores = judge_scores([probe("a", 4, (1, 2)), probe("a", 4, (3,)), probe("a", 0),
                            probe("a", 4, crashed=True), probe("a", 4, verdict=None)])
     assert scores[:2] == [0.5, 0.75] and all(s == float("-inf") for s in scores[2:])

@@ -20,9 +20,19 @@ def test_check_strategy_rules():
         "unclosed": ("<strategy>a b c", False),
         "cjk": ("<strategy>先 go north</strategy>", False),
         "stray open tag": ("<strategy>a</strategy> <strategy>", False),
+        # nothing a reader could see: zero-width space / joiners, word joiner, BOM, soft
+        # hyphen, hangul filler, braille blank, controls, a lone combining mark
+        "zero-width": ("<strategy>\u200b\u200c\u200d</strategy>", False),
+        "word joiner + bom + shy": ("<strategy>\u2060\ufeff\u00ad</strategy>", False),
+        "hangul filler + braille blank": ("<strategy>\u3164 \u2800</strategy>", False),
+        "controls + combining": ("<strategy>\x01\x7f\u0301\u034f</strategy>", False),
     }
     for name, (text, trunc) in cases.items():
         assert check_strategy(text, trunc, count).format_fail, name
+    blank = check_strategy("<strategy>\u3164\u2800\u200b</strategy>", False, count)
+    assert (blank.format_fail, blank.reason) == (True, "empty <strategy> block")
+    # a readable plan with invisible characters in it still passes
+    assert check_strategy("<strategy>go\u200b north</strategy>", False, count).format_fail is False
     # |z| is counted on the first block's body even when the candidate fails
     two = check_strategy("<strategy>a b</strategy><strategy>c</strategy>", False, count)
     assert (two.text, two.token_len) == ("a b", 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +15,11 @@ import pytest
 from strata_jax.models import Qwen2Config, export_params, forward, load_checkpoint, \
     load_tokenizer, logits_from_hidden
 from strata_jax.models import fetch as fetch_mod
+from strata_jax.models import gguf as gguf_mod
 from strata_jax.models.gguf import gguf_config, gguf_name_to_hf, gguf_tensors
 from strata_jax.models.loading import resolve_checkpoint
-from tests.gguf_fixtures import KQUANT_CONFIG, byte_symbols, hf_from_gguf, write_qwen2_gguf
+from tests.gguf_fixtures import (KQUANT_CONFIG, byte_symbols, gguf_key, hf_from_gguf,
+                                 hostile_gguf, write_qwen2_gguf)
 from tests.model_fixtures import PARITY_CONFIGS, hf_logits, make_hf_model, padded_batch
 
 _fwd = jax.jit(forward, static_argnames=("config",))
@@ -148,10 +151,18 @@ def test_a_file_without_token_types_names_the_key_and_the_offline_tokenizer(smal
 
 def test_optional_metadata_defaults(small_model, tmp_path):
     """head_count_kv defaults to head_count and rope.freq_base to 10000, as in llama.cpp."""
-    path = write_qwen2_gguf(small_model, str(tmp_path / "d.gguf"),
+    mha = make_hf_model(seed=3, **PARITY_CONFIGS["untied_mha"])
+    path = write_qwen2_gguf(mha, str(tmp_path / "d.gguf"),
                             skip_keys=("qwen2.rope.freq_base", "qwen2.attention.head_count_kv"))
     cfg = gguf_config(path)
-    assert cfg.rope_theta == 10000.0 and cfg.num_kv_heads == cfg.num_heads == 4
+    heads = PARITY_CONFIGS["untied_mha"]["num_attention_heads"]
+    assert cfg.rope_theta == 10000.0 and cfg.num_kv_heads == cfg.num_heads == heads
+    # With GQA tensors the default contradicts layer 0's k width: refused, not mis-shaped.
+    path = write_qwen2_gguf(small_model, str(tmp_path / "g.gguf"),
+                            skip_keys=("qwen2.attention.head_count_kv",))
+    with pytest.raises(ValueError, match=r"head_count_kv x key_length' is 64 but tensor "
+                                         r"'blk.0.attn_k.weight' says 32"):
+        gguf_config(path)
 
 
 def test_bad_files_are_named(tmp_path):
@@ -165,6 +176,81 @@ def test_bad_files_are_named(tmp_path):
     truncated.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 5)
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         gguf_config(str(truncated))
+
+
+def _no_reader(monkeypatch):
+    """Make the reference reader fail the test if it is ever reached."""
+    import gguf
+
+    def reader(*a, **k):
+        raise AssertionError("the reference reader parsed a file the pre-scan should refuse")
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
+    gguf_mod._reader.cache_clear()
+
+
+def test_hostile_counts_are_refused_before_the_reader_parses(tmp_path, monkeypatch):
+    import struct
+    _no_reader(monkeypatch)
+    # 2**60 uint8 items declared in a file of a few dozen bytes
+    huge = hostile_gguf(str(tmp_path / "huge.gguf"), n_kv=1, pad=100,
+                        kv=gguf_key("general.x") + struct.pack("<IIQ", 9, 0, 2**60))
+    with pytest.raises(gguf_mod.GGUFError, match=r"'general.x' declares 1152921504606846976 "
+                                                 r"items \(at most 65536"):
+        gguf_config(huge)
+    # a vocabulary-sized string array one item over the bound, every item present
+    n = gguf_mod.MAX_VOCAB + 1
+    many = hostile_gguf(str(tmp_path / "many.gguf"), n_kv=1, pad=8 * n,
+                        kv=gguf_key("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, n))
+    with pytest.raises(gguf_mod.GGUFError, match=rf"declares {n} items \(at most {n - 1}"):
+        gguf_config(many)
+    # counts larger than the bytes left, a string past the end, a nested array
+    for name, kv, n_kv, msg in [
+            ("kv", b"", 2**40, "the metadata table declares 1099511627776 items"),
+            ("str", gguf_key("general.name") + struct.pack("<IQ", 8, 2**50), 1,
+             "metadata 'general.name' declares 1125899906842624 bytes"),
+            ("nest", gguf_key("general.a") + struct.pack("<IIQ", 9, 9, 1), 1,
+             "nested arrays and unknown types are refused")]:
+        path = hostile_gguf(str(tmp_path / f"{name}.gguf"), kv=kv, n_kv=n_kv, pad=64)
+        with pytest.raises(gguf_mod.GGUFError, match=re.escape(msg)):
+            gguf_config(path)
+    with pytest.raises(gguf_mod.GGUFError, match="the tensor table declares 4294967296 items"):
+        gguf_config(hostile_gguf(str(tmp_path / "t.gguf"), n_tensors=2**32, pad=64))
+
+
+@pytest.mark.parametrize("key, value, msg", [
+    ("qwen2.block_count", 2**31, "'qwen2.block_count' is 2147483648, above the 1024"),
+    ("qwen2.block_count", 3, "'qwen2.block_count' is 3 but the file holds tensors of 2 layers"),
+    ("qwen2.embedding_length", 2**40, "'qwen2.embedding_length' is 1099511627776, above"),
+    ("qwen2.embedding_length", 128, "'qwen2.embedding_length' is 128 but tensor "
+                                    "'token_embd.weight' says 64"),
+    ("qwen2.feed_forward_length", 97, "'qwen2.feed_forward_length' is 97 but tensor "
+                                      "'blk.0.ffn_up.weight' says 96"),
+    ("qwen2.context_length", 2**40, "'qwen2.context_length' is 1099511627776, above"),
+])
+def test_sizes_are_bounded_and_match_the_tensors(small_model, tmp_path, key, value, msg):
+    """A valid file with one hostile size is refused before any layer is built."""
+    path = write_qwen2_gguf(small_model, str(tmp_path / "b.gguf"), extra_kv={key: value})
+    with pytest.raises(gguf_mod.GGUFError, match=re.escape(msg)):
+        load_checkpoint(path)
+
+
+def test_a_vocabulary_above_the_bound_is_refused(small_model, tmp_path, monkeypatch):
+    path = write_qwen2_gguf(small_model, str(tmp_path / "v.gguf"))
+    gguf_config(path)   # parsed (and cached) under the real bounds: the config check is next
+    monkeypatch.setattr(gguf_mod, "MAX_VOCAB", 511)   # the fixture's vocabulary is 512
+    with pytest.raises(gguf_mod.GGUFError, match=r"token_embd.weight has 512 rows, above the 511"):
+        gguf_config(path)
+
+
+def test_a_tensor_past_the_end_of_the_file_is_named(small_model, tmp_path, monkeypatch):
+    path = write_qwen2_gguf(small_model, str(tmp_path / "cut.gguf"))
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - 1)
+    _no_reader(monkeypatch)
+    with pytest.raises(gguf_mod.GGUFError, match=r"tensor '.*' \(\d+ bytes at offset \d+\) lies "
+                                                 r"past the end of the file .*truncated"):
+        gguf_config(path)
 
 
 def test_experiment_builds_model_and_tokenizer_from_a_gguf_path(small_model, tmp_path):
@@ -227,14 +313,111 @@ def test_fetch_assembles_verifies_and_reuses(tmp_path, monkeypatch):
     path = fetch_mod.fetch("fake-model", str(tmp_path / "cache"))
     assert open(path, "rb").read() == payload
     assert sorted(os.listdir(os.path.dirname(path))) == ["fake-model.gguf",
-                                                         "fake-model.gguf.verified"]
-    # A same-size corruption is caught once the mtime moves (the record no longer matches).
+                                                         "fake-model.gguf.lock"]
+    assert fetch_mod.fetch("fake-model", str(tmp_path / "cache")) == path
+    # A one-byte flip with size and mtime restored is caught, in this process (its ctime
+    # moved) and in a fresh one (every process hashes the file on first use).
+    st = os.stat(path)
     with open(path, "r+b") as f:
         f.seek(100)
         f.write(bytes([payload[100] ^ 1]))
-    os.utime(path, ns=(1, 1))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.path.getsize(path) == st.st_size
     with pytest.raises(ValueError, match="sha256"):
         fetch_mod.fetch("fake-model", str(tmp_path / "cache"))
+    fetch_mod._VERIFIED.clear()
+    with pytest.raises(ValueError, match="sha256"):
+        fetch_mod.fetch("fake-model", str(tmp_path / "cache"))
+
+
+def test_a_pinned_model_given_by_path_is_hashed(tmp_path, monkeypatch):
+    """A fetched file copied elsewhere and loaded by path is checked against its pin."""
+    payload = b"GGUF" + os.urandom(2000)
+    _fake_registry(tmp_path, monkeypatch, payload)
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(payload)
+    assert resolve_checkpoint(str(copy)) == str(copy)
+    copy.write_bytes(payload[:-1] + bytes([payload[-1] ^ 1]))
+    with pytest.raises(ValueError, match=r"copy.gguf has sha256 .*expected .*delete it"):
+        resolve_checkpoint(str(copy))
+
+
+def test_a_killed_fetch_leaves_nothing_the_next_one_keeps(tmp_path, monkeypatch):
+    payload = os.urandom(1000)
+    _fake_registry(tmp_path, monkeypatch, payload)
+    folder = tmp_path / "cache" / "models"
+    left = folder / ".fake-model.k1ll3d"
+    left.mkdir(parents=True)
+    (left / "fake-model.gguf").write_bytes(b"half a model")
+    (folder / ".other-model.x").mkdir()      # another model's fetch may be running: kept
+    fetch_mod.fetch("fake-model", str(tmp_path / "cache"))
+    assert sorted(os.listdir(folder)) == [".other-model.x", "fake-model.gguf",
+                                          "fake-model.gguf.lock"]
+
+
+def test_concurrent_fetches_download_once(tmp_path, monkeypatch):
+    import threading
+    payload = os.urandom(1000)
+    _fake_registry(tmp_path, monkeypatch, payload)
+    real_pip = fetch_mod._pip_download
+    second_waits = threading.Event()
+    logged, downloads = [], []
+
+    def log(msg):
+        logged.append(msg)
+        if msg.startswith("waiting for another fetch of fake-model"):
+            second_waits.set()
+
+    def pip(specs, dest):   # the first download finishes only once the second one waits
+        downloads.append(dest)
+        assert second_waits.wait(60)
+        real_pip(specs, dest)
+
+    monkeypatch.setattr(fetch_mod, "_log", log)
+    monkeypatch.setattr(fetch_mod, "_pip_download", pip)
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(
+        fetch_mod.fetch("fake-model", str(tmp_path / "cache")))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(downloads) == 1 and len(paths) == 2 and paths[0] == paths[1]
+    assert open(paths[0], "rb").read() == payload
+
+
+def test_the_pip_child_dies_with_a_killed_fetch(tmp_path):
+    """kill -9 of the fetching process ends its pip child too (the parent-death signal)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    code = ("import subprocess, sys\n"
+            "from strata_jax.models import fetch\n"
+            "child = subprocess.Popen(fetch.tied_command([sys.executable, '-c', "
+            "'import time; time.sleep(600)']))\n"
+            "print(child.pid, flush=True)\n"
+            "child.wait()\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = int(parent.stdout.readline())
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + 60
+    while "sleep" not in open(f"/proc/{child}/cmdline").read() and time.time() < deadline:
+        time.sleep(0.05)   # until the launcher has exec'd the real program
+    assert alive(child)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    while alive(child) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
 
 
 def test_a_fetch_name_is_a_model_path(tmp_path, monkeypatch):
@@ -251,10 +434,35 @@ def test_fetch_refuses_a_mismatching_download_and_keeps_nothing(tmp_path, monkey
     _fake_registry(tmp_path, monkeypatch, os.urandom(2000), sha="0" * 64)
     with pytest.raises(ValueError, match="expected 2000 / 0000"):
         fetch_mod.fetch("fake-model", str(tmp_path / "cache"))
-    assert os.listdir(tmp_path / "cache" / "models") == []
+    assert os.listdir(tmp_path / "cache" / "models") == ["fake-model.gguf.lock"]  # no data
 
 
-def test_fetch_cli_unknown_name_exit_2(capsys):
+@pytest.fixture
+def keep_signals():
+    """The fetch CLI routes SIGTERM / SIGHUP to its stop handler: put pytest's back after."""
+    import signal
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for s, h in before.items():
+        signal.signal(s, h)
+
+
+def test_fetch_cli_stopped_is_one_line_130_and_keeps_nothing(tmp_path, monkeypatch, capsys,
+                                                            keep_signals):
+    import signal
+    _fake_registry(tmp_path, monkeypatch, os.urandom(1000))
+
+    def stopped(specs, dest):
+        os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(fetch_mod, "_pip_download", stopped)
+    assert fetch_mod.main(["fake-model", "--cache-dir", str(tmp_path / "cache")]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "python -m strata_jax.models.fetch: stopped (SIGTERM); nothing was kept, the same "
+        "command starts the download again")
+    assert os.listdir(tmp_path / "cache" / "models") == ["fake-model.gguf.lock"]
+
+
+def test_fetch_cli_unknown_name_exit_2(capsys, keep_signals):
     assert fetch_mod.main(["qwen-99b"]) == 2
     assert "known: qwen2.5-coder-0.5b-instruct" in capsys.readouterr().err
     assert fetch_mod.main(["--list"]) == 0

@@ -13,11 +13,18 @@ def test_parse_bad_steps():
     assert parse_bad_steps("<bad_steps>3, 2, -1</bad_steps>", 3) == (2, 3)  # keep ints in [1, T]
     assert parse_bad_steps("<bad_steps>-2 +1, 0</bad_steps>", 3) == (1,)
     assert parse_bad_steps("<bad_steps>-1</bad_steps>", 5) == ()  # only out-of-range ints
+    # leading zeros are not significant digits: 5000 characters that spell 3
+    assert parse_bad_steps("<bad_steps>2, " + "0" * 4999 + "3</bad_steps>", 5) == (2, 3)
+    assert parse_bad_steps("<bad_steps>999999999</bad_steps>", 5) == ()   # nine digits: in the rule
     assert parse_bad_steps("<bad_steps>None</bad_steps>", 5) == ()
     assert parse_bad_steps("<bad_steps>2</bad_steps> <bad_steps>3</bad_steps>", 5) == (2,)
     for bad in ("steps 1 and 2", "<bad_steps>1, two</bad_steps>", "<bad_steps>1, 2",
                 "<bad_steps>1.5</bad_steps>", "<bad_steps>-1.5, 2</bad_steps>",
-                "<bad_steps>第1步</bad_steps>", "<bad_steps></bad_steps>"):
+                "<bad_steps>第1步</bad_steps>", "<bad_steps></bad_steps>",
+                # more significant digits than any step index: a malformed verdict, not a crash
+                "<bad_steps>" + "5" * 5000 + "</bad_steps>",
+                "<bad_steps>2, 1" + "0" * 9 + "</bad_steps>",
+                "<bad_steps>-" + "7" * 4301 + ", 1</bad_steps>"):
         assert parse_bad_steps(bad, 5) == (), bad
 
 

@@ -139,6 +139,12 @@ def test_damaged_middle_line_names_file_and_line(tmp_path):
     path.write_text('{"step": 1}\n{"step": 2, "ti\n{"step": 3}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not JSON"):
         read_jsonl(str(path))
+    # a resume meets it in MetricsWriter: a user error (one line from the entry point), and
+    # the file is left as it was
+    from strata_jax.metrics import DamagedLogError
+    with pytest.raises(DamagedLogError, match=r"line 2 is not JSON .*repair or remove that line"):
+        MetricsWriter(str(tmp_path), resume_step=1)
+    assert path.read_text() == '{"step": 1}\n{"step": 2, "ti\n{"step": 3}\n'
 
 
 def test_tensorboard_point_is_on_disk_when_scalars_returns(tmp_path):

@@ -38,6 +38,11 @@ CASES = [
     ("<action>focus on orange</action><think>a</think><action>look</action>", "look", True),
     ("<action>focus on orange</action><think>a</think>", None, False),  # only before think
     ("<think>a <action>x</think></action><action>go</action>", "go", True),  # open tag in think
+    # blank-looking characters that are not Cc / Cf: nothing visible is left, so invalid
+    ("<think>a</think><action>\u3164\u2800</action>", None, False),  # hangul filler, braille blank
+    ("<think>a</think><action>\u00ad\u2060\u034f\ufe0f</action>", None, False),  # SHY WJ CGJ VS16
+    ("<think>a</think><action>\ue000\U000e0041</action>", None, False),  # private use, tag A
+    ("<think>a</think><action>go\u3164 north</action>", "go\u3164 north", True),  # words stay
 ]
 
 
@@ -55,3 +60,30 @@ def test_table_size():
 def test_think_body_and_cjk_detector():
     assert parse_action("<think> plan A </think><action>go</action>").think == "plan A"
     assert contains_cjk("カタカナ") and contains_cjk("한국어") and not contains_cjk("café naïve ü")
+
+
+# Characters a policy can write that have broken parsers elsewhere: every invisible class,
+# surrogates, huge digit runs, the tags themselves in any case, RTL and CJK text.
+_HOSTILE = (["<think>", "</think>", "<action>", "</action>", "<ACTION>", "<strategy>",
+             "</strategy>", "<bad_steps>", "</bad_steps>", "none", ", ", "-", "+", " ", "\n",
+             "9" * 5000, "0" * 4400 + "1", "\u200b", "\u200d", "\u2060", "\ufeff", "\u00ad",
+             "\u3164", "\u2800", "\x00", "\x1b[31m", "\ud800", "\udfff", "\U0010ffff",
+             "\u202e", "\u0301", "\uff11", "\u0663", "\u00b2", "go north", "先", "\r\n"])
+
+
+def _hostile_texts(n, seed):
+    import random
+    rng = random.Random(seed)
+    for _ in range(n):
+        yield "".join(rng.choice(_HOSTILE) if rng.random() < 0.7 else chr(rng.randrange(0x110000))
+                      for _ in range(rng.randrange(0, 12)))
+
+
+def test_every_parser_answers_any_text_without_an_exception():
+    from strata_jax.rollout import check_strategy, parse_bad_steps
+    count = lambda s: len(s.split())  # noqa: E731
+    for text in _hostile_texts(3000, seed=0):
+        got = parse_action(text)
+        assert got.valid == (got.action is not None)
+        check_strategy(text, False, count)
+        assert all(1 <= s <= 7 for s in parse_bad_steps(text, 7))

@@ -257,12 +257,39 @@ def test_env_steps_overlap_decoding(tok):
         assert 0.0 < r.stats["time/env_wait_frac"] < 1.0
 
 
+def test_auto_cohorts_follow_the_env_class_not_timing(tok):
+    """cohorts=0: one decode call per step over every live episode for an instant env (the
+    built-ins), two turn-taking cohorts for an env that declares slow steps."""
+    from strata_jax.rollout.episodes import resolve_cohorts
+    assert resolve_cohorts(0, "memory_key") == 1 and resolve_cohorts(0, "slow_grid") == 2
+    assert resolve_cohorts(3, "memory_key") == 3
+    with pytest.raises(ValueError, match="must be >= 0"):
+        resolve_cohorts(-1, "memory_key")
+    with pytest.raises(ValueError, match="cohorts must be >= 0"):
+        RolloutConfig(cohorts=-1)
+    cfg = RolloutConfig(mode="flat", group_size=4)
+    assert cfg.cohorts == 0
+    with EnvPool("grid_nav", {"max_steps": 4}, max_live_envs=4) as pool:
+        res = collect_rollout(ScriptedPolicy(tok, _random_walker), pool, PromptBuilder(tok, 2048),
+                              [Task("grid_nav", "grid_nav", 7)], key=KEY, config=cfg)
+    sampler, _, _ = _overlapping_calls(res)
+    # one call per step of the longest episode, the first one over all 4 episodes
+    assert res.stats["time/sampler_calls"] == len(sampler) == \
+        max(len(t.steps) for t in res.trajectories)
+    assert sampler[0].rows == 4 and {iv.cohort for iv in sampler} == {0}
+    with EnvPool("slow_grid", {"max_steps": 4, "delay_s": 0.01}, max_live_envs=4) as pool:
+        slow = collect_rollout(ScriptedPolicy(tok, _random_walker), pool, PromptBuilder(tok, 2048),
+                               [Task("slow_grid", "grid_nav", 7)], key=KEY, config=cfg)
+    sampler2, _, _ = _overlapping_calls(slow)
+    assert {iv.cohort for iv in sampler2} == {0, 1} and all(iv.rows <= 2 for iv in sampler2)
+
+
 def test_config_from_base(tok):
     from configs.base import get_base_config
     c = get_base_config()
     rc = RolloutConfig.from_config(c)
     assert (rc.mode, rc.num_strategies, rc.episodes_per_strategy, rc.oversample, rc.cohorts) == \
-        ("strata", 4, 8, 8, 2)
+        ("strata", 4, 8, 8, 0)
     assert rc.max_strategy_tokens == 512 and rc.max_judge_tokens == 256 and not rc.dapo_refill
     c.algo = "dapo"
     assert RolloutConfig.from_config(c).mode == "flat" and RolloutConfig.from_config(c).dapo_refill

@@ -1,8 +1,11 @@
 """Token selection, buckets, packing and sampling params, on hand-made distributions (no model)."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+
 import numpy as np
 import pytest
 
@@ -182,3 +185,24 @@ def test_sampling_params_validation():
                 dict(max_new_tokens=-1), dict(stop_token_ids=[-2])):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def test_temperatures_that_underflow_float32_are_refused():
+    from strata_jax.sampling.params import MIN_TEMPERATURE
+    # 1e-39 is a float32 subnormal, 1e-46 rounds to 0: logits / T overflows to inf -> NaN
+    logits = jnp.asarray([30.0, -20.0, 5.0], jnp.float32)
+    for t in (1e-39, 1e-46):
+        assert np.isnan(np.asarray(jax.nn.log_softmax(logits / jnp.float32(t)))).any()
+        with pytest.raises(ValueError, match="overflow float32"):
+            SamplingParams(temperature=t)
+    with pytest.raises(ValueError, match=r">= 1e-06 or 0 \(greedy\), got 1e-07"):
+        SamplingParams(temperature=1e-7)
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError):
+            SamplingParams(temperature=bad)
+    # the floor itself is fine even for logits of +-1e3: finite logprobs, argmax gets ~0
+    big = jnp.asarray([1e3, -1e3, 999.0])
+    lp = np.asarray(jax.nn.log_softmax(big / jnp.float32(MIN_TEMPERATURE)))
+    assert np.isfinite(lp).all() and lp[0] == 0.0
+    assert SamplingParams(temperature=MIN_TEMPERATURE).logprob_temperature == MIN_TEMPERATURE
+    assert SamplingParams(temperature=0.0).is_greedy

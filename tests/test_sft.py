@@ -14,6 +14,9 @@
 from __future__ import annotations
 
 import collections
+import json
+import logging
+import os
 import dataclasses
 import math
 import random
@@ -70,6 +73,54 @@ def test_expert_episodes_and_plan(episodes):
     assert any(s.noisy for s in noisy.steps) and noisy.success
     assert len(noisy.steps) > 5 and noisy.steps[-1].action == "enter 660"
     assert noisy.plan == ep.plan
+
+
+def test_masked_plan_names_the_keypad_not_the_code(builder, episodes):
+    """sft.plan_code="mask": the cloned strategy says where to type, never what; the action
+    targets keep the expert's real code (the keypad step is taught, the code is a guess)."""
+    assert sft.mask_codes(["go north", "enter 660", "enter", "look"]) == \
+        ["go north", sft.MASKED_CODE, sft.MASKED_CODE, "look"]
+    ex = sft.render_episode(builder, episodes[0], with_strategy=True, plan_code="mask")
+    assert ex[0].kind == "strategy" and ex[0].response_text == (
+        "<strategy>1. go north (4 times)\n2. enter the vault code</strategy>")
+    assert not any("660" in e.prompt.prefix_text for e in ex)
+    assert [e.response_text for e in ex if e.kind == "action"][-1].endswith(
+        "<action>enter 660</action>")
+    keep = sft.render_episode(builder, episodes[0], with_strategy=True)
+    assert "2. enter 660" in keep[0].response_text
+    # actions only: the same action rows (z in their prompts), no strategy row
+    acts = sft.render_episode(builder, episodes[0], with_strategy=True, plan_code="mask",
+                              train_strategies=False)
+    assert [e.kind for e in acts] == [e.kind for e in ex[1:]]
+    assert [e.prompt.ids for e in acts] == [e.prompt.ids for e in ex[1:]]
+    with pytest.raises(ValueError, match="sft.plan_code must be one of"):
+        sft.SFTConfig(plan_code="hide")
+
+
+def test_noisy_expert_never_types_a_code(episodes):
+    """At memory_key's 1-digit vault the admissible actions list `enter 0` ... `enter 9`: noise
+    picks moves / look only, so no wrong code is cloned and no attempt is spent."""
+    env = MemoryKeyEnv(max_steps=100, code_digits=1, code_attempts=1)
+    rng = random.Random(0)
+    for t in MK_TASKS:
+        ep = sft.play_builtin_expert(env, t, 0.5, rng)
+        enters = [s.action for s in ep.steps if s.action.startswith("enter")]
+        assert ep.success and len(enters) == 1 and not any(s.noisy for s in ep.steps
+                                                            if s.action.startswith("enter"))
+        assert sum(s.noisy for s in ep.steps) >= 3
+
+
+def test_fingerprint_keeps_old_caches_for_the_default_plan(tok):
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, tie_word_embeddings=True)
+    c = builtin.get_config("tiny")
+    keep = warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))
+    fields = dataclasses.asdict(sft.SFTConfig.from_config(c))
+    assert fields["plan_code"] == "keep"
+    c.sft.plan_code = "mask"
+    masked = warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))
+    c.sft.train_strategies = False
+    assert len({keep, masked, warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))}) == 3
 
 
 @pytest.mark.parametrize("algo", ["strata", "flat"])
@@ -156,6 +207,18 @@ def test_loss_matches_full_logits():
         n_p = len(e.prompt.ids)
         total += sum(float(lp[n_p - 1 + j, tok]) for j, tok in enumerate(e.response_ids))
     np.testing.assert_allclose(float(loss), -total / 8.0, rtol=1e-5)
+    # The run's remat policy: the same loss and the same AdamW steps, activations recomputed.
+    scfg = sft.SFTConfig(steps=2, batch_size=2, lr=1e-2, warmup_steps=0)
+    ref, ref_losses = sft.train_sft(params, cfg, exs, scfg, pad_id=0)
+    for remat in ("full", "dots"):
+        assert float(jax.jit(lambda p, b: sft.sft_loss(p, cfg, b, remat=remat))(params, batch)[0]) \
+            == pytest.approx(float(loss), rel=1e-6)
+        got, losses = sft.train_sft(params, cfg, exs, scfg, pad_id=0, remat=remat)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        # AdamW normalises each gradient, so round-off in a near-zero gradient moves a param by
+        # a fraction of the step: judge params to 0.1% of the 2 steps of lr 1e-2 they took.
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-5)
 
 
 def test_sft_learns_and_sampler_reproduces_expert(tok, builder, episodes):
@@ -205,7 +268,7 @@ def test_sft_from_mesh_sharded_params_compiles_its_step_once(builder, episodes):
         assert trained[name].sharding == params[name].sharding, name
 
 
-def test_maybe_warm_start_caches(tmp_path, tok, monkeypatch):
+def test_maybe_warm_start_caches(tmp_path, tok, monkeypatch, caplog):
     c = builtin.get_config("tiny")
     c.sft.cache_dir = ""   # "" = per run, in <workdir>/warm_start (the default is runs/warm_start)
     c.sft.episodes, c.sft.steps, c.sft.batch_size = 1, 2, 4
@@ -220,8 +283,26 @@ def test_maybe_warm_start_caches(tmp_path, tok, monkeypatch):
     real = warm_start.run_sft
     monkeypatch.setattr(warm_start, "run_sft", lambda *a, **k: calls.append(1) or real(*a, **k))
     p1 = warm_start.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
-    p2 = warm_start.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="strata_jax.warm_start"):
+        p2 = warm_start.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
     assert calls == [1]   # second call loaded the cache
+    # trained by this checkout's code: loaded without a word; by other code: one warning
+    d = warm_start.warm_start_dir(c, cfg, str(tmp_path))
+    meta_path = os.path.join(d, warm_start.META_FILE)
+    meta = json.loads(open(meta_path).read())
+    assert meta["code"] == warm_start.source_fingerprint() and len(meta["code"]) == 12
+    assert not caplog.records and warm_start.stale_export_warning(d) is None
+    meta["code"] = "0123456789ab"
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    with caplog.at_level(logging.WARNING, logger="strata_jax.warm_start"):
+        warm_start.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the cached warm start {d} was trained by code 0123456789ab, this checkout is "
+        f"{warm_start.source_fingerprint()}: this run starts from it, so its numbers are not "
+        "those of a clean clone of this code; delete the folder (or pass "
+        "--config.sft.cache_dir=<new dir>) to retrain it"]
+    assert calls == [1]
     # A change to the env's data (memory_key code length) is another cache entry.
     d = warm_start.warm_start_dir(c, cfg, str(tmp_path))
     c.env.code_digits = 2

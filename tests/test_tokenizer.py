@@ -46,6 +46,30 @@ def test_chat_template_one_user_message_exact(tok):
                            "<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n")
 
 
+def test_chat_template_tools_branch_renders_as_qwen25_instruct_publishes_it(tok):
+    # The published template's format hint is a Jinja string literal with doubled braces,
+    # rendered literally; tool calls in assistant turns have single braces (a '...' literal).
+    tool = {"type": "function", "function": {"name": "go", "parameters": {}}}
+    msgs = [{"role": "user", "content": "Q"},
+            {"role": "assistant", "content": "",
+             "tool_calls": [{"function": {"name": "go", "arguments": {"to": "north"}}}]},
+            {"role": "tool", "content": "ok"}]
+    text = tok.apply_chat_template(msgs, tools=[tool], tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+        "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        '{"type": "function", "function": {"name": "go", "parameters": {}}}\n</tools>\n\n'
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nQ<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "go", "arguments": {"to": "north"}}\n'
+        "</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\nok\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
 def test_checkpoint_dir_without_template_gets_ours(tok, tmp_path):
     tok.save_pretrained(tmp_path)
     import json

@@ -97,6 +97,25 @@ def test_viewer_prints_episodes_readably(records, tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0].startswith("=== episode 1/1 (iteration 1) memory_key")
+    # several episodes: one line each by default, in full with --all
+    two = tmp_path / "two"
+    two.mkdir()
+    with open(two / "trajectories.jsonl", "w") as f:
+        for success in (False, True):
+            f.write(json.dumps({"step": 2, **rec, "success": success}) + "\n")
+    out = subprocess.run([sys.executable, "-m", "strata_jax.trajectories", str(two)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"2 episodes (iteration 2, {two}):" and len(lines) == 4
+    assert lines[1] == ("    1/2  memory_key v4  return +0.000  success 0  strategy FAILED  "
+                        "3 steps (1 invalid, 1 rejected)")
+    assert "success 1" in lines[2]
+    assert lines[3].startswith("one in full: --episode K")
+    out = subprocess.run([sys.executable, "-m", "strata_jax.trajectories", str(two), "--all"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert [ln[:17] for ln in out.stdout.splitlines() if ln.startswith("=== episode")] == [
+        "=== episode 1/2 (", "=== episode 2/2 ("]
     out = subprocess.run([sys.executable, "-m", "strata_jax.trajectories", str(run),
                           "--iteration", "7"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)

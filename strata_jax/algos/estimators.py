@@ -7,7 +7,8 @@ Every estimator has ONE signature:
     advantages:     [R] f32 per sample (the loss broadcasts it over the sample's tokens); 0 on
                     rows outside the estimator's statistics (padding, crashed episodes).
     sample_weights: [R] f32; 1 on valid rows and 0 on padding / crashed rows, except under STAPO
-                    weighting (then the selective weights, mean 1 per level over valid rows).
+                    weighting (then the selective weights, mean 1 per level over the rows the
+                    estimator trains; the rows it gives 0 stay 0).
     metrics:        dict of scalar f32 arrays for logging, plus per-row [R] arrays under keys that
                     start with "row/" (e.g. "row/value_targets" for the critic, "row/strategy_reward").
 
@@ -63,12 +64,17 @@ def compute_advantages(name: str, batch: SampleBatch, config: EstimatorConfig, s
     """Run estimator `name`, then STAPO's weighting modifier if `config.stapo_weighting`.
 
     The modifier uses c_u = 0 (no critic on GRPO, RLOO, ...); `stapo` already weights itself.
+    It selects, floors and normalises over the rows the estimator trains (valid rows with a
+    non-zero estimator weight); the others keep weight 0 (docs/method.md §7.3).
     Returns (advantages [R] f32, sample_weights [R] f32, metrics dict).
     """
     adv, w, metrics = get_estimator(name)(batch, config, step)
     if config.stapo_weighting and name != "stapo":
-        w, m = stapo_weights(adv, batch.valid, batch.kind, batch.value_std, config, step,
-                             uncertainty_coef=0.0)
+        # Over the rows the estimator trains only: a valid row it gives weight 0 (StraTA's
+        # strategy without a valid episode, a row outside every group) has no advantage to
+        # select on; it must stay at 0 and stay out of eta's quantile and the mean-1 count.
+        w, m = stapo_weights(adv, batch.valid & (w > 0), batch.kind, batch.value_std, config,
+                             step, uncertainty_coef=0.0)
         metrics = {**metrics, **m}
     return adv, w, metrics
 

@@ -4,7 +4,12 @@ default system prompt when the conversation has none."""
 
 DEFAULT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
-# The Qwen2.5-Instruct chat template (tool calls included), as in its tokenizer_config.json.
+# The Qwen2.5-Instruct chat template (tool calls included), as in its tokenizer_config.json,
+# character for character. The tools branch's format hint is a Jinja string literal holding
+# doubled braces, so the published template renders them literally:
+# `{{"name": <function-name>, "arguments": <args-json-object>}}`. We render what the published
+# template renders (so a prompt is the same token ids as under transformers / vLLM with the
+# model's own tokenizer_config.json), not a single-brace "fix" of it.
 QWEN25_CHAT_TEMPLATE = (
     "{%- if tools %}\n"
     "    {{- '<|im_start|>system\\n' }}\n"
@@ -21,8 +26,8 @@ QWEN25_CHAT_TEMPLATE = (
     "        {{- tool | tojson }}\n"
     "    {%- endfor %}\n"
     "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name "
-    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": "
-    "<function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n"
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{{\\\"name\\\": "
+    "<function-name>, \\\"arguments\\\": <args-json-object>}}\\n</tool_call><|im_end|>\\n\" }}\n"
     "{%- else %}\n"
     "    {%- if messages[0]['role'] == 'system' %}\n"
     "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"

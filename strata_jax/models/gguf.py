@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import mmap
 import os
 import re
+import struct
 from typing import Any
 
 import numpy as np
@@ -61,6 +63,157 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _IGNORED = ("rope_freqs.weight",)
 
 
+class GGUFError(ValueError):
+    """A GGUF file that cannot be used as a Qwen2 model (malformed, hostile, another
+    architecture, a missing or inconsistent key); the message names the file and what to do."""
+
+
+# Bounds the header pre-scan (`check_header`) and `gguf_config` enforce before anything is
+# parsed or built. They are far above any Qwen2 / Qwen2.5 release (the largest has 80 layers,
+# 64 query heads, hidden 8192, a 151,936-row vocabulary, 32k-token context without RoPE
+# scaling), and far below what makes the reference reader or the model builder hang: the reader
+# creates a Python object per array item and the builder a dict entry per layer.
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_HIDDEN = 1 << 16
+MAX_VOCAB = 1 << 18             # tokenizer arrays (tokens, token types, scores, merges)
+MAX_CONTEXT = 1 << 20
+MAX_ARRAY_ITEMS = 1 << 16       # any other metadata array
+MAX_KV = 1 << 16                # metadata entries (a real file has a few dozen)
+MAX_TENSORS = 16 * MAX_LAYERS + 16
+MAX_DIMS = 4                    # GGML_MAX_DIMS
+_VERSIONS = (2, 3)              # the reference reader's READER_SUPPORTED_VERSIONS
+
+# GGUFValueType -> (struct code, bytes); STRING = 8 and ARRAY = 9 are variable-sized.
+_SCALARS = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4),
+            6: ("f", 4), 7: ("?", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
+_STRING, _ARRAY = 8, 9
+
+
+def check_header(path: str) -> None:
+    """Pre-scan a GGUF file's header, metadata and tensor table without building anything.
+
+    Every count and length is checked against the bytes left in the file and against the
+    bounds above (metadata entries <= MAX_KV, tensors <= MAX_TENSORS, tokenizer arrays <=
+    MAX_VOCAB items, other arrays <= MAX_ARRAY_ITEMS, no nested arrays, tensors of 1 to
+    MAX_DIMS dims of a known storage type whose data lies inside the file) before the
+    reference reader, which parses everything in its constructor and trusts the counts, sees
+    the file. A hostile count is refused after reading a few bytes; a real Qwen2 file is
+    walked once (its string arrays item by item, a fraction of the reader's own parse time).
+
+    Raises GGUFError naming the file, the offending entry and the bound.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = os.path.getsize(path)
+    if size < 24:
+        raise GGUFError(f"{path} is not a readable GGUF file: truncated ({size} bytes; a "
+                        "GGUF header alone has 24); re-download it")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != GGUF_MAGIC:
+            raise GGUFError(f"{path} does not start with the GGUF magic bytes: not a GGUF file")
+        version = struct.unpack_from("<I", buf, 4)[0]
+        end = "<" if version & 0xFFFF else ">"   # the reader's byte-order test
+        if end == ">":
+            version = struct.unpack_from(">I", buf, 4)[0]
+        if version not in _VERSIONS:
+            raise GGUFError(f"{path}: GGUF version {version} is not supported (versions "
+                            f"{_VERSIONS}); convert the model with a current llama.cpp")
+        n_tensors, n_kv = struct.unpack_from(end + "QQ", buf, 8)
+        pos = 24
+
+        def bad(what: str) -> GGUFError:
+            return GGUFError(f"{path} is not a readable GGUF file (malformed or hostile): "
+                             f"{what}; re-download or re-convert it")
+
+        def unpack(code: str, n: int) -> Any:
+            nonlocal pos
+            if pos + n > size:
+                raise bad(f"it ends inside the entry at byte {pos}")
+            v = struct.unpack_from(end + code, buf, pos)[0]
+            pos += n
+            return v
+
+        def string(what: str) -> bytes:
+            nonlocal pos
+            n = unpack("Q", 8)
+            if n > size - pos:
+                raise bad(f"{what} declares {n} bytes, {size - pos} are left in the file")
+            pos += n
+            return buf[pos - n:pos]
+
+        def count(n: int, item: int, limit: int, what: str) -> None:
+            if n > limit:
+                raise bad(f"{what} declares {n} items (at most {limit} are accepted)")
+            if n * item > size - pos:
+                raise bad(f"{what} declares {n} items of >= {item} bytes, {size - pos} bytes "
+                          "are left in the file")
+
+        count(n_kv, 13, MAX_KV, "the metadata table")
+        alignment = 32
+        for _ in range(n_kv):
+            key = string("a metadata key").decode("utf-8", "replace")
+            kind = unpack("I", 4)
+            if kind in _SCALARS:
+                value = unpack(*_SCALARS[kind])
+                if key == "general.alignment":
+                    alignment = value
+            elif kind == _STRING:
+                string(f"metadata {key!r}")
+            elif kind == _ARRAY:
+                item = unpack("I", 4)
+                n = unpack("Q", 8)
+                limit = MAX_VOCAB if key.startswith("tokenizer.") else MAX_ARRAY_ITEMS
+                if item in _SCALARS:
+                    count(n, _SCALARS[item][1], limit, f"metadata array {key!r}")
+                    pos += n * _SCALARS[item][1]
+                elif item == _STRING:
+                    count(n, 8, limit, f"metadata array {key!r}")
+                    for _ in range(n):
+                        ln = struct.unpack_from(end + "Q", buf, pos)[0] if pos + 8 <= size \
+                            else size
+                        if ln > size - pos - 8:
+                            raise bad(f"a string of metadata array {key!r} runs past the end "
+                                      "of the file")
+                        pos += 8 + ln
+                else:
+                    raise bad(f"metadata array {key!r} has items of type {item} (nested arrays "
+                              "and unknown types are refused)")
+            else:
+                raise bad(f"metadata {key!r} has unknown value type {kind}")
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or \
+                alignment & (alignment - 1) or alignment > 1 << 16:
+            raise bad(f"general.alignment is {alignment!r} (a power of two up to 65536)")
+        count(n_tensors, 28, MAX_TENSORS, "the tensor table")
+        tensors = []
+        for _ in range(n_tensors):
+            name = string("a tensor name").decode("utf-8", "replace")
+            n_dims = unpack("I", 4)
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise bad(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS})")
+            dims = [unpack("Q", 8) for _ in range(n_dims)]
+            qtype = unpack("I", 4)
+            offset = unpack("Q", 8)
+            try:
+                block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            except (ValueError, KeyError):
+                raise bad(f"tensor {name!r} has unknown storage type {qtype}") from None
+            if min(dims) < 1 or dims[0] % block:
+                raise bad(f"tensor {name!r} has shape {dims} (positive, the first a multiple "
+                          f"of {block})")
+            n_bytes = block_bytes
+            for d in dims:
+                n_bytes *= d
+                if n_bytes > size * block:   # stop before the product grows without bound
+                    raise bad(f"tensor {name!r} of shape {dims} is larger than the file")
+            tensors.append((name, offset, n_bytes // block))
+        data = pos + (-pos) % alignment
+        for name, offset, n_bytes in tensors:
+            if data + offset + n_bytes > size:
+                raise bad(f"tensor {name!r} ({n_bytes} bytes at offset {offset}) lies past "
+                          f"the end of the file ({size} bytes): truncated")
+
+
 def is_gguf(path: str) -> bool:
     """True when `path` is a file that starts with the GGUF magic bytes."""
     if not os.path.isfile(path):
@@ -85,10 +238,11 @@ def _reader(path: str, size: int, mtime_ns: int) -> Any:
     # Parsing the metadata of a Qwen vocabulary (152k token strings) takes seconds; config,
     # params and tokenizer of one run read the same file, so the parsed reader is shared.
     import gguf
+    check_header(path)   # hostile counts would make the reader run for hours
     try:
         return gguf.GGUFReader(path, "r")
     except Exception as e:  # truncated, wrong version, garbled header: one message
-        raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); "
+        raise GGUFError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); "
                          "re-download it (python -m strata_jax.models.fetch verifies the "
                          "checksum)") from e
 
@@ -96,12 +250,13 @@ def _reader(path: str, size: int, mtime_ns: int) -> Any:
 def open_gguf(path: str) -> Any:
     """The parsed ``gguf.GGUFReader`` of `path` (cached per path, size and mtime).
 
-    Raises FileNotFoundError when `path` is missing and ValueError when it is not a GGUF file.
+    Raises FileNotFoundError when `path` is missing and GGUFError (a ValueError) when it is not
+    a usable GGUF file (`check_header` runs first).
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
     if not is_gguf(path):
-        raise ValueError(f"{path} does not start with the GGUF magic bytes: not a GGUF file")
+        raise GGUFError(f"{path} does not start with the GGUF magic bytes: not a GGUF file")
     st = os.stat(path)
     return _reader(os.path.realpath(path), st.st_size, st.st_mtime_ns)
 
@@ -110,7 +265,7 @@ def _field(reader: Any, key: str, default: Any = None, required: bool = True) ->
     f = reader.fields.get(key)
     if f is None:
         if required and default is None:
-            raise ValueError(f"{reader.data.filename}: GGUF metadata lacks {key!r}, which a Qwen2 "
+            raise GGUFError(f"{reader.data.filename}: GGUF metadata lacks {key!r}, which a Qwen2 "
                              "model needs; the file was not written by a Qwen2 converter")
         return default
     return f.contents()
@@ -119,16 +274,25 @@ def _field(reader: Any, key: str, default: Any = None, required: bool = True) ->
 def _arch(reader: Any) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{reader.data.filename}: GGUF architecture {arch!r} is not supported; "
+        raise GGUFError(f"{reader.data.filename}: GGUF architecture {arch!r} is not supported; "
                          f"strata-jax ports {', '.join(SUPPORTED_ARCHITECTURES)} (Qwen2 / Qwen2.5) "
                          "models only")
     return arch
 
 
-def _positive_int(v: Any, key: str, file: str) -> int:
+def _positive_int(v: Any, key: str, file: str, limit: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 1:
-        raise ValueError(f"{file}: GGUF metadata {key!r} must be a positive integer, got {v!r}")
+        raise GGUFError(f"{file}: GGUF metadata {key!r} must be a positive integer, got {v!r}")
+    if limit is not None and int(v) > limit:
+        raise GGUFError(f"{file}: GGUF metadata {key!r} is {int(v)}, above the {limit} a Qwen2 "
+                        "model can have: a damaged or hostile file; re-download or re-convert it")
     return int(v)
+
+
+def _agree(file: str, key: str, value: int, tensor: str, found: int) -> None:
+    if value != found:
+        raise GGUFError(f"{file}: GGUF metadata {key!r} is {value} but tensor {tensor!r} says "
+                        f"{found}: an inconsistent file; re-download or re-convert it")
 
 
 def gguf_config(path: str) -> Qwen2Config:
@@ -141,9 +305,17 @@ def gguf_config(path: str) -> Qwen2Config:
     context_length. vocab_size is the embedding's row count; the LM head is tied when the file
     has no ``output.weight`` (llama.cpp's rule).
 
+    Every size is bounded (layers <= MAX_LAYERS, heads <= MAX_HEADS, hidden width <=
+    MAX_HIDDEN, feed-forward width <= 8 * MAX_HIDDEN, vocabulary <= MAX_VOCAB, context <=
+    MAX_CONTEXT) and checked against the tensors the file
+    holds (block_count = the ``blk.<i>`` layers present, embedding_length = the embedding's
+    width, head counts x key_length = layer 0's q / k widths, feed_forward_length = its
+    ffn_up width), so a hostile key cannot make the model builder allocate without bound.
+
     Raises:
-      ValueError: another architecture, a missing or malformed required key, RoPE scaling
-        (YaRN / linear: not ported), or key_length != value_length.
+      GGUFError (a ValueError): another architecture, a missing, malformed, out-of-bounds or
+        inconsistent key, RoPE scaling (YaRN / linear: not ported), or key_length !=
+        value_length.
     """
     reader = open_gguf(path)
     arch = _arch(reader)
@@ -154,42 +326,66 @@ def gguf_config(path: str) -> Qwen2Config:
 
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none", required=False)
     if scaling not in ("none", ""):
-        raise ValueError(f"{file}: RoPE scaling {scaling!r} is not supported by the Qwen2 port "
+        raise GGUFError(f"{file}: RoPE scaling {scaling!r} is not supported by the Qwen2 port "
                          "(it implements plain RoPE with rope.freq_base)")
-    hidden = _positive_int(get("embedding_length"), f"{arch}.embedding_length", file)
-    heads = _positive_int(get("attention.head_count"), f"{arch}.attention.head_count", file)
+    hidden = _positive_int(get("embedding_length"), f"{arch}.embedding_length", file,
+                           MAX_HIDDEN)
+    heads = _positive_int(get("attention.head_count"), f"{arch}.attention.head_count", file,
+                          MAX_HEADS)
     kv_heads = _positive_int(get("attention.head_count_kv", heads),
-                             f"{arch}.attention.head_count_kv", file)
+                             f"{arch}.attention.head_count_kv", file, MAX_HEADS)
     key_len = _positive_int(get("attention.key_length", hidden // heads),
-                            f"{arch}.attention.key_length", file)
+                            f"{arch}.attention.key_length", file, MAX_HIDDEN)
     value_len = _positive_int(get("attention.value_length", key_len),
-                              f"{arch}.attention.value_length", file)
+                              f"{arch}.attention.value_length", file, MAX_HIDDEN)
     if key_len != value_len:
-        raise ValueError(f"{file}: key_length {key_len} != value_length {value_len}; Qwen2 uses "
+        raise GGUFError(f"{file}: key_length {key_len} != value_length {value_len}; Qwen2 uses "
                          "one head width")
+    layers = _positive_int(get("block_count"), f"{arch}.block_count", file, MAX_LAYERS)
+    ffn = _positive_int(get("feed_forward_length"), f"{arch}.feed_forward_length", file,
+                        8 * MAX_HIDDEN)
+    context = _positive_int(get("context_length"), f"{arch}.context_length", file, MAX_CONTEXT)
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
-        raise ValueError(f"{file}: no token_embd.weight tensor; not a Qwen2 model file")
-    vocab = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes are [in, out]: [D, V]
+        raise GGUFError(f"{file}: no token_embd.weight tensor; not a Qwen2 model file")
+    # GGUF shapes are [in, out]: the embedding is [D, V], a projection [D_in, D_out].
+    width = lambda name: [int(d) for d in tensors[name].shape]  # noqa: E731
+    vocab = width("token_embd.weight")[-1]
+    if vocab > MAX_VOCAB:
+        raise GGUFError(f"{file}: token_embd.weight has {vocab} rows, above the {MAX_VOCAB} a "
+                        "Qwen2 vocabulary can have: a damaged or hostile file; re-download or "
+                        "re-convert it")
+    _agree(file, f"{arch}.embedding_length", hidden, "token_embd.weight",
+           width("token_embd.weight")[0])
+    present = {int(m.group(1)) for m in map(_BLOCK_RE.match, tensors) if m}
+    if present != set(range(len(present))) or len(present) != layers:
+        raise GGUFError(f"{file}: GGUF metadata '{arch}.block_count' is {layers} but the file "
+                        f"holds tensors of {len(present)} layers"
+                        f"{'' if present == set(range(len(present))) else ' (not numbered 0..n-1)'}"
+                        ": an inconsistent file; re-download or re-convert it")
+    for name, key, value in (("blk.0.attn_q.weight", "attention.head_count", heads * key_len),
+                             ("blk.0.attn_k.weight", "attention.head_count_kv",
+                              kv_heads * key_len),
+                             ("blk.0.ffn_up.weight", "feed_forward_length", ffn)):
+        if name in tensors:
+            _agree(file, f"{arch}.{key}" + (" x key_length" if "head" in key else ""), value,
+                   name, width(name)[-1])
     theta = get("rope.freq_base", 10000.0)
     eps = get("attention.layer_norm_rms_epsilon")
     for key, v in (("rope.freq_base", theta), ("attention.layer_norm_rms_epsilon", eps)):
         if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)):
-            raise ValueError(f"{file}: GGUF metadata '{arch}.{key}' must be a number, got {v!r}")
+            raise GGUFError(f"{file}: GGUF metadata '{arch}.{key}' must be a number, got {v!r}")
     try:
         return Qwen2Config(
             vocab_size=vocab, hidden_size=hidden,
-            intermediate_size=_positive_int(get("feed_forward_length"),
-                                            f"{arch}.feed_forward_length", file),
-            num_layers=_positive_int(get("block_count"), f"{arch}.block_count", file),
+            intermediate_size=ffn, num_layers=layers,
             num_heads=heads, num_kv_heads=kv_heads, head_dim=key_len,
             # float32 metadata: 1e-6 is stored as 9.99999997e-07; round to float32 precision.
             rope_theta=float(np.float32(theta)), rms_norm_eps=float(f"{np.float32(eps):.7g}"),
             tie_word_embeddings="output.weight" not in tensors,
-            max_position_embeddings=_positive_int(get("context_length"),
-                                                  f"{arch}.context_length", file))
+            max_position_embeddings=context)
     except ValueError as e:
-        raise ValueError(f"{file}: {e}") from e
+        raise GGUFError(f"{file}: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +417,7 @@ class GGUFTensorRef:
         from gguf import GGMLQuantizationType, quants
         raw = np.fromfile(self.file, dtype=np.uint8, count=self.n_bytes, offset=self.offset)
         if raw.size != self.n_bytes:
-            raise ValueError(f"{self.file}: tensor {self.name!r} is truncated ({raw.size} of "
+            raise GGUFError(f"{self.file}: tensor {self.name!r} is truncated ({raw.size} of "
                              f"{self.n_bytes} bytes); re-download the file")
         if self.qtype == GGMLQuantizationType.F32:
             out = raw.view(np.float32)
@@ -231,7 +427,7 @@ class GGUFTensorRef:
             try:
                 out = quants.dequantize(raw.reshape(self.stored_shape), self.qtype)
             except NotImplementedError:
-                raise ValueError(f"{self.file}: tensor {self.name!r} uses quantization "
+                raise GGUFError(f"{self.file}: tensor {self.name!r} uses quantization "
                                  f"{self.qtype.name}, which the gguf package cannot dequantize; "
                                  "convert the model with another quantization") from None
         return np.ascontiguousarray(out, dtype=np.float32).reshape(self.shape)
@@ -240,7 +436,7 @@ class GGUFTensorRef:
 def gguf_tensors(path: str) -> dict[str, GGUFTensorRef]:
     """``{HF Qwen2 tensor name: GGUFTensorRef}`` of every weight in a GGUF file.
 
-    Raises ValueError for another architecture or a tensor name the Qwen2 port does not know
+    Raises GGUFError (a ValueError) for another architecture or a tensor name the Qwen2 port does not know
     (named in the message). ``rope_freqs.weight`` is ignored (the port computes RoPE itself).
     """
     reader = open_gguf(path)
@@ -251,7 +447,7 @@ def gguf_tensors(path: str) -> dict[str, GGUFTensorRef]:
             continue
         hf = gguf_name_to_hf(t.name)
         if hf is None:
-            raise ValueError(f"{path}: GGUF tensor {t.name!r} has no place in the Qwen2 port")
+            raise GGUFError(f"{path}: GGUF tensor {t.name!r} has no place in the Qwen2 port")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         out[hf] = GGUFTensorRef(file=path, name=t.name, offset=int(t.data_offset),
                                 n_bytes=int(t.n_bytes), qtype=t.tensor_type,
@@ -284,12 +480,12 @@ def _gguf_tokenizer(path: str, size: int, mtime_ns: int) -> Any:
     kind = _field(reader, "tokenizer.ggml.model")
     pre = _field(reader, "tokenizer.ggml.pre", "default", required=False)
     if kind != "gpt2" or pre not in _PRE_TOKENIZERS:
-        raise ValueError(f"{file}: tokenizer {kind!r} / pre-tokenizer {pre!r} is not the Qwen2 "
+        raise GGUFError(f"{file}: tokenizer {kind!r} / pre-tokenizer {pre!r} is not the Qwen2 "
                          "byte-level BPE (gpt2 / qwen2); pass --config.model.tokenizer=offline to "
                          "use the shipped Qwen2.5 tokenizer instead")
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
         if key not in reader.fields:
-            raise ValueError(f"{file}: GGUF metadata lacks {key!r}, so the file's tokenizer cannot "
+            raise GGUFError(f"{file}: GGUF metadata lacks {key!r}, so the file's tokenizer cannot "
                              "be built; pass --config.model.tokenizer=offline to use the shipped "
                              "Qwen2.5 tokenizer instead")
     tokens = _strings(reader, "tokenizer.ggml.tokens")
@@ -337,7 +533,7 @@ def gguf_tokenizer(path: str) -> Any:
     file's ``tokenizer.chat_template`` (the Qwen2.5 template when absent). Built with the
     ``tokenizers`` library, no torch. Cached per file: do not mutate it.
 
-    Raises ValueError when the file's tokenizer is not Qwen2's byte-level BPE.
+    Raises GGUFError (a ValueError) when the file's tokenizer is not Qwen2's byte-level BPE.
     """
     st = os.stat(path)
     return _gguf_tokenizer(os.path.realpath(path), st.st_size, st.st_mtime_ns)

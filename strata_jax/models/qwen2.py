@@ -306,10 +306,9 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array | Tr
     j see a key slot > j, so a block of queries ending at slot e attends keys [0, e] only: the
     causal half of the scores is never computed (the same values: a skipped key's probability
     underflows to exactly 0 when the query has any allowed key; a query with none, a padding
-    slot, gets a uniform distribution over fewer keys, still finite and never read). With
-    128-query blocks on the 0.5B shape (4 x 832 tokens, fp32, 2-core CPU) attention's forward +
-    backward took 0.39 s against 0.81 s for 512-query blocks over every key (benchmarks/
-    layer_step.py times it beside torch's fused attention).
+    slot, gets a uniform distribution over fewer keys, still finite and never read). Skipping
+    the causal half roughly halves attention's forward + backward against blocks over every key
+    (benchmarks/layer_step.py times it beside torch's fused attention).
     Source: HF transformers Qwen2 attention (repeat_kv + eager softmax attention), same values.
     """
     b, t, h, dh = q.shape
@@ -463,8 +462,8 @@ def _remat_layers(x: jax.Array, layers: list[Params], cos: jax.Array, sin: jax.A
 
     The scan's backward loop recomputes one layer per iteration (layer inputs [L, B, T, D] plus
     one layer's activations), and the body compiles once, so deep models compile much faster
-    than the unrolled layers (0.5B step: 16-140 s against 115-323 s on the 2-core box); the
-    price is a stacked copy of every layer weight on each call (1.4 GB for the fp32 0.5B).
+    than the unrolled layers; the price is a stacked copy of every layer weight on each call
+    (all of the layer weights, a frozen LoRA base included).
     """
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
     body = jax.checkpoint(_decoder_layer, policy=REMAT_POLICIES[remat], static_argnums=(5, 6))
@@ -499,7 +498,8 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
       query_chunk: static; attention runs over blocks of this many queries when T is longer,
         each block over the keys up to its causal end (bounds the fp32 score memory of long
         prefills / training sequences and skips the masked half of the scores; same result).
-        128 measured fastest on CPU for the 0.5B shape (benchmarks/layer_step.py).
+        The default 128 is the block size benchmarks/layer_step.py found fastest on CPU for the
+        0.5B shape.
       remat: static; "none" | "full" | "dots" (`REMAT_POLICIES`): each decoder layer is
         rematerialised with that policy and recomputed only when its output cotangent exists
         (`_remat_layer`), so a backward pass holds one layer's activations plus the layer

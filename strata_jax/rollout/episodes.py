@@ -2,12 +2,15 @@
 stepping (docs/method.md §2-§3;
 docs/design.md §7.2).
 
-Cohorts. The live episodes are split into ``cohorts`` groups (default 2) that take turns:
+Cohorts. The live episodes are split into ``cohorts`` groups that take turns:
 a cohort's turn is (1) collect its outstanding env tickets, (2) one batched policy call over
 its live episodes (one sampler call per step per cohort), (3) submit the parsed actions to
 the pool without waiting (`EnvPool.submit`), (4) start new episodes on free slots
 (`submit_reset`). While cohort A's envs step, cohort B decodes, and vice versa. Each cohort
 holds at most ceil(max_live_envs / cohorts) episodes; more episodes start as earlier ones end.
+``cohorts=0`` (the config default) picks the count from the env (`resolve_cohorts`): 1 when its
+steps are instant (nothing to overlap: one decode call per step over every live episode, the
+largest batch the sampler can fill), else 2.
 
 Per step: the prompt is rebuilt from the task, the strategy (StraTA), the history window and
 the current observation (`PromptBuilder.step_prompt`); the output is parsed with
@@ -107,6 +110,22 @@ class _Cohort:
     reset_rows: list[int] = dataclasses.field(default_factory=list)
 
 
+def resolve_cohorts(cohorts: int, env_name: str) -> int:
+    """The cohort count a rollout runs with: `cohorts` when >= 1; for 0 (auto) 1 if the env
+    class registered as `env_name` declares ``instant_steps`` (a pure-Python simulator: a
+    second cohort would only halve the decode batch), else 2 (decode one half while the other
+    half's simulators step). Depends on the env class only, never on timing, so the rows that
+    share a decode call, and with them the results, are the same in every run.
+
+    Raises ValueError for a negative count, KeyError for an unregistered env name."""
+    from envs_bridge.registry import get_env_factory
+    if int(cohorts) < 0:
+        raise ValueError(f"rollout.cohorts must be >= 0 (0 = auto), got {cohorts}")
+    if int(cohorts) >= 1:
+        return int(cohorts)
+    return 1 if getattr(get_env_factory(env_name), "instant_steps", False) else 2
+
+
 class _Loop:
     def __init__(self, policy: Policy, pool: EnvPool, builder: PromptBuilder,
                  specs: Sequence[EpisodeSpec], key: Any, sampling: SamplingParams,
@@ -116,7 +135,7 @@ class _Loop:
         self.max_steps = max_steps
         self.key, self.sampling = key, sampling
         self.trajs = [Trajectory(s) for s in specs]
-        self.n_cohorts = max(1, int(cohorts))
+        self.n_cohorts = resolve_cohorts(cohorts, pool.env_name)
         self.cap = max(1, math.ceil(pool.max_live_envs / self.n_cohorts))
         self.tail = invalid_tail_chars
         self.stats = LoopStats()
@@ -281,7 +300,7 @@ stats, cohort index); it appends a `Revision` to each episode that revises now (
 
 def run_episodes(policy: Policy, pool: EnvPool, builder: PromptBuilder,
                  specs: Sequence[EpisodeSpec], *, key: Any, sampling: SamplingParams,
-                 cohorts: int = 2, invalid_tail_chars: int = 30,
+                 cohorts: int = 0, invalid_tail_chars: int = 30,
                  reviser: Reviser | None = None,
                  max_steps: int | None = None) -> tuple[list[Trajectory], LoopStats]:
     """Play every episode to the end (done, step limit or crash).
@@ -292,11 +311,12 @@ def run_episodes(policy: Policy, pool: EnvPool, builder: PromptBuilder,
       specs: the episodes, in a fixed order (task-major); they start in this order.
       key: the iteration's base PRNG key (see `keys.row_keys`).
       sampling: action sampling params (max_new_tokens = max action tokens, stop ids set).
-      cohorts: cohorts alternating between the policy and the pool (1 = no overlap).
+      cohorts: cohorts alternating between the policy and the pool (1 = no overlap; 0 = auto,
+        `resolve_cohorts`).
       invalid_tail_chars: chars of an invalid output shown in the history.
       reviser: the strategy-revision hook (None = no revision: the paper setting).
       max_steps: stop each episode after this many steps even if the env is not done (a
-        probe, `strata_jax.test_time`): its env is released and ``done`` stays False. None =
+        probe, `strata_jax.evaluation.scaling`): its env is released and ``done`` stays False. None =
         play to the end.
     Returns:
       (trajectories in spec order, `LoopStats`).

@@ -6,7 +6,8 @@ The judge answers ``<bad_steps>1, 4</bad_steps>`` or ``<bad_steps>none</bad_step
 signed) separated by commas and / or whitespace; the rule is "keep the integers in [1, T]":
 integers outside it (0, negatives, > T) are dropped, the others kept
 (``<bad_steps>3, 2, -1</bad_steps>`` with T = 3 gives (2, 3)); anything else in the body
-(words, decimals), a missing or unclosed block, or CJK text means "unparsable" = no bad steps.
+(words, decimals), a number of more than `MAX_STEP_DIGITS` significant digits, a missing or
+unclosed block, or CJK text means "unparsable" = no bad steps.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from strata_jax.rollout.prompts import HistoryEntry, PromptBuilder, invalid_hist
 from strata_jax.sampling import SamplingParams
 
 _BLOCK_RE = re.compile(r"<bad_steps>(.*?)</bad_steps>", re.IGNORECASE | re.DOTALL)
+# Step indices are 1..T with T = env.max_steps; nine digits is far above any horizon.
+MAX_STEP_DIGITS = 9
 
 
 def parse_bad_steps(verdict: str, num_steps: int) -> tuple[int, ...]:
@@ -34,7 +37,8 @@ def parse_bad_steps(verdict: str, num_steps: int) -> tuple[int, ...]:
       verdict: the judge's decoded output.
       num_steps: T, the trajectory's step count.
     Returns:
-      sorted unique ints in [1, T]; () for "none" or unparsable output.
+      sorted unique ints in [1, T]; () for "none" or unparsable output. Never raises on any
+      string (a malformed verdict flags no step).
     """
     if contains_cjk(verdict):
         return ()
@@ -47,7 +51,14 @@ def parse_bad_steps(verdict: str, num_steps: int) -> tuple[int, ...]:
     parts = [p for p in re.split(r"[,\s]+", body) if p]
     if not all(re.fullmatch(r"[+-]?\d+", p) for p in parts):
         return ()
-    return tuple(sorted({int(p) for p in parts if 1 <= int(p) <= num_steps}))
+    # A number longer than MAX_STEP_DIGITS significant digits names no step any trajectory has;
+    # such a verdict is malformed. int() sees only the significant digits: a 5000-character
+    # string (leading zeros included) raises past Python's int conversion limit.
+    digits = [p.lstrip("+-").lstrip("0") for p in parts]
+    if any(len(d) > MAX_STEP_DIGITS for d in digits):
+        return ()
+    values = [(-1 if p.startswith("-") else 1) * int(d or "0") for p, d in zip(parts, digits)]
+    return tuple(sorted({v for v in values if 1 <= v <= num_steps}))
 
 
 def judge_flags(bad_steps: tuple[int, ...], num_steps: int) -> np.ndarray:

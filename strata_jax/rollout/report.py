@@ -1,5 +1,5 @@
 """What a rollout reports: its scalar metrics (`rollout_stats`) and the JSON-able episode
-records of the trajectory dumps (`dump_trajectories`; fields: README "Trajectories")."""
+records of the trajectory dumps (`dump_trajectories`; fields: docs/metrics.md "Trajectories")."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -14,7 +14,7 @@ from strata_jax.rollout.strategy import StrategyGroup
 def dump_trajectories(trajectories: Sequence[Trajectory],
                       strategies: Sequence[StrategyGroup] = ()) -> list[dict[str, Any]]:
     """JSON-able records of played episodes, one dict per episode (what ``trajectories.jsonl``
-    and the eval's ``*_trajectories.jsonl`` hold; every field is described in the README,
+    and the eval's ``*_trajectories.jsonl`` hold; every field is described in docs/metrics.md,
     section "Trajectories").
 
     Episode: env, task_id, variation, task_uid, goal (the env's task text), strategy_id,

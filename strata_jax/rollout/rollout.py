@@ -93,7 +93,7 @@ class RolloutConfig:
     max_action_tokens: int = 512
     max_strategy_tokens: int = 512
     max_judge_tokens: int = 256
-    cohorts: int = 2
+    cohorts: int = 0
     tasks_per_batch: int = 16
     dapo_refill: bool = False
     dapo_max_tries: int = 10
@@ -114,9 +114,11 @@ class RolloutConfig:
             raise ValueError("strategy revision (rollout.revise_every / revise_on) revises a "
                              "StraTA strategy: use algo=strata or turn it off")
         for name in ("num_strategies", "episodes_per_strategy", "oversample", "group_size",
-                     "cohorts", "tasks_per_batch", "dapo_max_tries"):
+                     "tasks_per_batch", "dapo_max_tries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout {name} must be >= 1, got {getattr(self, name)}")
+        if self.cohorts < 0:
+            raise ValueError(f"rollout cohorts must be >= 0 (0 = auto), got {self.cohorts}")
 
     @property
     def revision(self) -> RevisionConfig:
@@ -183,7 +185,7 @@ class RolloutResult:
     skipped_tasks: list[Task] = dataclasses.field(default_factory=list)
 
     def dump(self) -> list[dict[str, Any]]:
-        """JSON-able episode records (`dump_trajectories`; fields: README "Trajectories")."""
+        """JSON-able episode records (`dump_trajectories`; fields: docs/metrics.md "Trajectories")."""
         return dump_trajectories(self.trajectories, self.strategies)
 
 

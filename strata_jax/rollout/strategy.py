@@ -13,7 +13,7 @@ from typing import Any, Callable, Collection, Sequence
 import numpy as np
 
 from envs_bridge.base import PromptPieces, Task
-from envs_bridge.parsing import contains_cjk
+from envs_bridge.parsing import contains_cjk, has_visible_text
 from envs_bridge.pool import EnvPool
 from strata_jax.algos.batch import KIND_STRATEGY
 from strata_jax.rollout.episodes import (content_ids, decode_generation, generate_timed,
@@ -38,7 +38,8 @@ class StrategyCheck:
         ``<strategy>`` block, or, when there is no closed block, the whole stripped output
         (a failed candidate used as fill still needs some plan text).
       token_len: |z|, the token count of `text` (the estimator's P_len input).
-      format_fail: P_fmt = 1 (bool): not exactly one non-empty block, truncated, or CJK.
+      format_fail: P_fmt = 1 (bool): not exactly one block with a visible character
+        (`envs_bridge.parsing.has_visible_text`), truncated, or CJK.
       reason: why it failed ("" when it passed), for logs.
     """
 
@@ -69,7 +70,8 @@ def check_strategy(output: str, truncated: bool,
         reason = "no closed <strategy> block"
     elif n_open != 1 or n_close != 1:
         reason = f"{n_open} <strategy> / {n_close} </strategy> tags, need exactly one block"
-    elif not z:
+    elif not has_visible_text(z):
+        # zero-width characters, U+3164, U+2800, soft hyphens, controls: a plan nobody can read
         reason = "empty <strategy> block"
     elif contains_cjk(output):
         reason = "cjk"

@@ -8,6 +8,7 @@ randomness comes from the caller's per-row PRNG keys instead.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import numpy as np
@@ -15,15 +16,40 @@ import numpy as np
 from strata_jax.sampling.stops import StopText
 
 
+# The smallest non-zero temperature accepted. Logits are divided by the temperature in
+# float32: a temperature near float32's smallest normal (1e-38) or below it (1e-39 is
+# subnormal, 1e-46 rounds to 0) overflows logits / T to inf and gives NaN logprobs. Anything
+# below this floor samples the argmax in all but name; ask for it with 0 (greedy) instead.
+MIN_TEMPERATURE = 1e-6
+
+
+def check_temperature(temperature: float, name: str = "temperature", *,
+                      allow_greedy: bool = True) -> float:
+    """`temperature` as a float when it is usable, else ValueError.
+
+    Usable: finite and either 0 (greedy, when `allow_greedy`) or >= `MIN_TEMPERATURE`.
+    `name` is the field named in the message (e.g. ``rollout.temperature``).
+    """
+    t = float(temperature)
+    if t == 0.0 and allow_greedy:
+        return t
+    if not (math.isfinite(t) and t >= MIN_TEMPERATURE):
+        greedy = " or 0 (greedy)" if allow_greedy else ""
+        raise ValueError(
+            f"{name} must be a finite number >= {MIN_TEMPERATURE:g}{greedy}, got {temperature!r} "
+            "(smaller temperatures overflow float32 logits / temperature into NaN logprobs)")
+    return t
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How the next token is chosen and when a row stops.
 
     Attributes:
-      temperature: softmax temperature (> 0), or 0 meaning greedy. Logprobs are reported as
-        ``log_softmax(logits / temperature)`` of the chosen token, BEFORE top-k / top-p
-        renormalisation, so that the trainer's recomputation of pi_old matches (docs/method.md
-        §9.1).
+      temperature: softmax temperature (>= `MIN_TEMPERATURE`), or 0 meaning greedy. Logprobs
+        are reported as ``log_softmax(logits / temperature)`` of the chosen token, BEFORE
+        top-k / top-p renormalisation, so that the trainer's recomputation of pi_old matches
+        (docs/method.md §9.1).
       top_p: nucleus mass in (0, 1]; 1 disables it. Keeps the smallest set of most likely
         tokens whose mass (after temperature and top-k) reaches ``top_p``; ties at the
         threshold are all kept.
@@ -39,7 +65,8 @@ class SamplingParams:
         checked on device whatever the tokens' boundaries; that token is kept in the output.
 
     Raises:
-      ValueError: on a negative temperature, top_p outside (0, 1], a top_k, max_new_tokens or
+      ValueError: on a temperature that is negative, not finite or in (0, MIN_TEMPERATURE)
+        (`check_temperature`), top_p outside (0, 1], a top_k, max_new_tokens or
         stop id that is not an integer (2.0 included) or is negative, or a stop_text that is
         not a `StopText`.
     """
@@ -67,9 +94,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be integer token ids, got {self.stop_token_ids!r}")
         # Normalise to a tuple so the dataclass stays hashable whatever the caller passed.
         object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in self.stop_token_ids))
-        if not self.temperature >= 0.0:
-            raise ValueError(
-                f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        check_temperature(self.temperature)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
         if self.top_k < 0:

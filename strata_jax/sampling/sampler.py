@@ -41,7 +41,7 @@ from strata_jax.sampling import programs
 from strata_jax.sampling.buckets import bucket
 from strata_jax.sampling.outputs import GenerationBatch
 from strata_jax.sampling.packing import PackedRows, as_id_lists, pack_left
-from strata_jax.sampling.params import SamplingParams
+from strata_jax.sampling.params import SamplingParams, check_temperature
 
 Params = dict[str, Any]
 
@@ -280,16 +280,16 @@ class Sampler:
 
         Args:
           prompts: B token-id lists (>= 1 token each). responses: B token-id lists (may be
-            empty). temperature: > 0.
+            empty). temperature: >= `params.MIN_TEMPERATURE`.
         Returns:
           B float32 arrays, ``[len(responses[b])]`` each.
         Raises:
-          ValueError: mismatched counts, empty prompts, bad ids, temperature <= 0.
+          ValueError: mismatched counts, empty prompts, bad ids, a temperature below
+            `params.MIN_TEMPERATURE` or not finite.
         """
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        check_temperature(temperature, allow_greedy=False)
         pr = as_id_lists(prompts, "prompt", self.config.vocab_size)
         rs = as_id_lists(responses, "response", self.config.vocab_size, allow_empty=True)
         rows = [np.concatenate([p, r]) for p, r in zip(pr, rs)]

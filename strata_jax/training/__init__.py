@@ -29,8 +29,10 @@ __all__ = [
     "packed_response_states", "PackedLayout", "pack_rows",
 ]
 from strata_jax.training.checkpoint import (  # noqa: E402
-    Checkpointer, CheckpointWriteError, CorruptCheckpointError, PreemptionFlag, tree_to_numpy)
-from strata_jax.training.loop import LoopCheckpoints  # noqa: E402
+    Checkpointer, CheckpointWriteError, CorruptCheckpointError, NoRestorableCheckpointError,
+    PreemptionFlag, tree_to_numpy)
+from strata_jax.training.loop_checkpoints import LoopCheckpoints  # noqa: E402
 
-__all__ += ["Checkpointer", "CheckpointWriteError", "CorruptCheckpointError", "PreemptionFlag",
+__all__ += ["Checkpointer", "CheckpointWriteError", "CorruptCheckpointError",
+            "NoRestorableCheckpointError", "PreemptionFlag",
             "tree_to_numpy", "LoopCheckpoints"]

@@ -21,8 +21,8 @@ Integrity: restore re-hashes the step's files against its manifest; a mismatch (
 the same size, a truncated or missing file) or a format-2 step without a manifest (a save cut
 short) is skipped with a warning naming the file, in favour of the next older step. Steps
 written before manifests existed (format 1) restore unverified. Cost: one sha256 pass over
-the checkpoint bytes at save and at restore (measured on a Qwen2.5-0.5B-shape state, 5.5 GB: 16% of
-the save and 22% of the restore time on 2 loaded cores; benchmarks/checkpoint_integrity.py).
+the checkpoint bytes at save and at restore, a minor share of either next to orbax's own I/O
+(benchmarks/checkpoint_integrity.py measures it; docs/results.md has the figures).
 
 Saving: a step already committed on disk is never deleted and written again (the forced final
 save of a finished run, the save on Ctrl-C right after a periodic one); a step on disk that is
@@ -69,9 +69,33 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (e.g. no space left on device); the message names the
     directory and the space needed. The partial step was removed; older steps are intact."""
 
+    def __str__(self) -> str:   # the sentence alone: it is the one line the user sees
+        return str(self.strerror) if self.strerror else super().__str__()
+
 
 class CorruptCheckpointError(RuntimeError):
     """A step's files do not match its checksum manifest (or a committed-format step has none)."""
+
+
+class NoRestorableCheckpointError(RuntimeError):
+    """Checkpoints exist but none can be restored (or an explicit step cannot): the message
+    names each step tried and why, and says what to do (restore the named file, or move the
+    directory aside to start afresh). Nothing was changed on disk."""
+
+
+class _DiskFullNoise(logging.Filter):
+    """Drops orbax's own error records of a full disk (one per writer thread, each with a
+    traceback, some logged after the save has already failed): `Checkpointer.save` reports
+    the condition as one `CheckpointWriteError` line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+            return True
+        text = record.getMessage() + str(record.exc_info[1] if record.exc_info else "")
+        return not ("RESOURCE_EXHAUSTED" in text or "No space left on device" in text)
+
+
+_DISK_FULL_NOISE = _DiskFullNoise()
 
 
 def _sha256(path: str) -> str:
@@ -202,17 +226,23 @@ class Checkpointer:
       keep: number of most recent committed checkpoints kept (c.ckpt.keep); older ones are
         deleted only after a newer step's manifest is written.
       every: save period in iterations for `maybe_save` (c.ckpt.every; <= 0 = never periodic).
+      clean_tmp: remove the ``<step>.orbax-checkpoint-tmp*`` folders saves cut short left
+        (a kill or a full disk mid-save) when the manager opens. Only for the directory's
+        one writer (train.py, under its workdir lock): a reader such as eval.py next to a
+        running training must not delete the save in progress.
     """
 
-    def __init__(self, directory: str, keep: int = 3, every: int = 10):
+    def __init__(self, directory: str, keep: int = 3, every: int = 10, clean_tmp: bool = False):
         self.directory = os.path.abspath(directory)
         self.every = int(every)
         self.keep = int(keep)
         self._bad_steps: set[int] = set()   # steps `restore` skipped: a save replaces them
+        logging.getLogger("absl").addFilter(_DISK_FULL_NOISE)   # orbax logs through absl
         # Retention is done here, after the manifest commits a step (orbax would delete the
         # old steps before that).
         opts = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
-                                            enable_async_checkpointing=False)
+                                            enable_async_checkpointing=False,
+                                            cleanup_tmp_directories=bool(clean_tmp))
         self._mngr = ocp.CheckpointManager(self.directory, options=opts,
                                            item_names=("state", "meta"))
 
@@ -258,22 +288,23 @@ class Checkpointer:
             if jax.process_index() == 0:   # one writer; the other hosts wait for the commit
                 write_manifest(step_dir)
             _sync_hosts(f"strata_ckpt_commit_{step}")
-        except Exception as e:
+        except BaseException as e:   # Ctrl-C / a stop signal mid-save too: leave no tmp folder
+            self._remove_partial(step)
             if not _is_disk_full(e):
                 raise
-            self._remove_partial(step)
             need = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                        for x in jax.tree.leaves(state_to_dict(state)))
             free = shutil.disk_usage(self.directory).free
             raise CheckpointWriteError(
                 errno.ENOSPC, f"no space left on device for checkpoint step {step} in "
                 f"{self.directory}: it needs ~{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB "
-                f"free; free space there or use another --config.workdir (earlier steps "
-                f"{self._committed_steps()} are intact)") from None
+                f"free; free space there or use another --config.workdir ("
+                f"{_intact(self._committed_steps())})") from None
         self._apply_retention()
         return step
 
     def _committed_steps(self) -> list[int]:
+        """Steps on disk with a manifest (committed), ascending."""
         return [s for s in sorted(self._mngr.all_steps())
                 if os.path.exists(os.path.join(self.directory, str(s), MANIFEST))]
 
@@ -328,16 +359,21 @@ class Checkpointer:
           abstract_state: ``Trainer.abstract_state()`` (ShapeDtypeStructs with shardings).
           step: a specific step (no fallback), or None = newest, falling back to older ones.
         Returns (state, meta dict with "step", "sampler_state", "config"), or None when the
-        directory holds no checkpoint. Raises RuntimeError when checkpoints exist but none can
-        be restored (each failure was warned), or the error of an explicit `step`.
+        directory holds no checkpoint. Each step that fails is warned (naming the step, the
+        file and the older step tried next) only when an older step is left to try.
+        Raises NoRestorableCheckpointError (one line: every step tried and why, what to do)
+        when checkpoints exist but none can be restored, or `step` cannot be.
         """
         target = state_to_dict(abstract_state, abstract=True)
         steps = [step] if step is not None else sorted(self.all_steps(), reverse=True)
         if not steps:
             return None
         errors = []
-        for s in steps:
+        for i, s in enumerate(steps):
             try:
+                if step is not None and s not in self.all_steps():
+                    raise FileNotFoundError(f"there is no step {s} (steps on disk: "
+                                            f"{self.all_steps()})")
                 verify_step(os.path.join(self.directory, str(s)))
                 out = self._mngr.restore(s, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
@@ -345,15 +381,19 @@ class Checkpointer:
                 state = TrainState(**{f: _decode(d[f]) for f in _FIELDS})
                 return state, dict(out["meta"])
             except Exception as e:  # noqa: BLE001 — any failure means "unusable checkpoint"
-                if step is not None:
-                    raise
                 self._bad_steps.add(s)
-                msg = (f"checkpoint step {s} in {self.directory} could not be restored "
-                       f"({type(e).__name__}: {str(e)[:400]}); falling back to an older one")
-                warnings.warn(msg, RuntimeWarning, stacklevel=2)
-                log.warning(msg)
-                errors.append(s)
-        raise RuntimeError(f"no restorable checkpoint in {self.directory} (tried steps {errors})")
+                why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                errors.append(f"step {s}: {why}")
+                if i + 1 < len(steps):
+                    msg = (f"checkpoint step {s} in {self.directory} could not be restored "
+                           f"({why}); falling back to step {steps[i + 1]}")
+                    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                    log.warning(msg)
+        what = (f"checkpoint step {step} in {self.directory} cannot be restored"
+                if step is not None else f"no restorable checkpoint in {self.directory}")
+        raise NoRestorableCheckpointError(
+            f"{what} ({'; '.join(errors)}). Restore the named file from a copy, or move "
+            f"{self.directory} aside to start the run afresh")
 
     def close(self) -> None:
         """Wait for pending writes and release the manager (its threads and event loop)."""
@@ -365,6 +405,12 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _intact(steps: list[int]) -> str:
+    if not steps:
+        return "no earlier step is on disk"
+    return f"earlier step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} intact"
 
 
 class PreemptionFlag:
@@ -386,7 +432,8 @@ class PreemptionFlag:
         return self._event.is_set()
 
     def _handler(self, signum, frame) -> None:  # noqa: ARG002
-        log.warning("signal %d received: will checkpoint and stop after this iteration", signum)
+        log.warning("%s received: will checkpoint and stop after this iteration",
+                    signal.Signals(signum).name)
         self._event.set()
 
     def install(self) -> "PreemptionFlag":
@@ -411,5 +458,6 @@ def tree_to_numpy(tree: Any) -> Any:
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
 
 
-__all__ = ["Checkpointer", "CheckpointWriteError", "CorruptCheckpointError", "PreemptionFlag",
+__all__ = ["Checkpointer", "CheckpointWriteError", "CorruptCheckpointError",
+           "NoRestorableCheckpointError", "PreemptionFlag",
            "state_to_dict", "tree_to_numpy", "verify_step", "write_manifest"]

@@ -15,11 +15,10 @@ from typing import Any, ClassVar
 
 from strata_jax.algos.config import EstimatorConfig, LossConfig
 from strata_jax.algos.table import get_algorithm
-from strata_jax.config import read_fields
+from strata_jax.config import REMAT_POLICIES, read_fields
 from strata_jax.models.lora import LoraConfig
 
 CRITIC_KINDS = ("auto", "none", "separate", "head")
-REMAT_POLICIES = ("none", "full", "dots")
 LR_SCHEDULES = ("constant", "cosine")
 
 # TrainConfig fields read from c.optim / c.train (every key of those sections is one of these).
@@ -142,6 +141,10 @@ class TrainConfig:
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r} "
                                  f"(--config.optim.{name}=...)")
+        from strata_jax.sampling.params import check_temperature
+        # pi_old / pi_theta divide the logits by it in float32 (docs/method.md §9.1)
+        check_temperature(self.temperature, "rollout.temperature (the train temperature)",
+                          allow_greedy=False)
         if not self.adam_eps > 0:
             raise ValueError(f"train.adam_eps must be > 0 (Adam divides by sqrt(v) + eps), "
                              f"got {self.adam_eps!r}")

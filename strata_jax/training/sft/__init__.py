@@ -10,16 +10,17 @@ One job per module: config.py (`SFTConfig`), experts.py (expert play with noise)
 """
 from strata_jax.training.sft.cloning import (SFT_PROGRESS_S, SFTTrainer, batch_order,
                                              make_sft_batch, sft_loss, sft_progress, train_sft)
-from strata_jax.training.sft.config import STRATEGY_MODES, SFTConfig
+from strata_jax.training.sft.config import PLAN_CODES, STRATEGY_MODES, SFTConfig
 from strata_jax.training.sft.experts import (SCIWORLD_NOISE_ACTIONS, ExpertEpisode, ExpertStep,
                                              collect_expert_episodes, play_builtin_expert,
                                              play_gold)
-from strata_jax.training.sft.render import (KINDS, SFTExample, action_response, build_examples,
-                                            judge_response, plan_text, render_episode)
+from strata_jax.training.sft.render import (KINDS, MASKED_CODE, SFTExample, action_response,
+                                            build_examples, judge_response, mask_codes, plan_text,
+                                            render_episode)
 
 __all__ = [
     "SFTConfig", "ExpertStep", "ExpertEpisode", "SFTExample", "SFTTrainer", "play_builtin_expert",
-    "play_gold", "collect_expert_episodes", "plan_text", "action_response", "judge_response",
+    "play_gold", "collect_expert_episodes", "plan_text", "mask_codes", "MASKED_CODE", "action_response", "judge_response",
     "render_episode", "build_examples", "make_sft_batch", "sft_loss", "batch_order", "train_sft",
-    "sft_progress", "SFT_PROGRESS_S", "SCIWORLD_NOISE_ACTIONS", "STRATEGY_MODES", "KINDS",
+    "sft_progress", "SFT_PROGRESS_S", "SCIWORLD_NOISE_ACTIONS", "STRATEGY_MODES", "PLAN_CODES", "KINDS",
 ]

@@ -61,13 +61,16 @@ def make_sft_batch(examples: Sequence[SFTExample], rows: int, pad_id: int = 1516
 
 
 def sft_loss(params: Any, model_cfg: Qwen2Config, batch: dict[str, jax.Array], *,
-             chunk_size: int = 64) -> tuple[jax.Array, jax.Array]:
+             chunk_size: int = 64, remat: str = "none") -> tuple[jax.Array, jax.Array]:
     """Token-mean cross-entropy of the response tokens (f32 scalar) and their count.
 
     loss = -sum(logprob * response_mask) / max(sum(response_mask), 1), logprobs at temperature 1
-    from the trainer's scoring path (`response_states` + chunked `response_logprobs`)."""
+    from the trainer's scoring path (`response_states` + chunked `response_logprobs`). remat:
+    the per-layer rematerialisation policy of the forward ("none" | "full" | "dots"), the run's
+    ``model.remat``: the same values, less activation memory (full fine-tuning of a real model
+    keeps params, gradients and AdamW moments besides)."""
     hidden, _ = response_states(params, model_cfg, batch["prompt_ids"], batch["prompt_mask"],
-                                batch["response_ids"], batch["response_mask"])
+                                batch["response_ids"], batch["response_mask"], remat=remat)
     lp, _ = response_logprobs(params, model_cfg, hidden, batch["response_ids"],
                               batch["response_mask"], chunk_size=chunk_size)
     n = jnp.sum(batch["response_mask"].astype(jnp.float32))
@@ -78,7 +81,8 @@ class SFTTrainer:
     """Jitted behaviour-cloning steps for one model config.
 
     Args:
-      model_cfg: the model. cfg: `SFTConfig` (optimiser and chunking).
+      model_cfg: the model. cfg: `SFTConfig` (optimiser and chunking). remat: the forward's
+        rematerialisation policy (`sft_loss`).
     The optimiser is `training.make_optimizer` (global-norm clip, AdamW) with linear warmup then
     cosine decay to 0 at ``cfg.steps``; params and optimiser state are donated to each step.
     Params on a mesh (a checkpoint loaded onto it, or a preset placed there) keep their
@@ -86,8 +90,8 @@ class SFTTrainer:
     step's program serves them all.
     """
 
-    def __init__(self, model_cfg: Qwen2Config, cfg: SFTConfig) -> None:
-        self.model_cfg, self.cfg = model_cfg, cfg
+    def __init__(self, model_cfg: Qwen2Config, cfg: SFTConfig, remat: str = "none") -> None:
+        self.model_cfg, self.cfg, self.remat = model_cfg, cfg, remat
         tcfg = TrainConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                            warmup_steps=min(cfg.warmup_steps, cfg.steps - 1),
                            lr_schedule="cosine", decay_steps=cfg.steps)
@@ -95,11 +99,12 @@ class SFTTrainer:
         self._step = jax.jit(self._step_fn, donate_argnums=(0, 1))
         self._pinned = None   # the step with its outputs placed like its inputs (params on a mesh)
         self._eval = jax.jit(functools.partial(sft_loss, model_cfg=model_cfg,
-                                               chunk_size=cfg.logprob_chunk))
+                                               chunk_size=cfg.logprob_chunk, remat=remat))
 
     def _step_fn(self, params, opt_state, batch):
         grad_fn = jax.value_and_grad(
-            lambda p: sft_loss(p, self.model_cfg, batch, chunk_size=self.cfg.logprob_chunk),
+            lambda p: sft_loss(p, self.model_cfg, batch, chunk_size=self.cfg.logprob_chunk,
+                               remat=self.remat),
             has_aux=True)
         (loss, n), grads = grad_fn(params)
         updates, opt_state = self.tx.update(grads, opt_state, params)
@@ -152,17 +157,18 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[list[int
 
 
 def train_sft(params: Any, model_cfg: Qwen2Config, examples: Sequence[SFTExample],
-              cfg: SFTConfig, *, pad_id: int = 151643,
+              cfg: SFTConfig, *, pad_id: int = 151643, remat: str = "none",
               log_fn: Callable[[str], None] | None = None) -> tuple[Any, list[float]]:
     """Behaviour cloning: ``cfg.steps`` AdamW steps of `SFTTrainer` over `examples`.
 
     Batches hold ``min(batch_size, len(examples))`` rows; prompt and response lengths are
-    bucketed per batch. Returns (new params, loss of every step, measured before its update).
+    bucketed per batch; remat is the forward's rematerialisation policy (`sft_loss`). Returns
+    (new params, loss of every step, measured before its update).
     Raises ValueError on no examples.
     """
     if not examples:
         raise ValueError("train_sft needs at least one example (did the expert play any task?)")
-    trainer = SFTTrainer(model_cfg, cfg)
+    trainer = SFTTrainer(model_cfg, cfg, remat)
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)  # donation-safe copy
     opt_state = trainer.init(params)
     rows = min(cfg.batch_size, len(examples))

@@ -7,6 +7,7 @@ from typing import Any
 from strata_jax.config import read_fields, section_sources
 
 STRATEGY_MODES = ("both", "strata", "flat")
+PLAN_CODES = ("keep", "mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +24,14 @@ class SFTConfig:
       judge: add judge examples (StraTA form only).
       think: the text inside <think></think> of every action response.
       max_plan_items: the plan (z) keeps at most this many numbered items.
+      plan_code: "keep" renders the plan from the expert's actions as they are (memory_key's
+        ends with ``enter <code>``: the cloned strategies carry the code); "mask" writes every
+        ``enter <code>`` item as ``enter the vault code``, so the warm start teaches the moves
+        and the keypad but leaves carrying the code in the strategy for RL to discover.
+      train_strategies: train the strategy examples (StraTA form). False keeps the model's own
+        way of writing strategies (the action rows still see the rendered plan as z): with
+        ``plan_code="mask"`` the warm start then neither teaches nor unlearns putting the code
+        in the plan.
       max_gold_steps: ScienceWorld gold paths longer than this are skipped.
       steps, batch_size, lr, weight_decay, grad_clip, warmup_steps: optimisation (AdamW, linear
         warmup then cosine decay to 0 at ``steps``).
@@ -39,6 +48,8 @@ class SFTConfig:
     judge: bool = True
     think: str = "I follow the plan."
     max_plan_items: int = 12
+    plan_code: str = "keep"
+    train_strategies: bool = True
     max_gold_steps: int = 30
     steps: int = 300
     batch_size: int = 16
@@ -55,6 +66,8 @@ class SFTConfig:
         if self.strategy_mode not in STRATEGY_MODES:
             raise ValueError(f"sft.strategy_mode must be one of {STRATEGY_MODES}, "
                              f"got {self.strategy_mode!r}")
+        if self.plan_code not in PLAN_CODES:
+            raise ValueError(f"sft.plan_code must be one of {PLAN_CODES}, got {self.plan_code!r}")
         if not 0.0 <= self.noise < 1.0:
             raise ValueError(f"sft.noise must be in [0, 1), got {self.noise}")
         for name in ("episodes", "steps", "batch_size", "max_plan_items"):
@@ -74,4 +87,4 @@ class SFTConfig:
         return cls(**v)
 
 
-__all__ = ["SFTConfig", "STRATEGY_MODES"]
+__all__ = ["SFTConfig", "STRATEGY_MODES", "PLAN_CODES"]

@@ -60,7 +60,11 @@ def _parsed(action: str) -> str:
 
 
 def _noise_choices_builtin(env: Any, expert: str) -> list[str]:
-    return [a for a in env.admissible_actions() if "<" not in a and a != expert]
+    """Admissible actions a noisy step may take instead of `expert`: never a template, and
+    never an ``enter`` (memory_key's vault lists concrete codes: cloning a wrong code would
+    teach guessing, and with limited attempts it ends the episode)."""
+    return [a for a in env.admissible_actions()
+            if "<" not in a and a != expert and not a.startswith("enter")]
 
 
 def play_builtin_expert(env: Any, task: Task, noise: float, rng: random.Random) -> ExpertEpisode:

@@ -43,6 +43,20 @@ def plan_text(actions: Sequence[str], max_items: int = 12) -> str:
     return "\n".join(lines)
 
 
+# What a masked plan says instead of a typed code (`mask_codes`).
+MASKED_CODE = "enter the vault code"
+
+
+def mask_codes(actions: Sequence[str]) -> list[str]:
+    """The plan's actions with every ``enter <code>`` written as `MASKED_CODE`: a strategy that
+    names the step but not the secret (behaviour cloning with ``sft.plan_code="mask"``).
+
+    >>> mask_codes(["go north", "enter 471"])
+    ['go north', 'enter the vault code']
+    """
+    return [MASKED_CODE if a == "enter" or a.startswith("enter ") else a for a in actions]
+
+
 def action_response(action: str, think: str) -> str:
     """Response text of one step (docs/method.md §2.1 format); the stop token is added at
     encoding."""
@@ -87,24 +101,30 @@ def _example(builder: PromptBuilder, prompt: PromptIds, text: str, kind: str, st
 
 def render_episode(builder: PromptBuilder, ep: ExpertEpisode, *, with_strategy: bool,
                    think: str = SFTConfig.think, judge: bool = True,
-                   max_plan_items: int = 12) -> list[SFTExample]:
+                   max_plan_items: int = 12, plan_code: str = "keep",
+                   train_strategies: bool = True) -> list[SFTExample]:
     """Examples of one expert episode, rendered exactly as the rollout renders its prompts.
 
     StraTA form (`with_strategy`): the strategy example (strategy prompt of the first
     observation -> ``<strategy>{plan}</strategy>``), one action example per step whose prompt
     holds z = the body of that block as `check_strategy` extracts it (what the rollout prepends),
     and (``judge``) the judge example listing the noisy steps. Flat form: action examples only.
+    ``plan_code="mask"`` renders the plan through `mask_codes` (the action targets are the
+    expert's own actions either way); ``train_strategies=False`` leaves the strategy example out
+    (z still goes into the step prompts).
     """
     out: list[SFTExample] = []
     z = None
     if with_strategy:
-        text = f"<strategy>{plan_text(ep.plan, max_plan_items)}</strategy>"
+        plan = mask_codes(ep.plan) if plan_code == "mask" else ep.plan
+        text = f"<strategy>{plan_text(plan, max_plan_items)}</strategy>"
         check = check_strategy(text, False, builder.count_tokens)
         if check.format_fail:
             raise ValueError(f"expert strategy fails the strategy format: {check.reason}")
         z = check.text
-        out.append(_example(builder, builder.strategy_prompt(ep.pieces0, ep.first_observation),
-                            text, "strategy", True))
+        if train_strategies:
+            out.append(_example(builder, builder.strategy_prompt(ep.pieces0, ep.first_observation),
+                                text, "strategy", True))
     history: list[HistoryEntry] = []
     for t, s in enumerate(ep.steps):
         prompt = builder.step_prompt(s.pieces, s.observation, history, z)
@@ -126,9 +146,10 @@ def build_examples(builder: PromptBuilder, episodes: Sequence[ExpertEpisode],
     for ep in episodes:
         for strat in forms:
             out += render_episode(builder, ep, with_strategy=strat, think=cfg.think,
-                                  judge=cfg.judge, max_plan_items=cfg.max_plan_items)
+                                  judge=cfg.judge, max_plan_items=cfg.max_plan_items,
+                                  plan_code=cfg.plan_code, train_strategies=cfg.train_strategies)
     return out
 
 
-__all__ = ["KINDS", "SFTExample", "plan_text", "action_response", "judge_response",
+__all__ = ["KINDS", "SFTExample", "plan_text", "mask_codes", "MASKED_CODE", "action_response", "judge_response",
            "render_episode", "build_examples"]

@@ -261,7 +261,7 @@ def evaluate_scaled(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequenc
     Raises:
       ValueError: strategy_choice="critic" without a critic, or a bad eval.* setting.
     """
-    from strata_jax.evaluation import (_family, cost_metrics, episode_stats, episode_tokens,
+    from strata_jax.evaluation.protocol import (family_of, cost_metrics, episode_stats, episode_tokens,
                                        eval_rollout_config, summarize)
     from strata_jax.models import stop_token_ids
     from strata_jax.rollout.prompts import ACTION_STOP, JUDGE_STOP, STRATEGY_STOP
@@ -349,7 +349,7 @@ def evaluate_scaled(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequenc
             fin = outcome[u]
             extra_tok = episode_tokens(fin) if probe_cap is not None else 0
             extra_steps = len(fin.steps) if probe_cap is not None else 0
-            costs.append((_family(fin),
+            costs.append((family_of(fin),
                           float(strat_tokens.get(u, 0) + sum(episode_tokens(t) for t in ps)
                                 + extra_tok),
                           float(sum(len(t.steps) for t in ps) + extra_steps)))

@@ -1,7 +1,7 @@
-"""Evaluation: one strategy per task at the eval temperature, per-family success and score.
+"""The eval protocol: one strategy per task at the eval temperature, per-family success and score.
 
 Test-time strategy scaling (``eval.strategy_samples`` > 1, eval.py only) is
-strata_jax/test_time.py.
+`strata_jax.evaluation.scaling`.
 
 docs/method.md §10: one strategy per task (no FPS, no judge), temperature 0.4; report the success
 rate (ALFWorld won, WebShop, ScienceWorld score == 100), the mean score (WebShop score,
@@ -9,8 +9,8 @@ ScienceWorld final score 0-100), overall and per task family. Baselines (flat ro
 evaluated with one episode per task and no strategy.
 
 `format_metrics` is eval.py's printed report; eval.py's job itself (load a checkpoint, play
-`eval_tasks`, write JSON + episodes) is `strata_jax.eval_run.run_eval`, the one module that
-also reaches the test-time scaling, so neither imports the other.
+`eval_tasks`, write JSON + episodes) is `strata_jax.evaluation.run.run_eval`, the one module
+that also reaches the test-time scaling, so neither imports the other.
 """
 from __future__ import annotations
 
@@ -139,7 +139,8 @@ def episode_stats(trajs: Sequence[Any], groups: Sequence[Any], loop: LoopStats,
 
 
 def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any], key: Any,
-             batch_tasks: int = 16) -> tuple[dict[str, float], list[dict[str, Any]]]:
+             batch_tasks: int = 16, progress: Any = None
+             ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Play one episode per task with the eval protocol.
 
     Returns (metrics, episode records). Metrics: `summarize`'s (eval/success, eval/score,
@@ -153,6 +154,8 @@ def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any],
     `test_time.evaluate_scaled` when it is > 1.
     Tasks run in chunks of `batch_tasks` (one rollout call each, so the sampler batch stays
     bounded); each chunk's task uids continue the previous ones so row keys never repeat.
+    `progress(done, total, trajectories so far)` is called after each chunk (eval.py's
+    progress line: a real model's eval runs for many minutes).
     """
     rc = eval_rollout_config(c)
     trajs, groups, loop = [], [], LoopStats()
@@ -162,6 +165,8 @@ def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any],
                                  task_uid_start=start)
         trajs.extend(result.trajectories)
         groups.extend(result.strategies)
+        if progress is not None:
+            progress(len(trajs), len(tasks), trajs)
     stats = episode_stats(trajs, groups, loop, rc)
     return ({**summarize(trajs, c.env.name), **stats,
              **cost_metrics(protocol_costs(trajs, groups))}, dump_trajectories(trajs, groups))
@@ -170,7 +175,8 @@ def evaluate(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequence[Any],
 # ----------------------------------------------------------------------------- cost
 
 
-def _family(tr: Any) -> str:
+def family_of(tr: Any) -> str:
+    """The task family of a played trajectory."""
     return tr.family or task_family(tr.spec.task)
 
 
@@ -207,7 +213,7 @@ def protocol_costs(trajs: Sequence[Any], groups: Sequence[Any]
     by: dict[int, list[Any]] = {}
     for tr in trajs:
         by.setdefault(tr.spec.task_uid, []).append(tr)
-    return [(_family(ts[0]), float(strat.get(u, 0) + sum(episode_tokens(t) for t in ts)),
+    return [(family_of(ts[0]), float(strat.get(u, 0) + sum(episode_tokens(t) for t in ts)),
              float(sum(len(t.steps) for t in ts))) for u, ts in by.items()]
 
 

@@ -1,6 +1,7 @@
 """eval.py's job: load a run's checkpoint (or the config's model), play the eval protocol
-(`strata_jax.evaluation`) or, with ``eval.strategy_samples`` > 1, its test-time strategy scaling
-(`strata_jax.test_time`), and write the metrics JSON and every episode (docs/method.md §10).
+(`strata_jax.evaluation.protocol`) or, with ``eval.strategy_samples`` > 1, its test-time
+strategy scaling (`strata_jax.evaluation.scaling`), and write the metrics JSON and every
+episode (docs/method.md §10).
 """
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from typing import Any
 
 import jax
 
-from strata_jax.evaluation import eval_tasks, evaluate
+from strata_jax.evaluation.protocol import eval_tasks, evaluate
 
 
 def run_eval(c, split: str | None = None, step: int | None = None,
              use_checkpoint: bool = True) -> dict:
-    """Evaluate and return the metrics dict (see strata_jax.evaluation.evaluate) plus "step"
+    """Evaluate and return the metrics dict (see strata_jax.evaluation.protocol.evaluate) plus "step"
     and "files" (the JSON and trajectory paths written, process 0 only).
 
     Loads the run's checkpoint (``<workdir>/ckpt``, the newest restorable or `step`), or with
@@ -39,7 +40,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     from strata_jax.training import Checkpointer, Trainer, TrainConfig
 
     from strata_jax.rollout import build_judge_model
-    from strata_jax.test_time import TestTimeConfig, critic_scorer, evaluate_scaled
+    from strata_jax.evaluation.scaling import TestTimeConfig, critic_scorer, evaluate_scaled
 
     ex.validate(c)
     ex.use_compilation_cache(c)
@@ -105,7 +106,8 @@ def run_eval(c, split: str | None = None, step: int | None = None,
           f"({int(c.eval.episodes_per_family)} per family)"
           + (f", {tt.strategy_samples} candidates each ({tt.strategy_choice} chooses, "
              + (f"{tt.probe_steps}-step probes)" if tt.probe_steps else "full episodes)")
-             if tt.enabled else "") + " ...", flush=True)
+             if tt.enabled else "") + " (the first batch of 16 includes compiling the sampler: "
+          "minutes on a CPU for a real model) ...", flush=True)
     try:
         if tt.enabled:
             judge = build_judge_model(c, mesh) if tt.strategy_choice == "judge" else None
@@ -114,7 +116,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
                                                 judge=judge)
         else:
             metrics, episodes = evaluate(c, policy, pool, builder, tasks,
-                                         key=ex.seed_key(c, 2, at))
+                                         key=ex.seed_key(c, 2, at), progress=_progress_line())
     finally:
         pool.close()
     metrics["step"] = at
@@ -132,6 +134,19 @@ def run_eval(c, split: str | None = None, step: int | None = None,
                 f.write(json.dumps({"step": at, **rec}, default=str) + "\n")
         metrics["files"] = [stem + ".json", stem + "_trajectories.jsonl"]
     return metrics
+
+
+def _progress_line():
+    """`evaluate`'s progress callback: one line per batch of episodes, with the success so far
+    and the elapsed time."""
+    import time
+    t0 = time.time()
+
+    def show(done: int, total: int, trajectories: Any) -> None:
+        wins = sum(bool(t.success) for t in trajectories)
+        print(f"  {done}/{total} episodes played, {wins} succeeded, {time.time() - t0:.0f} s",
+              flush=True)
+    return show
 
 
 def _initial_params(c: Any, tokenizer: Any, mesh: Any) -> tuple[Any, Any]:

@@ -1,0 +1,389 @@
+"""Does a real Qwen2.5 agent learn under StraTA? Held-out success before and after RL, against
+GRPO, with significance tests: the study on memory_key with one code attempt (docs/method.md §12).
+
+    nohup python -m benchmarks.learning_study > runs/learning_study.log 2>&1 &   # run / continue
+    python -m benchmarks.learning_study --report         # tables, tests and plot from what ran
+    python -m benchmarks.learning_study --only start     # just the starting policy's evals
+
+The study is a queue of jobs, each a ``train.py`` / ``eval.py`` / ``sft.py`` subprocess on its
+own folder under ``--out``; a job whose result exists is skipped, and train.py resumes a run
+from its last checkpoint (``ckpt.every=1``), so the queue started again after a stop continues
+where it stopped. In order:
+
+1. ``warm_start`` (with ``--warm-start mask`` or ``mask-actions``): behaviour cloning that
+   teaches the walk and the keypad with plans that do NOT carry the code
+   (``sft.plan_code=mask``; ``mask-actions`` trains the action rows only, so the model keeps its
+   own way of writing strategies), cached by fingerprint.
+2. ``start_strata`` / ``start_flat``: the starting policy on the fixed eval set (the first
+   ``--eval-episodes`` test-split tasks, one strategy per task, temperature 0.4), StraTA and
+   flat prompting.
+3. per seed and method: ``run_<algo>_s<seed>`` (LoRA, ``--iterations`` iterations, StraTA N x M
+   episodes per task against GRPO groups of N*M: ``matched``), then ``final_<algo>_s<seed>``
+   (its last checkpoint on the same eval set).
+
+The report (``--out/learning_study.json`` + ``.png``): per policy, success with 95% Wilson
+intervals, the fraction of strategies that carry the code, the successes whose code reached the
+keypad's prompt some other way (leak channels, §12); each trained policy against its own start
+(one-sided Fisher exact and exact McNemar on the paired tasks); each method's gain and StraTA's
+gain minus GRPO's; the training rollouts' success per iteration with a Cochran-Armitage trend
+test; the success rate the eval size can detect (80% power). Statistics: benchmarks/_stats.py.
+Measures, never asserts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ALGOS = {"strata": "strata", "grpo": "grpo"}
+# The code in the first observation: "A note on the wall reads: 'vault code 6-1-6'."
+_NOTE = re.compile(r"vault code ([0-9](?:-[0-9])*)'")
+# Text names the code when a code word precedes its digits (in order, separators allowed):
+# "enter the code 6-1-6", "vault code 7", "enter 7"; list numbers ("1. go north") and counts
+# ("go north (4 times)") do not, which matters with a one-digit code.
+_CODE_WORD = r"(?:code|enter|vault|key|keypad|digits?|combination|password)"
+
+
+def task_code(traj: dict) -> str:
+    """The vault code of a memory_key trajectory record, from its first observation ("" when
+    the record has no step or no note)."""
+    steps = traj.get("steps") or []
+    m = _NOTE.search(steps[0]["observation"]) if steps else None
+    return m.group(1).replace("-", "") if m else ""
+
+
+def names_code(text: str | None, code: str) -> bool:
+    """Whether `text` names `code`: a code word, then within 30 characters the code's digits in
+    order with at most two separator characters between them and no digit around them."""
+    if not text or not code:
+        return False
+    digits = r"[\s,\-]{0,2}".join(code)
+    pat = _CODE_WORD + r"[^0-9]{0,30}(?<![0-9])" + digits + r"(?![0-9])"
+    return re.search(pat, text, flags=re.IGNORECASE) is not None
+
+
+def leaked(traj: dict, code: str, history: int = 2, tail_chars: int = 30) -> bool:
+    """Whether the code was in the prompt of the episode's last step from a source other than
+    the strategy: the first observation still in the history window, or an action / the tail of
+    a format-invalid output of the last `history` steps naming it (`names_code`)."""
+    steps = traj.get("steps") or []
+    t = len(steps) - 1
+    if t < 0:
+        return False
+    if t <= history:   # the note itself is still in the window (or is the current observation)
+        return True
+    for s in steps[t - history:t]:
+        text = (s.get("output") or "")[-tail_chars:] if s.get("invalid") else s.get("action")
+        if names_code(text, code):
+            return True
+    return False
+
+
+def episode_rows(trajs: list[dict]) -> list[dict]:
+    """One row per episode: variation, success, whether its strategy carries the code, whether a
+    success leaked (`leaked`), invalid steps, steps."""
+    rows = []
+    for tr in trajs:
+        code = task_code(tr)
+        ok = bool(tr.get("success"))
+        rows.append(dict(variation=int(tr.get("variation", -1)), success=ok,
+                         strategy=tr.get("strategy") is not None,
+                         carries=names_code(tr.get("strategy"), code),
+                         leaked=ok and leaked(tr, code),
+                         steps=len(tr.get("steps") or []),
+                         invalid=sum(bool(s.get("invalid")) for s in tr.get("steps") or [])))
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """Success k / n with its Wilson interval, code-carrying strategies, leaked successes."""
+    from benchmarks._stats import wilson
+    n, k = len(rows), sum(r["success"] for r in rows)
+    strat = [r for r in rows if r["strategy"]]
+    steps = sum(r["steps"] for r in rows)
+    lo, hi = wilson(k, n) if n else (0.0, 0.0)
+    return dict(n=n, k=k, success=k / n if n else 0.0, ci95=[lo, hi],
+                carries=(sum(r["carries"] for r in strat) / len(strat)) if strat else None,
+                leaked_successes=sum(r["leaked"] for r in rows),
+                invalid_step_frac=(sum(r["invalid"] for r in rows) / steps) if steps else 0.0)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    from strata_jax.metrics import read_jsonl as _read
+    return list(_read(path)) if os.path.exists(path) else []
+
+
+# ---------------------------------------------------------------------------- the queue
+
+
+def variant(args, algo: str, workdir: str, extra: tuple[str, ...] = ()) -> str:
+    """The config variant string (configs/builtin.py) every job of the study shares, for
+    prompting / training with `algo` in `workdir`."""
+    toks = ["tiny", "real", algo, f"model.path={args.model}", f"workdir={workdir}",
+            f"seed={args.seed_base}",
+            f"env.code_digits={args.digits}", "env.code_attempts=1",
+            f"env.max_steps={args.max_steps}", "rollout.format_examples=true",
+            "rollout.max_action_tokens=96", "rollout.max_strategy_tokens=128",
+            "rollout.max_judge_tokens=32", "env.max_prompt_tokens=1536", "env.num_workers=16",
+            f"model.dtype={args.dtype}", f"rollout.sampler_dtype={args.dtype}",
+            f"train.compute_dtype={args.dtype}", "eval.temperature=0.4",
+            "log.dump_trajectories=1000"]
+    if args.warm_start in ("mask", "mask-actions"):
+        toks += ["model.warm_start=sft", "sft.plan_code=mask", f"sft.episodes={args.sft_episodes}",
+                 f"sft.train_strategies={args.warm_start == 'mask'}",
+                 f"sft.steps={args.sft_steps}", f"sft.batch_size={args.sft_batch}", f"sft.lr={args.sft_lr}",
+                 "sft.warmup_steps=5", "sft.noise=0.1", "sft.log_every=10",
+                 "sft.strategy_mode=both"]
+    elif args.warm_start:
+        toks += [f"model.warm_start={args.warm_start}"]
+    toks += list(extra) + list(args.set)
+    return ",".join(toks)
+
+
+def train_extra(args, algo: str, seed: int) -> tuple[str, ...]:
+    n, m = args.n, args.m
+    rows_hint = args.tasks * n * m * args.max_steps
+    out = (f"seed={seed}", f"iterations={args.iterations}", f"lora.rank={args.rank}",
+           f"lora.alpha={args.rank * 4}", f"lora.lr={args.lr}", f"optim.lr={args.lr}",
+           f"rollout.tasks_per_batch={args.tasks}", f"rollout.num_strategies={n}",
+           f"rollout.episodes_per_strategy={m}", f"rollout.oversample={args.sigma}",
+           "ckpt.every=1", "ckpt.keep=2", "eval.every=0", f"model.remat={args.remat}",
+           f"optim.micro_batch_size={args.micro}",
+           # two optimizer steps per iteration over the same rows: more updates, no more rollouts
+           f"optim.mini_batch_size={max(args.micro, rows_hint // args.updates_per_iteration)}")
+    return out + (("matched",) if algo != "strata" else ())
+
+
+def jobs(args) -> list[dict]:
+    """The queue in order: name, argv, the file whose existence marks the job done."""
+    py, out = sys.executable, os.path.abspath(args.out)
+    cfg = os.path.join(REPO, "configs", "builtin.py")
+    split, e = "test", args.eval_episodes
+    q = []
+    if args.warm_start in ("mask", "mask-actions"):
+        wd = os.path.join(out, "warm_start")
+        q.append(dict(name="warm_start", done=os.path.join(wd, "DONE"), touch=True,
+                      argv=[py, os.path.join(REPO, "sft.py"),
+                            f"--config={cfg}:{variant(args, 'strata', wd)}"]))
+    for prompting, algo in (("strata", "strata"), ("flat", "grpo")):
+        wd = os.path.join(out, f"start_{prompting}")
+        q.append(dict(name=f"start_{prompting}", done=os.path.join(wd, f"eval_{split}_step0.json"),
+                      argv=[py, os.path.join(REPO, "eval.py"),
+                            f"--config={cfg}:{variant(args, algo, wd)}", "--no_checkpoint",
+                            f"--split={split}", f"--episodes_per_family={e}"]))
+    for seed in range(args.seeds):
+        for algo in args.algos:
+            wd = os.path.join(out, f"run_{algo}_s{seed}")
+            v = variant(args, algo, wd, train_extra(args, algo, seed))
+            q.append(dict(name=f"run_{algo}_s{seed}", done=os.path.join(wd, "DONE"), touch=True,
+                          argv=[py, os.path.join(REPO, "train.py"), f"--config={cfg}:{v}"]))
+            q.append(dict(name=f"final_{algo}_s{seed}",
+                          done=os.path.join(wd, f"eval_{split}_step{args.iterations}.json"),
+                          argv=[py, os.path.join(REPO, "eval.py"), f"--config={cfg}:{v}",
+                                f"--split={split}", f"--episodes_per_family={e}"]))
+    return q
+
+
+def run_queue(args) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    for job in jobs(args):
+        if args.only and not job["name"].startswith(tuple(args.only)):
+            continue
+        if os.path.exists(job["done"]):
+            print(f"[{job['name']}] done", flush=True)
+            continue
+        log = os.path.join(args.out, job["name"] + ".log")
+        print(f"[{job['name']}] {' '.join(job['argv'][1:])}  (log {log})", flush=True)
+        t0, load0 = time.time(), open("/proc/loadavg").read().split()[0]
+        with open(log, "a") as f:
+            rc = subprocess.run(job["argv"], cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
+        wall = time.time() - t0
+        load1 = open("/proc/loadavg").read().split()[0]
+        with open(os.path.join(args.out, "jobs.jsonl"), "a") as f:
+            f.write(json.dumps(dict(job=job["name"], rc=rc, wall_s=round(wall, 1), load_start=load0,
+                                    load_end=load1, finished=time.strftime("%Y-%m-%d %H:%M:%S"))) + "\n")
+        if rc != 0:
+            print(f"[{job['name']}] exit {rc} after {wall:.0f} s; see {log}; stopping the queue",
+                  flush=True)
+            return
+        if job.get("touch"):
+            os.makedirs(os.path.dirname(job["done"]), exist_ok=True)
+            open(job["done"], "w").close()
+        print(f"[{job['name']}] finished in {wall:.0f} s (load {load0} -> {load1})", flush=True)
+
+
+# ---------------------------------------------------------------------------- the report
+
+
+def eval_rows(path: str) -> list[dict]:
+    return episode_rows(read_jsonl(path[:-len(".json")] + "_trajectories.jsonl"))
+
+
+def training_curve(workdir: str) -> dict:
+    """Per iteration of a run: successes / episodes of its rollout and the fraction of its
+    strategies carrying the code (from the dumped trajectories)."""
+    by_step: dict[int, list[dict]] = {}
+    for tr in read_jsonl(os.path.join(workdir, "trajectories.jsonl")):
+        by_step.setdefault(int(tr["step"]), []).append(tr)
+    steps = sorted(by_step)
+    rows = [episode_rows(by_step[s]) for s in steps]
+    return dict(iterations=steps, successes=[sum(r["success"] for r in rs) for rs in rows],
+                episodes=[len(rs) for rs in rows],
+                carries=[(sum(r["carries"] for r in rs if r["strategy"]) /
+                          max(1, sum(r["strategy"] for r in rs))) for rs in rows])
+
+
+def report(args) -> dict:
+    from benchmarks import _stats as st
+    out, split, e = args.out, "test", args.eval_episodes
+    res: dict = dict(settings={k: v for k, v in vars(args).items() if k not in ("only",)},
+                     policies={}, tests={}, curves={})
+    start = {}
+    for prompting in ("strata", "flat"):
+        rows = eval_rows(os.path.join(out, f"start_{prompting}", f"eval_{split}_step0.json"))
+        if rows:
+            start[prompting] = rows
+            res["policies"][f"start_{prompting}"] = summary(rows)
+    gains: dict[str, list[float]] = {}
+    for seed in range(args.seeds):
+        for algo in args.algos:
+            wd = os.path.join(out, f"run_{algo}_s{seed}")
+            res["curves"][f"{algo}_s{seed}"] = cur = training_curve(wd)
+            if cur["iterations"]:
+                cur["trend_z"], cur["trend_p"] = st.cochran_armitage(cur["successes"],
+                                                                      cur["episodes"])
+            rows = eval_rows(os.path.join(wd, f"eval_{split}_step{args.iterations}.json"))
+            if not rows:
+                continue
+            name = f"{algo}_s{seed}"
+            res["policies"][name] = s = summary(rows)
+            base = start.get("strata" if algo == "strata" else "flat")
+            if base:
+                b = summary(base)
+                by_var = {r["variation"]: r["success"] for r in base}
+                paired = [(r["success"], by_var[r["variation"]]) for r in rows
+                          if r["variation"] in by_var]
+                p_mc, nb, nc = st.mcnemar_greater([a for a, _ in paired], [o for _, o in paired])
+                res["tests"][name] = dict(
+                    start=f"start_{'strata' if algo == 'strata' else 'flat'}",
+                    gain=s["success"] - b["success"],
+                    fisher_p=st.fisher_greater(s["k"], s["n"], b["k"], b["n"]),
+                    mcnemar_p=p_mc, only_trained=nb, only_start=nc)
+                gains.setdefault(algo, []).append(s["success"] - b["success"])
+    if gains:
+        res["gains"] = {a: sum(g) / len(g) for a, g in gains.items()}
+        if "strata" in gains and "grpo" in gains:
+            res["gains"]["strata_minus_grpo"] = res["gains"]["strata"] - res["gains"]["grpo"]
+    if "start_strata" in res["policies"]:
+        p0 = res["policies"]["start_strata"]["success"]
+        res["detectable_rate"] = dict(start=p0, n=e, rate=st.detectable_rate(p0, e))
+    json.dump(res, open(os.path.join(out, "learning_study.json"), "w"), indent=1)
+    print_report(res)
+    if any(c["iterations"] for c in res["curves"].values()):
+        plot(res, os.path.join(out, "learning_study.png"))
+    return res
+
+
+def print_report(res: dict) -> None:
+    print("| policy | success | 95% CI | strategies carrying the code | leaked successes | "
+          "invalid steps |")
+    print("|---|---|---|---|---|---|")
+    for name, s in res["policies"].items():
+        car = "-" if s["carries"] is None else f"{100 * s['carries']:.0f}%"
+        print(f"| {name} | {s['k']} / {s['n']} ({100 * s['success']:.1f}%) | "
+              f"[{100 * s['ci95'][0]:.1f}, {100 * s['ci95'][1]:.1f}] | {car} | "
+              f"{s['leaked_successes']} | {100 * s['invalid_step_frac']:.1f}% |")
+    for name, t in res["tests"].items():
+        print(f"{name} vs {t['start']}: gain {100 * t['gain']:+.1f} points, Fisher p = "
+              f"{t['fisher_p']:.3g}, McNemar p = {t['mcnemar_p']:.3g} "
+              f"({t['only_trained']} tasks only trained, {t['only_start']} only start)")
+    for name, c in res["curves"].items():
+        if c["iterations"]:
+            print(f"{name} training: successes {c['successes']} of {c['episodes']}, carrying "
+                  f"{[round(x, 2) for x in c['carries']]}, trend p = {c['trend_p']:.3g}")
+    if "gains" in res:
+        print("mean gains:", {k: round(v, 3) for k, v in res["gains"].items()})
+    if "detectable_rate" in res:
+        d = res["detectable_rate"]
+        print(f"detectable at n={d['n']} (80% power, one-sided 5%): {100 * d['start']:.1f}% -> "
+              f"{100 * d['rate']:.0f}%")
+
+
+def plot(res: dict, path: str) -> None:
+    """Training success and code-carrying fraction per iteration: per method the mean over
+    seeds and the min-max band."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for algo, color in (("strata", "tab:blue"), ("grpo", "tab:orange")):
+        curves = [c for k, c in res["curves"].items() if k.startswith(algo + "_") and c["iterations"]]
+        if not curves:
+            continue
+        n = min(len(c["iterations"]) for c in curves)
+        x = np.array(curves[0]["iterations"][:n])
+        for ax, key in zip(axes, ("success", "carries")):
+            if key == "carries" and algo != "strata":
+                continue
+            ys = np.array([[s / e for s, e in zip(c["successes"][:n], c["episodes"][:n])]
+                           if key == "success" else c["carries"][:n] for c in curves])
+            ax.plot(x, ys.mean(0), color=color, label=f"{algo} ({len(curves)} seeds)")
+            ax.fill_between(x, ys.min(0), ys.max(0), color=color, alpha=0.2)
+    axes[0].set_title("training success rate")
+    axes[1].set_title("strategies carrying the code")
+    for ax in axes:
+        ax.set_xlabel("iteration")
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--warm-start", default="", help="'' = zero-shot; mask = behaviour cloning "
+                    "with plans that do not carry the code; mask-actions = the same without "
+                    "strategy rows (the model keeps its own strategies); or an HF export dir")
+    ap.add_argument("--digits", type=int, default=1)
+    ap.add_argument("--max-steps", type=int, default=10)
+    ap.add_argument("--eval-episodes", type=int, default=48)
+    ap.add_argument("--iterations", type=int, default=10)
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--algos", nargs="+", default=["strata", "grpo"], choices=tuple(ALGOS))
+    ap.add_argument("--tasks", type=int, default=1, help="tasks per iteration")
+    ap.add_argument("--n", type=int, default=2, help="strategies per task (GRPO: group N*M)")
+    ap.add_argument("--m", type=int, default=4, help="episodes per strategy")
+    ap.add_argument("--sigma", type=int, default=2, help="strategy over-sampling")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--updates-per-iteration", type=int, default=2)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--remat", default="dots")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--sft-episodes", type=int, default=48)
+    ap.add_argument("--sft-steps", type=int, default=40)
+    ap.add_argument("--sft-lr", type=float, default=1e-5)
+    ap.add_argument("--sft-batch", type=int, default=8, help="full fine-tuning of the 0.5B in "
+                    "fp32 holds params, gradients and AdamW moments (~10 GB) plus activations")
+    ap.add_argument("--seed-base", type=int, default=0, help="seed of the start evals")
+    ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides, every job")
+    ap.add_argument("--only", nargs="*", default=[], help="job name prefixes to run")
+    ap.add_argument("--out", default="runs/learning_study")
+    ap.add_argument("--report", action="store_true")
+    args = ap.parse_args()
+    if not args.report:
+        run_queue(args)
+    report(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The learning study's statistics (benchmarks/_stats.py) on hand-computed cases."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import _stats as st
+
+
+def test_wilson_interval_matches_the_formula():
+    # Wilson (1927): (p + z^2/2n +- z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n), 2 of 8
+    z, n, p = 1.959963984540054, 8, 0.25
+    d = 1 + z * z / n
+    mid, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    lo, hi = st.wilson(2, 8)
+    assert lo == pytest.approx(mid - half, abs=1e-9) and hi == pytest.approx(mid + half, abs=1e-9)
+    assert (round(lo, 4), round(hi, 4)) == (0.0715, 0.5907)
+    assert st.wilson(0, 48)[0] == 0.0
+    with pytest.raises(ValueError, match="0 <= k <= n"):
+        st.wilson(9, 8)
+
+
+def test_fisher_one_sided_is_the_hypergeometric_tail():
+    # margins: 2 successes among 16 episodes, 8 per arm; P(arm 1 holds both) = C(8,2)/C(16,2)
+    assert st.fisher_greater(2, 8, 0, 8) == pytest.approx(28 / 120)
+    # the other direction: arm 1 holds none of them is no evidence at all
+    assert st.fisher_greater(0, 8, 2, 8) == pytest.approx(1.0)
+
+
+def test_mcnemar_counts_the_discordant_pairs():
+    after = [True, True, True, False, False]
+    before = [False, False, True, True, False]
+    p, b, c = st.mcnemar_greater(after, before)
+    assert (b, c) == (2, 1) and p == pytest.approx(4 / 8)     # P(Binom(3, 1/2) >= 2)
+    assert st.mcnemar_greater([True] * 6, [False] * 6)[0] == pytest.approx(1 / 64)
+    assert st.mcnemar_greater([True, False], [True, False]) == (1.0, 0, 0)
+    with pytest.raises(ValueError, match="equal lengths"):
+        st.mcnemar_greater([True], [True, False])
+
+
+def test_cochran_armitage_by_hand():
+    # p = 3/12; T = sum t (s - n p) = 2; Var = p q (sum n t^2 - (sum n t)^2 / N) = 0.1875 * 8
+    z, p = st.cochran_armitage([0, 1, 2], [4, 4, 4])
+    assert z == pytest.approx(2 / math.sqrt(1.5))
+    assert p == pytest.approx(0.5 * math.erfc(z / math.sqrt(2)))
+    assert st.cochran_armitage([2, 1, 0], [4, 4, 4])[0] == pytest.approx(-z)
+    assert st.cochran_armitage([0, 0, 0], [4, 4, 4]) == (0.0, 1.0)
+
+
+def test_fisher_power_and_the_detectable_rate():
+    # equal rates: the rejection probability is the exact test's size, at most alpha
+    assert st.fisher_power(0.1, 0.1, 20) <= 0.05
+    # n=4 per arm: the only rejecting table is 4 of 4 against 0 of 4 (p = 1/70)
+    assert st.fisher_power(0.5, 0.5, 4) == pytest.approx(0.5 ** 4 * 0.5 ** 4)
+    p1 = st.detectable_rate(0.1, 48)
+    assert st.fisher_power(p1, 0.1, 48) >= 0.8 > st.fisher_power(p1 - 0.01, 0.1, 48)
+
+
+# ---------------------------------------------------------------- the study's episode reading
+
+def _traj(strategy, actions, success, code="6-1-6", invalid=()):
+    obs0 = (f"You are at the south end of a corridor. A note on the wall reads: 'vault code "
+            f"{code}'. The note crumbles to dust as you read it.")
+    steps = [dict(observation=obs0 if i == 0 else f"You are in the corridor, room {i} of 4.",
+                  action=a, output=f"<think>x</think><action>{a}</action>", invalid=i in invalid)
+             for i, a in enumerate(actions)]
+    return dict(variation=1100, success=success, strategy=strategy, steps=steps)
+
+
+def test_names_code_needs_a_code_word_and_the_digits_in_order():
+    from benchmarks.learning_study import names_code
+    assert names_code("2. Enter the code 6-1-6 at the vault", "616")
+    assert names_code("remember: vault code 616", "616")
+    assert names_code("enter 6, 1, 6", "616")
+    assert not names_code("enter 6-1-7", "616") and not names_code("enter 16160", "616")
+    # one digit: list numbers and counts are not the code
+    assert not names_code("1. go north (4 times)\n2. enter the vault code", "4")
+    assert names_code("1. go north (3 times)\n2. enter 4", "4")
+    assert not names_code(None, "4") and not names_code("enter 4", "")
+
+
+def test_episode_rows_carrying_and_leaks():
+    from benchmarks.learning_study import episode_rows, summary, task_code
+    walk = ["go north"] * 4
+    carried = _traj("1. go north (4 times)\n2. enter 616", walk + ["enter 616"], True)
+    assert task_code(carried) == "616"
+    # a flat success that kept the code in view by re-typing it (refused) two steps before
+    leak = _traj(None, ["go north", "go north", "enter 616", "go north", "enter 616"], True)
+    # a format-invalid output whose 30-character tail names the code
+    tail = _traj(None, walk + ["enter 616"], True, invalid=(3,))
+    tail["steps"][3]["output"] = "I must not forget: the code 616"
+    guess = _traj("1. walk north\n2. enter the code", walk + ["enter 616"], True)
+    short = _traj(None, ["go north", "enter 616"], True)    # the note is still in the window
+    fail = _traj("plan", walk + ["enter 1"], False)
+    # typed once, early: out of the 2-step window by the keypad
+    early = _traj(None, ["go north", "enter 616", "go north", "go north", "enter 616"], True)
+    trajs = [carried, leak, tail, guess, short, fail, early]
+    rows = episode_rows(trajs)
+    assert [r["carries"] for r in rows] == [True, False, False, False, False, False, False]
+    assert [r["leaked"] for r in rows] == [False, True, True, False, True, False, False]
+    assert [r["strategy"] for r in rows] == [True, False, False, True, False, True, False]
+    s = summary(rows)
+    assert (s["k"], s["n"], s["leaked_successes"]) == (6, 7, 3)
+    assert s["carries"] == pytest.approx(1 / 3)
+    assert s["invalid_step_frac"] == pytest.approx(1 / sum(len(t["steps"]) for t in trajs))
