@@ -17,9 +17,9 @@ printed with each result. On a tiny model attention and per-call overhead domina
 tokens need not mean less time there: a packed row of width W computes ~W^2 / 2 score pairs,
 masked ones between unrelated subtrees included; judge the packed path on a real model shape.
 
-    python benchmarks/prefix_tree.py                          # tiny random model, quick
-    python benchmarks/prefix_tree.py --shape 0.5b --lora 16   # the 0.5B shape, random weights
-    python benchmarks/prefix_tree.py --model /path/qwen05-hf --lora 16 --repeats 2
+    python -m benchmarks.prefix_tree                          # tiny random model, quick
+    python -m benchmarks.prefix_tree --shape 0.5b --lora 16   # the 0.5B shape, random weights
+    python -m benchmarks.prefix_tree --model /path/qwen05-hf --lora 16 --repeats 2
 """
 from __future__ import annotations
 
@@ -28,8 +28,6 @@ import os
 import resource
 import statistics
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def strata_records(args, vocab: int) -> list[dict]:
