@@ -27,7 +27,6 @@ import argparse
 import os
 import resource
 import statistics
-import sys
 
 
 def strata_records(args, vocab: int) -> list[dict]:
