@@ -191,6 +191,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.train.trim_padding = True    # drop all-padding columns before scoring / training (same out)
     c.train.group_by_length = True  # micro-batches of rows of similar length, each at its own
                                    # width (fewer padded tokens; one compile per width bucket)
+    c.train.pack_prefixes = False  # prefix-tree packed update: each shared prompt prefix once
+                                   # (same result; micro_batch_size = budget of that many rows)
     c.train.donate_state = True    # the optimizer step reuses the state's buffers (one copy of
                                    # params + AdamW moments less at the peak; same results)
     c.train.scan_layers = False    # remat'd layers as a lax.scan: fast compile, one stacked weight copy

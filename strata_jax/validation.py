@@ -215,6 +215,7 @@ RESUME_MAY_CHANGE = (
     "train.donate_state",             # buffer reuse in the optimizer step: memory, same results
     "train.scan_layers",              # layers as a scan or unrolled: compile time, same math
     "train.group_by_length",          # micro-batch widths: speed, same sums (float order aside)
+    "train.pack_prefixes",            # prefix-tree packed update: same sums (float order aside)
 )
 
 

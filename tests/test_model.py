@@ -183,3 +183,44 @@ def test_remat_recomputes_one_layer_at_a_time():
     layer_input = 4 * 64 * 32 * 4
     per_layer = (temps[8] - temps[4]) / 4
     assert per_layer <= 1.5 * layer_input, (temps, per_layer, layer_input)
+
+
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_tree_mask_attention_equals_the_dense_rule(chunk):
+    # A TreeMask (per-key subtree end, built per query block) gives the attention of the dense
+    # [B, T, T] mask k <= q < end[k] & valid[k], values and gradients, with blocks of 4 queries
+    # cutting through segments and with one block.
+    from strata_jax.models.qwen2 import TreeMask, _attention
+    b, t, h, k, dh = 2, 13, 4, 2, 8
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((b, t, h, dh), np.float32))
+    kv = [jnp.asarray(rng.standard_normal((b, t, k, dh), np.float32)) for _ in range(2)]
+    # row 0: root [0, 4) with children [4, 7), [7, 11), then 2 padding slots; row 1: two rows
+    # packed end to end [0, 6), [6, 12), one padding slot
+    end = np.array([[11] * 4 + [7] * 3 + [11] * 4 + [12, 13],
+                    [6] * 6 + [12] * 6 + [13]], np.int32)
+    valid = np.ones((b, t), bool)
+    valid[0, 11:] = valid[1, 12:] = False
+    col = np.arange(t)
+    dense = (col[None, :] <= col[:, None])[None] & (col[:, None][None] < end[:, None, :])
+    dense &= valid[:, None, :]
+    tree = TreeMask(valid=jnp.asarray(valid), end=jnp.asarray(end))
+
+    def f(mask, q, kk, vv):
+        out = _attention(q, kk, vv, mask, k, chunk, first_slot=0)
+        return jnp.sum(jnp.where(jnp.asarray(valid)[..., None], out, 0.0) ** 2), out
+
+    (l1, o1), g1 = jax.value_and_grad(f, argnums=(1, 2, 3), has_aux=True)(tree, q, *kv)
+    (l2, o2), g2 = jax.value_and_grad(f, argnums=(1, 2, 3), has_aux=True)(jnp.asarray(dense),
+                                                                         q, *kv)
+    np.testing.assert_allclose(np.asarray(o1)[valid], np.asarray(o2)[valid], atol=1e-6)
+    for a, c in zip(g1, g2):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5)
+    # query 5 (second segment of row 0) sees the root and its own segment's slots 4, 5 only
+    assert dense[0, 5].tolist() == [True] * 6 + [False] * 7
+    with pytest.raises(ValueError, match="needs cache=None"):
+        config = Qwen2Config(vocab_size=50, hidden_size=16, intermediate_size=16, num_layers=1,
+                             num_heads=2, num_kv_heads=1, head_dim=8)
+        forward(init_params(config, jax.random.key(0)), config, jnp.zeros((1, 4), jnp.int32),
+                jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4), bool), init_cache(config, 1, 8),
+                key_end=jnp.ones((1, 4), jnp.int32))

@@ -255,9 +255,46 @@ def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array,
     return jnp.einsum("bkgts,bskh->bkgth", probs, v.astype(q.dtype))
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TreeMask:
+    """The prefix-tree attention rule of a packed layout (training/prefix_tree.py), kept as
+    two per-key vectors instead of a [B, T, S] mask.
+
+    Attributes: valid [B, S] bool (real key), end [B, S] int32 (exclusive end slot of the
+    key's segment subtree in pre-order). Key slot k is visible to query slot q iff
+    valid[k] and k <= q < end[k]: a query sees its own segment causally and every token of
+    its ancestor segments. `_attention` builds the [B, query_chunk, S] block of the rule
+    inside each (rematerialised) query block, so no [B, T, S] array exists.
+    """
+
+    valid: jax.Array
+    end: jax.Array
+
+
+def _block_mask(allowed: jax.Array | TreeMask, q0: int, q1: int, s: int) -> jax.Array:
+    """allowed[:, q0:q1, :s] of a dense mask, or that block of a `TreeMask`'s rule (query
+    slots q0..q1-1 are the block's, slots counted from 0: no cache)."""
+    if not isinstance(allowed, TreeMask):
+        return allowed[:, q0:q1, :s]
+    q_slot = jnp.arange(q0, q1)[None, :, None]
+    k_slot = jnp.arange(s)[None, None, :]
+    return (allowed.valid[:, None, :s] & (k_slot <= q_slot)
+            & (q_slot < allowed.end[:, None, :s]))
+
+
+def _mask_block_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                          allowed: jax.Array | TreeMask, q0: int) -> jax.Array:
+    """`_attention_block` of the queries q [B,K,G,Tq,Dh] in slots q0.. over k, v [B,S,K,Dh],
+    the block's mask cut (dense) or built (`TreeMask`) here, inside the caller's
+    checkpoint, so the backward pass keeps only the O(S) inputs of the rule."""
+    return _attention_block(q, k, v, _block_mask(allowed, q0, q0 + q.shape[3], k.shape[1]))
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array | TreeMask,
                num_kv_heads: int, query_chunk: int, first_slot: int | None = None) -> jax.Array:
-    """Grouped-query attention. q [B,T,H,Dh]; k, v [B,S,K,Dh]; allowed [B,T,S] bool.
+    """Grouped-query attention. q [B,T,H,Dh]; k, v [B,S,K,Dh]; allowed [B,T,S] bool, or a
+    `TreeMask` (no cache: first_slot 0), whose rule is built per query block.
 
     Returns [B, T, H*Dh] in q.dtype. Scores and softmax in fp32; a row with no allowed key gets
     a uniform (finite) distribution instead of NaN. When T > query_chunk, queries are processed
@@ -282,16 +319,20 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
         """Key slots a block of queries [.., end) may see: up to its causal end, else all."""
         return k.shape[1] if first_slot is None else min(k.shape[1], first_slot + end)
 
+    if isinstance(allowed, TreeMask) and first_slot != 0:
+        raise ValueError("a TreeMask is the rule of a packed forward without a cache")
     if t <= query_chunk:
         s = keys(t)
-        out = _attention_block(q, k[:, :s], v[:, :s], allowed[:, :, :s])
+        out = _mask_block_attention(q, k[:, :s], v[:, :s], allowed, 0)
     else:
-        block = jax.checkpoint(_attention_block)
+        block = jax.checkpoint(_mask_block_attention, static_argnums=(4,))
         outs = []
         for i in range(0, t, query_chunk):
             e = min(t, i + query_chunk)
             s = keys(e)
-            outs.append(block(q[:, :, :, i:e], k[:, :s], v[:, :s], allowed[:, i:e, :s]))
+            part = allowed if isinstance(allowed, TreeMask) else allowed[:, i:e, :s]
+            outs.append(block(q[:, :, :, i:e], k[:, :s], v[:, :s], part,
+                              i if isinstance(allowed, TreeMask) else 0))
         out = jnp.concatenate(outs, axis=3)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * dh)
 
@@ -356,8 +397,8 @@ def _remat_layer(x: jax.Array, layer: Params, cos: jax.Array, sin: jax.Array,
     `_decoder_layer`).
 
     Args: x [B, T, D] layer input; layer: one layer's params (arrays or `LoraWeight`s); cos,
-    sin [B, T, Dh] f32 RoPE tables; allowed [B, T, T] bool; static config, query_chunk, remat
-    ("full" | "dots", `REMAT_POLICIES`). Returns [B, T, D] in x's dtype. Differentiable in x and
+    sin [B, T, Dh] f32 RoPE tables; allowed [B, T, T] bool or a `TreeMask`; static config,
+    query_chunk, remat ("full" | "dots", `REMAT_POLICIES`). Returns [B, T, D] in x's dtype. Differentiable in x and
     layer (the RoPE tables and the mask get no cotangent).
 
     ``jax.checkpoint`` alone is not enough on XLA's CPU backend: a recomputation reads only the
@@ -438,7 +479,8 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
             mask: jax.Array, cache: KVCache | None = None,
             cache_index: jax.Array | int = 0,
             query_chunk: int = 128, remat: str = "none",
-            scan_layers: bool = False) -> tuple[jax.Array, KVCache | None]:
+            scan_layers: bool = False,
+            key_end: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
     """Run the decoder and return final hidden states (after the final RMSNorm).
 
     Args:
@@ -467,11 +509,17 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
         instead (`_remat_layers`: compiles once per body, much faster on deep models, but
         copies the layer weights on each call). Same values. Layers of different structure
         (LoRA on some layers only) cannot be stacked: they run unrolled as without it.
+      key_end: optional [B, T] int32, a packed prefix-tree layout's attention rule
+        (training/prefix_tree.py, pre-order segments): key k is visible to query q iff
+        mask[k] and k <= q < key_end[b, k], i.e. a token sees its own segment causally and all
+        of its ancestor segments (`TreeMask`, built per query block: memory as the plain causal
+        forward's). positions must then be the layout's (a segment's continue its parent's),
+        and every hidden state equals the per-row forward's. Only without a cache.
     Returns:
       hidden [B, T, D] in the param dtype; the updated cache (None without one).
     Raises:
-      ValueError: shape mismatches, a static cache_index with cache_index + T > S, or an
-        unknown remat name.
+      ValueError: shape mismatches, a static cache_index with cache_index + T > S, an
+        unknown remat name, or key_end with a cache.
     """
     if remat != "none" and remat not in REMAT_POLICIES:
         raise ValueError(f"remat must be 'none', 'full' or 'dots', got {remat!r}")
@@ -485,6 +533,9 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
     x = constrain(x, ("batch", "length", "embed"))
     cos, sin = rope_cos_sin(positions, dh, config.rope_theta)
 
+    if key_end is not None and (cache is not None or key_end.shape != tokens.shape):
+        raise ValueError(f"key_end must be [B, T] = {tokens.shape} and needs cache=None; got "
+                         f"{key_end.shape}, cache {'set' if cache is not None else 'None'}")
     if cache is None:
         q_slot = jnp.arange(t)
         key_valid = mask
@@ -504,7 +555,10 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
         q_slot = cache_index + jnp.arange(t)
         key_slot = jnp.arange(s)
         cache_k, cache_v = cache.k, cache.v
-    allowed = key_valid[:, None, :] & (key_slot[None, :] <= q_slot[:, None])[None]
+    if key_end is not None:
+        allowed = TreeMask(valid=mask, end=key_end.astype(jnp.int32))
+    else:
+        allowed = key_valid[:, None, :] & (key_slot[None, :] <= q_slot[:, None])[None]
 
     if cache is None and remat != "none" and scan_layers and _same_structure(params["layers"]):
         x = _remat_layers(x, params["layers"], cos, sin, allowed, config, query_chunk, remat)

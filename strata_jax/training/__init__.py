@@ -1,7 +1,8 @@
 """Trainer: train state, scoring passes, critic, mini-batched PPO update, checkpoints.
 
 One job per module: state.py (the TrainState and its optimisers), scoring.py (the forward and
-the chunked LM-head logprobs), critic.py, batching.py (host-side batch helpers), steps.py (the
+the chunked LM-head logprobs), critic.py, batching.py (host-side batch helpers), prefix_tree.py
+(the prefix-tree packed layout of a batch's rows, host numpy), steps.py (the
 pure jitted scoring / advantage / mini-batch steps), trainer.py (`Trainer`: the update flow of
 docs/method.md §9 around those steps), checkpoint.py (the orbax layout and resume rules), sft/
 (the behaviour-cloning warm start's data and trainer).
@@ -9,7 +10,9 @@ docs/method.md §9 around those steps), checkpoint.py (the orbax layout and resu
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import (dropout_values, init_critic, init_value_head,
                                         value_from_hidden)
-from strata_jax.training.scoring import response_logprobs, response_states, sequence_inputs
+from strata_jax.training.scoring import (PackedInputs, packed_response_states, response_logprobs,
+                                         response_states, sequence_inputs)
+from strata_jax.training.prefix_tree import PackedLayout, pack_rows
 from strata_jax.training.state import TrainState, create_train_state, lr_schedule, make_optimizer
 from strata_jax.algos.batch import pad_rows
 from strata_jax.training.batching import minibatch_plan, num_minibatches, trim_padding
@@ -22,7 +25,8 @@ __all__ = [
     "lr_schedule", "init_critic", "init_value_head", "value_from_hidden", "dropout_values",
     "response_states", "response_logprobs", "sequence_inputs", "score_batch", "advantages",
     "train_minibatch", "accumulate_grads", "micro_loss", "minibatch_plan", "pad_rows",
-    "num_minibatches", "trim_padding", "effective_params",
+    "num_minibatches", "trim_padding", "effective_params", "PackedInputs",
+    "packed_response_states", "PackedLayout", "pack_rows",
 ]
 from strata_jax.training.checkpoint import (  # noqa: E402
     Checkpointer, CheckpointWriteError, CorruptCheckpointError, NoRestorableCheckpointError,

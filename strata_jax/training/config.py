@@ -25,7 +25,8 @@ LR_SCHEDULES = ("constant", "cosine")
 _OPTIM_FIELDS = ("lr", "critic_lr", "weight_decay", "grad_clip", "warmup_steps", "ppo_epochs",
                  "mini_batch_size", "micro_batch_size")
 _TRAIN_FIELDS = ("adam_eps", "lr_schedule", "decay_steps", "compute_dtype", "logprob_chunk",
-                 "score_rows", "recompute_old", "trim_padding", "group_by_length", "donate_state",
+                 "score_rows", "recompute_old", "trim_padding", "group_by_length", "pack_prefixes",
+                 "donate_state",
                  "scan_layers",
                  "critic", "value_trunk_coef", "value_head_init_std")
 
@@ -72,6 +73,12 @@ class TrainConfig:
       into micro-batches, each run at its own width bucket: padded columns are not computed;
       same gradient up to float summation order, one compiled gradient step per (prompt,
       response) width-bucket pair; False = one scan over micro-batches at the batch's width),
+      pack_prefixes (the prefix-tree packed update, training/prefix_tree.py: the scoring
+      passes and the gradient step run each shared prompt prefix once, over packed rows with
+      the tree attention rule; same scores and gradient up to float summation order;
+      replaces group_by_length and the scan when on. micro_batch_size is then a token budget:
+      a packed micro-batch holds at most micro_batch_size x the batch's prompt + response
+      columns tokens, the memory of a per-row micro-batch; score_rows likewise),
       donate_state (the optimizer step reuses the buffers of the state passed to `Trainer.update` / `train_on_batch`: one copy of params + moments less at
       the peak, but the caller's state object is dead after the call; on by default, False for
       a caller that updates one state more than once), scan_layers (with remat, the decoder
@@ -109,6 +116,7 @@ class TrainConfig:
     recompute_old: bool = False
     trim_padding: bool = True
     group_by_length: bool = True
+    pack_prefixes: bool = False
     donate_state: bool = True
     scan_layers: bool = False
     critic: str = "auto"

@@ -9,6 +9,7 @@ train temperature, docs/method.md §9.1), the reference pass and the loss.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -66,6 +67,55 @@ def response_states(params: Params, model: Qwen2Config, prompt_ids: jax.Array,
     resp = jax.lax.slice_in_dim(hidden, tp - 1, tp - 1 + tr, axis=1)
     n = jnp.sum(response_mask.astype(jnp.int32), axis=1)
     last = jnp.take_along_axis(hidden, (tp - 1 + n)[:, None, None], axis=1)[:, 0]
+    return resp, last.astype(jnp.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PackedInputs:
+    """One packed micro-batch of a prefix-tree layout, as device arrays
+    (`prefix_tree.packed_micro_batches` builds them on the host).
+
+    Attributes: tokens, positions [P, W] int32, mask [P, W] bool, key_end [P, W] int32 (the
+    packed rows and their attention rule, `qwen2.forward`); score_index [m, Tr] int32 (flat
+    packed index p * W + c of the state that scores response column j of micro-batch row i);
+    last_index [m] int32 (flat packed index of row i's last real token).
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    mask: jax.Array
+    key_end: jax.Array
+    score_index: jax.Array
+    last_index: jax.Array
+
+
+def packed_response_states(params: Params, model: Qwen2Config, packed: PackedInputs, *,
+                           remat: str = "none", compute_dtype: str = "float32",
+                           scan_layers: bool = False,
+                           query_chunk: int = 128) -> tuple[jax.Array, jax.Array]:
+    """`response_states` of the original rows, computed over a prefix-tree packed layout
+    (`training.prefix_tree`): each shared prefix is run once.
+
+    Args:
+      params, model, remat, compute_dtype, scan_layers: as `response_states`; query_chunk:
+        static queries per attention block (`qwen2.forward`; bounds the fp32 scores held at
+        once to P x H x query_chunk x W).
+      packed: `PackedInputs` (the packed rows, `qwen2.forward` with key_end: a token sees
+        its own segment causally and all of its ancestor segments; the gather indices).
+    Returns: (hidden [m, Tr, D] in the compute dtype, last [m, D] f32), the values
+      `response_states` returns for the same rows (float round-off aside: different matmul
+      shapes sum in a different order). Gradients flow through the gathers: a shared prefix
+      state gets the sum of the cotangents of every row that reads it.
+    """
+    p = cast_params(params, compute_dtype)
+    hidden, _ = forward(p, model, packed.tokens.astype(jnp.int32),
+                        packed.positions.astype(jnp.int32), packed.mask.astype(bool),
+                        remat=remat, scan_layers=scan_layers, key_end=packed.key_end,
+                        query_chunk=query_chunk)
+    flat = hidden.reshape((-1, hidden.shape[-1]))
+    resp = jnp.take(flat, packed.score_index, axis=0)
+    last = jnp.take(flat, packed.last_index, axis=0)
     return resp, last.astype(jnp.float32)
 
 

@@ -35,7 +35,8 @@ from strata_jax.models.lora import lora_params
 from strata_jax.training.batching import trim_columns
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import dropout_values, value_from_hidden
-from strata_jax.training.scoring import response_logprobs, response_states
+from strata_jax.training.scoring import (PackedInputs, packed_response_states,
+                                         response_logprobs, response_states)
 from strata_jax.training.state import TrainState, make_optimizer
 
 Params = dict[str, Any]
@@ -68,10 +69,19 @@ def _scoring_params(params, critic_params, ref_params, cfg: TrainConfig):
     return params, critic_params
 
 
+def _states(params, model: Qwen2Config, pi, pm, ri, rm, packed: PackedInputs | None, **run):
+    """`response_states` of the rows, per row or (packed given) over their prefix-tree packed
+    layout (`packed_response_states`: the same values, each shared prefix computed once)."""
+    if packed is None:
+        return response_states(params, model, pi, pm, ri, rm, **run)
+    return packed_response_states(params, model, packed, **run)
+
+
 def _score_chunk(params, critic_params, ref_params, pi, pm, ri, rm, key, *, model: Qwen2Config,
-                 cfg: TrainConfig, use_ref: bool, use_old: bool):
+                 cfg: TrainConfig, use_ref: bool, use_old: bool,
+                 packed: PackedInputs | None = None):
     """(old [B, Tr], ref [B, Tr], values [B], value_std [B]) f32 of one chunk of rows (params
-    already effective: `_scoring_params`)."""
+    already effective: `_scoring_params`); packed: the rows' packed layout (`_states`)."""
     kind = cfg.critic_kind
     run = dict(compute_dtype=cfg.compute_dtype)
     lp_kw = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
@@ -79,17 +89,17 @@ def _score_chunk(params, critic_params, ref_params, pi, pm, ri, rm, key, *, mode
     old = jnp.zeros(ri.shape, jnp.float32)
     last = None
     if use_old or kind == "head":
-        h, last = response_states(params, model, pi, pm, ri, rm, **run)
+        h, last = _states(params, model, pi, pm, ri, rm, packed, **run)
         if use_old:
             old, _ = response_logprobs(params, model, h, ri, rm, **lp_kw)
     ref = jnp.zeros_like(old)
     if use_ref:
-        hr, _ = response_states(ref_params, model, pi, pm, ri, rm, **run)
+        hr, _ = _states(ref_params, model, pi, pm, ri, rm, packed, **run)
         ref, _ = response_logprobs(ref_params, model, hr, ri, rm, **lp_kw)
     v = s = jnp.zeros(old.shape[:1], jnp.float32)
     if kind != "none":
         if kind == "separate":
-            _, last = response_states(critic_params["trunk"], model, pi, pm, ri, rm, **run)
+            _, last = _states(critic_params["trunk"], model, pi, pm, ri, rm, packed, **run)
         v, s = dropout_values(critic_params["head"], last, key, cfg.dropout_passes, cfg.dropout)
     return old, ref, v, s
 
@@ -157,12 +167,12 @@ def _gather_chunk(batch: SampleBatch, idx, real, *, widths):
     return trim_columns(_take_rows(batch, idx, real), *widths)
 
 
-def _score_rows(params, critic_params, ref_params, b: SampleBatch, key, *, model: Qwen2Config,
-                cfg: TrainConfig, use_ref: bool, use_old: bool = True):
+def _score_rows(params, critic_params, ref_params, b: SampleBatch, key, packed=None, *,
+                model: Qwen2Config, cfg: TrainConfig, use_ref: bool, use_old: bool = True):
     params, critic_params = _scoring_params(params, critic_params, ref_params, cfg)
     old, ref, v, s = _score_chunk(params, critic_params, ref_params, b.prompt_ids, b.prompt_mask,
                                   b.response_ids, b.response_mask, key, model=model, cfg=cfg,
-                                  use_ref=use_ref, use_old=use_old)
+                                  use_ref=use_ref, use_old=use_old, packed=packed)
     return old, ref, jnp.where(b.valid, v, 0.0), jnp.where(b.valid, s, 0.0)
 
 
@@ -188,10 +198,12 @@ score_rows = jax.jit(_score_rows, static_argnames=("model", "cfg", "use_ref", "u
 score_rows.__doc__ = """`score_batch`'s passes on one chunk of rows at its own width.
 
 Args: params, critic_params, ref_params as `score_batch`; b: the chunk (`gather_chunk`: [m, wp]
-prompt, [m, wr] response); key: the dropout PRNGKey of this chunk; static model, cfg, use_ref,
+prompt, [m, wr] response); key: the dropout PRNGKey of this chunk; packed: None, or the
+chunk's `PackedInputs` (the forward runs over the prefix-tree packed row instead of the rows'
+prompts: same scores; b's prompt columns are then not read); static model, cfg, use_ref,
 use_old. Returns (old [m, wr], ref [m, wr], values [m], value_std [m]) f32: what `score_batch`
 computes for these rows (values / value_std 0 on invalid rows); `scatter_scores` puts them back.
-One compiled program per (m, wp, wr).
+One compiled program per (m, wp, wr) (packed: per (m, w, wr)).
 """
 
 scatter_scores = jax.jit(_scatter_scores, donate_argnames=("scores",))
@@ -217,7 +229,7 @@ gather_rows = jax.jit(_gather)
 
 def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normalizers, n_values,
                *, model: Qwen2Config, cfg: TrainConfig, base: Params | None = None,
-               on_policy: bool = False):
+               on_policy: bool = False, packed: PackedInputs | None = None):
     """Loss of one micro-batch, normalised by whole-mini-batch counts (sums to the mini-batch loss).
 
     Policy: `ppo_loss` (PPO-clip, dual clip, per-level token means, KL to the reference when
@@ -229,12 +241,15 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
     the current logprob itself: ``stop_gradient(lp)`` replaces mb.old_logprobs (what the
     skipped old-logprob pass would have computed, same params and dtype; ratio 1), and the
     metric "sampler_abs" (token mean of |sampler - pi_old| logprob) is added.
+    packed: None, or mb's `PackedInputs`: the policy (and a separate critic's trunk) run over
+    the rows' prefix-tree packed layout (`_states`; same values and gradients, each shared
+    prefix computed once; mb's prompt columns are then not read).
     Returns (scalar f32, metrics dict of scalars).
     """
     params = effective_params(params, base, cfg)
     run = dict(remat=cfg.remat, compute_dtype=cfg.compute_dtype, scan_layers=cfg.scan_layers)
-    h, last = response_states(params, model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                              mb.response_mask, **run)
+    h, last = _states(params, model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                      mb.response_mask, packed, **run)
     lp, ent = response_logprobs(params, model, h, mb.response_ids, mb.response_mask,
                                 temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
                                 compute_dtype=cfg.compute_dtype)
@@ -251,8 +266,8 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
             hv = sg if not cfg.value_trunk_coef else sg + cfg.value_trunk_coef * (last - sg)
         else:
             trunk = effective_params(critic_params["trunk"], base, cfg)
-            _, hv = response_states(trunk, model, mb.prompt_ids, mb.prompt_mask,
-                                    mb.response_ids, mb.response_mask, **run)
+            _, hv = _states(trunk, model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                            mb.response_mask, packed, **run)
         v = value_from_hidden(critic_params["head"], hv)
         vmask = mb.valid & (mb.kind == KIND_ACTION)
         vl, vm = value_loss(v, mb.values, targets, vmask, config=cfg.loss, sample_weights=w,
@@ -300,7 +315,8 @@ def _zero_carry(params, critic_params, keys):
 
 
 def _accumulate_micro(carry, params, critic_params, b: SampleBatch, a, ww, tt, norms, n_values,
-                      base, *, model: Qwen2Config, cfg: TrainConfig, on_policy: bool, keys):
+                      base, *, model: Qwen2Config, cfg: TrainConfig, on_policy: bool, keys,
+                      packed: PackedInputs | None = None):
     """carry + one micro-batch's loss, gradients and metric sums (`micro_loss`; metrics scaled
     by what they average over, so `_finish_carry` returns whole-mini-batch means). A micro-batch
     of padding rows only (the tail of a short mini-batch) costs nothing (``lax.cond``)."""
@@ -309,7 +325,8 @@ def _accumulate_micro(carry, params, critic_params, b: SampleBatch, a, ww, tt, n
 
     def compute(_):
         (loss, met), (g1, g2) = grad_fn(params, critic_params, b, a, ww, tt, norms, n_values,
-                                         model=model, cfg=cfg, base=base, on_policy=on_policy)
+                                         model=model, cfg=cfg, base=base, on_policy=on_policy,
+                                         packed=packed)
         return loss, {k: met[k] for k in keys}, g1, g2
 
     def skip(_):
@@ -444,11 +461,12 @@ counts (`loss_normalizers`) and the valid step-sample count (f32), shared by its
 
 
 def _micro_step(carry, params, critic_params, b: SampleBatch, a, ww, tt, norms, n_values,
-                base=None, *, model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
+                base=None, packed=None, *, model: Qwen2Config, cfg: TrainConfig,
+                on_policy: bool = False):
     a, ww, tt = _masked_targets(b.valid, a, ww, tt)
     return _accumulate_micro(carry, params, critic_params, b, a, ww, tt, norms, n_values, base,
                              model=model, cfg=cfg, on_policy=on_policy,
-                             keys=_metric_keys(cfg, on_policy))
+                             keys=_metric_keys(cfg, on_policy), packed=packed)
 
 
 accumulate_micro = jax.jit(_micro_step, static_argnames=("model", "cfg", "on_policy"),
@@ -459,7 +477,8 @@ Args: carry (`zero_carry(params, critic_params, cfg=, on_policy=)` or a previous
 donated); params, critic_params; b: the micro-batch (`gather_micro`: [m, wp] prompt, [m, wr]
 response, its own widths); a, ww, tt [m] f32 advantages, sample weights, value targets; norms,
 n_values: the WHOLE mini-batch's counts (`minibatch_counts`); base: the frozen LoRA base or
-None; static model, cfg, on_policy (see `micro_loss`). Summing every micro-batch of a
+None; packed: None, or b's `PackedInputs` (the prefix-tree packed forward, `micro_loss`);
+static model, cfg, on_policy (see `micro_loss`). Summing every micro-batch of a
 mini-batch gives the `accumulate_grads` result up to float summation order. One compiled
 program per micro-batch shape (m, wp, wr).
 """

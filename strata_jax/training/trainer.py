@@ -11,6 +11,8 @@ Flow of `Trainer.update(state, batch, ref_params)` (docs/method.md §9):
    (`minibatch_plan`, batching.py).
 4. `train_minibatch` (steps.py): one optimizer step per mini-batch, gradients accumulated over
    micro-batches; a non-finite step is skipped and counted in metrics["skipped_steps"].
+   With train.pack_prefixes the scoring passes and the micro-batches run over prefix-tree packed
+   rows instead (training/prefix_tree.py, docs/design.md §12.1): each shared prompt prefix once.
 
 Everything jitted is a pure function of (state, arrays) with the model / train configs static
 (steps.py); `Trainer` only holds the static pieces and the mesh, places batches and states on
@@ -45,6 +47,8 @@ from strata_jax.training.batching import (length_grouped_micro_batches, minibatc
                                           num_minibatches, row_widths, trim_padding)
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
+from strata_jax.training.prefix_tree import PackedMicroBatch, packed_micro_batches
+from strata_jax.training.scoring import PackedInputs
 from strata_jax.training.state import TrainState, create_train_state, make_optimizer
 from strata_jax.training.steps import (accumulate_micro, advantages, apply_step, gather_chunk,
                                        gather_micro, gather_rows, minibatch_counts,
@@ -206,7 +210,9 @@ class Trainer:
         is only padded and placed (no forward). With cfg.group_by_length the rows run in
         chunks of similar length, each at its own width (`gather_chunk`, `score_rows`,
         `scatter_scores`): the same scores for valid rows (invalid rows, which nothing reads,
-        keep 0 logprobs), the dropout masks of the value-std passes drawn per chunk."""
+        keep 0 logprobs), the dropout masks of the value-std passes drawn per chunk. With
+        cfg.pack_prefixes (takes precedence) the chunks are prefix-tree packed rows
+        (`_packed_score`): the same scores."""
         cfg = self.cfg
         chunk = cfg.score_rows or cfg.micro_batch_size
         use_ref = bool(cfg.loss.kl_coef)
@@ -222,6 +228,8 @@ class Trainer:
         ref = ref_params if use_ref or self.lora else None
         static = dict(model=self.model, cfg=cfg, use_ref=use_ref, use_old=use_old)
         with self._ctx():
+            if cfg.pack_prefixes:
+                return self._packed_score(state, batch, ref, key, chunk, static)
             if not cfg.group_by_length:
                 return score_batch(state.params, state.critic_params, ref, batch, key,
                                    chunk_rows=chunk, **static)
@@ -244,6 +252,27 @@ class Trainer:
             return batch.replace(old_logprobs=old, ref_logprobs=ref_lp, values=values,
                                  value_std=value_std)
 
+    def _packed_score(self, state, batch, ref, key, chunk, static):
+        """`score` over prefix-tree packed micro-batches of all valid rows (a token budget of
+        `chunk` rows at the batch's width each): the same scores, each shared prefix computed
+        once; the value-std dropout masks are drawn per packed chunk."""
+        host = [host_values(getattr(batch, f)) for f in
+                ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+        budget = chunk * (batch.prompt_ids.shape[1] + batch.response_ids.shape[1])
+        rows = np.arange(batch.num_rows)
+        plan = packed_micro_batches(*host, rows, host_values(batch.valid), max_width=budget)
+        scores = (jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
+                  jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
+        for j, mb in enumerate(plan):
+            i, r = jnp.asarray(mb.idx), jnp.asarray(mb.real)
+            chunk_rows = gather_chunk(batch, i, r, widths=(1, mb.response_width))
+            new = score_rows(state.params, state.critic_params, ref, chunk_rows,
+                             jax.random.fold_in(key, j), _packed_inputs(mb), **static)
+            scores = scatter_scores(scores, i, r, new)
+        old, ref_lp, values, value_std = scores
+        return batch.replace(old_logprobs=old, ref_logprobs=ref_lp, values=values,
+                             value_std=value_std)
+
     def train_on_batch(self, state: TrainState, batch: SampleBatch, adv: jax.Array,
                        weights: jax.Array, targets: jax.Array, key: jax.Array,
                        base: Params | None = None, on_policy: bool = False
@@ -253,13 +282,17 @@ class Trainer:
         With cfg.group_by_length each mini-batch runs as length-grouped micro-batches, each at
         its own width (`length_grouped_micro_batches`; `gather_micro` and `accumulate_micro`
         per micro-batch, then `apply_step`): the same optimizer step up to float summation order.
+        With cfg.pack_prefixes (takes precedence) each mini-batch's rows are packed into a
+        prefix tree (`prefix_tree.packed_micro_batches`, a token budget of micro_batch_size
+        rows at the batch's width per packed row) and each packed row is one micro-batch: the
+        same optimizer step up to float summation order, each shared prefix computed once.
 
         Args: batch scored (`score`); adv, weights, targets [R] f32; key: shuffling PRNGKey;
         base: the frozen base params when LoRA is on (else ignored); on_policy: the batch was
         scored without the old-logprob pass (`Trainer.on_policy`; must plan one mini-batch).
         Returns (state, per-step metric dicts of device scalars, each with host ints
-        "computed_tokens" (rows x columns the forward ran over) and "real_tokens" (prompt +
-        response tokens of its real rows)). Does not advance state.step.
+        "computed_tokens" (rows x columns the forward ran over; packed: the packed rows'
+        columns) and "real_tokens" (prompt + response tokens of its real rows)). Does not advance state.step.
         """
         cfg = self.cfg
         m = cfg.micro_batch_size
@@ -272,12 +305,20 @@ class Trainer:
         seed = int(jax.device_get(jax.random.randint(key, (), 0, 2 ** 31 - 1)))
         rng = np.random.default_rng(seed)
         base = base if self.lora else None
+        ids = None
+        if cfg.pack_prefixes:   # the token ids on the host once (every process: the same plan)
+            ids = (host_values(batch.prompt_ids), pm, host_values(batch.response_ids), rm)
         out = []
         with self._ctx():
             for _ in range(cfg.ppo_epochs):
                 for idx, real in minibatch_plan(valid, kind, cfg.mini_batch_size, m, rng):
                     real_tokens = int(np.sum(n_tokens[idx[real]]))
-                    if cfg.group_by_length:
+                    if cfg.pack_prefixes:
+                        packed = packed_micro_batches(*ids, idx, real, max_width=m * (tp + tr))
+                        state, met = self._packed_step(state, batch, adv, weights, targets,
+                                                       idx, real, packed, base, on_policy)
+                        computed = sum(p.width for p in packed)
+                    elif cfg.group_by_length:
                         micro = length_grouped_micro_batches(idx, real, need_p, need_r, m, tp, tr)
                         state, met = self._grouped_step(state, batch, adv, weights, targets,
                                                         idx, real, micro, base, on_policy)
@@ -304,6 +345,22 @@ class Trainer:
                                       jnp.asarray(r), widths=widths)
             carry = accumulate_micro(carry, state.params, state.critic_params, b, a, w, t, norms,
                                      n_values, base, model=model, cfg=cfg, on_policy=on_policy)
+        return apply_step(cfg)(state, carry, cfg=cfg, on_policy=on_policy)
+
+    def _packed_step(self, state, batch, adv, weights, targets, idx, real,
+                     packed: list[PackedMicroBatch], base, on_policy):
+        """One optimizer step from prefix-tree packed micro-batches (`train_on_batch` with
+        cfg.pack_prefixes): the whole mini-batch's normalisers, one `accumulate_micro` per
+        packed row with the rows it carries, then `apply_step`."""
+        cfg, model = self.cfg, self.model
+        norms, n_values = minibatch_counts(batch, jnp.asarray(idx), jnp.asarray(real))
+        carry = zero_carry(state.params, state.critic_params, cfg=cfg, on_policy=on_policy)
+        for mb in packed:
+            b, a, w, t = gather_micro(batch, adv, weights, targets, jnp.asarray(mb.idx),
+                                      jnp.asarray(mb.real), widths=(1, mb.response_width))
+            carry = accumulate_micro(carry, state.params, state.critic_params, b, a, w, t, norms,
+                                     n_values, base, _packed_inputs(mb), model=model, cfg=cfg,
+                                     on_policy=on_policy)
         return apply_step(cfg)(state, carry, cfg=cfg, on_policy=on_policy)
 
     def update(self, state: TrainState, batch: SampleBatch, ref_params: Params | None = None
@@ -359,6 +416,12 @@ class Trainer:
                         "gradient (params and optimizer state left unchanged)",
                         int(state.step), int(metrics["skipped_steps"]), len(host_steps))
         return state, metrics
+
+
+def _packed_inputs(mb: PackedMicroBatch) -> PackedInputs:
+    """The device `PackedInputs` of a host `PackedMicroBatch` (small arrays, replicated)."""
+    return PackedInputs(*(jnp.asarray(x) for x in (mb.tokens, mb.positions, mb.mask, mb.key_end,
+                                                   mb.score_index, mb.last_index)))
 
 
 __all__ = ["Trainer"]

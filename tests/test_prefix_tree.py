@@ -1,0 +1,352 @@
+"""Prefix-tree packing (training/prefix_tree.py): hand-built trees, exact layouts, and the
+attention rule reproducing every row's causal context."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata_jax.training.prefix_tree import pack_rows
+
+
+def make_rows(rows: list[tuple[list[int], list[int]]], tp: int | None = None,
+              tr: int | None = None):
+    """prompt_ids, prompt_mask [R, Tp] (left-padded), response_ids, response_mask [R, Tr]
+    (right-padded) of (prompt tokens, response tokens) pairs; pads are id 0."""
+    tp = tp or max(len(p) for p, _ in rows)
+    tr = tr or max(max(len(r) for _, r in rows), 1)
+    pi = np.zeros((len(rows), tp), np.int32)
+    pm = np.zeros((len(rows), tp), bool)
+    ri = np.zeros((len(rows), tr), np.int32)
+    rm = np.zeros((len(rows), tr), bool)
+    for i, (p, r) in enumerate(rows):
+        if p:
+            pi[i, tp - len(p):], pm[i, tp - len(p):] = p, True
+        ri[i, :len(r)], rm[i, :len(r)] = r, True
+    return pi, pm, ri, rm
+
+
+def check_layout(layout, rows):
+    """Every row's tokens sit at token_index with positions 0..n-1, all in one packed row, and
+    the rule k <= q < key_end[k] shows each of its queries exactly its own earlier tokens; every
+    packed real token belongs to some row."""
+    w = layout.width
+    vis = layout.visible()
+    flat_tokens = layout.tokens.reshape(-1)
+    used = set()
+    for r, (p, resp) in enumerate(rows):
+        seq = list(p) + list(resp)
+        ti = layout.token_index[r]
+        idx = ti[ti >= 0]
+        assert idx.size == len(seq)
+        np.testing.assert_array_equal(flat_tokens[idx], seq)
+        np.testing.assert_array_equal(layout.positions.reshape(-1)[idx], np.arange(len(seq)))
+        if not seq:
+            continue
+        prow, cols = idx // w, idx % w
+        assert (prow == prow[0]).all()
+        for i, q in enumerate(cols):
+            np.testing.assert_array_equal(np.flatnonzero(vis[prow[0], q]), np.sort(cols[:i + 1]))
+        used.update(idx.tolist())
+    assert used == set(np.flatnonzero(layout.mask.reshape(-1)).tolist())
+
+
+def test_one_shared_root_exact_layout():
+    s = [5, 6, 7]
+    rows = [(s + [10], [11, 12]), (s + [20, 21], [22]), (s + [30], [31])]
+    lay = pack_rows(*make_rows(rows), max_width=64)
+    # root segment once, then each row's suffix (pre-order, first-appearance order)
+    assert lay.tokens.shape == (1, 16)
+    np.testing.assert_array_equal(lay.tokens[0, :12], [5, 6, 7, 10, 11, 12, 20, 21, 22, 30, 31, 0])
+    np.testing.assert_array_equal(lay.positions[0, :11], [0, 1, 2, 3, 4, 5, 3, 4, 5, 3, 4])
+    np.testing.assert_array_equal(lay.key_end[0, :12], [11, 11, 11, 6, 6, 6, 9, 9, 9, 11, 11, 12])
+    np.testing.assert_array_equal(lay.segment_ids[0, :12], [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, -1])
+    np.testing.assert_array_equal(lay.parent, [-1, 0, 0, 0])
+    assert lay.num_packed_tokens == 11 and lay.num_row_tokens == 6 + 6 + 5
+    # response column j is predicted by the row's previous token
+    tp = 5
+    np.testing.assert_array_equal(lay.score_index(), [[3, 4], [7, 8], [9, 10]])
+    np.testing.assert_array_equal(lay.last_index(), [5, 8, 10])
+    np.testing.assert_array_equal(lay.token_index[1], [0, 1, 2, 6, 7, 8, -1])
+    assert lay.prompt_width == tp
+    check_layout(lay, rows)
+
+
+def test_two_and_three_levels():
+    inst, t1, t2, s1, s2 = [1, 2, 3, 4], [50, 51], [60], [70, 71, 72], [80]
+    rows = [(inst + t1 + s1 + [100], [101]),
+            (inst + t1 + s1 + [110, 111], [112, 113]),
+            (inst + t1 + s2 + [120], [121]),
+            (inst + t2 + [130], [131, 132]),
+            (inst + t2 + [140], [141])]
+    lay = pack_rows(*make_rows(rows), max_width=128)
+    check_layout(lay, rows)
+    # instruction block once, t1 once, s1 once, s2 once, t2 once, then the five suffixes
+    suffixes = 2 + 4 + 2 + 3 + 2
+    assert lay.num_packed_tokens == 4 + 2 + 3 + 1 + 1 + suffixes
+    seg = lay.segment_ids[0]
+    depth = {}
+    for nid, par in enumerate(lay.parent):
+        depth[nid] = 0 if par < 0 else depth[par] + 1
+    assert max(depth.values()) == 3   # inst -> task -> strategy -> suffix
+    assert len(set(seg[seg >= 0].tolist())) == len(lay.parent)
+
+
+def test_no_sharing_packs_end_to_end():
+    rows = [([1, 2, 3], [4]), ([5, 6], [7, 8]), ([9], [10])]
+    lay = pack_rows(*make_rows(rows), max_width=32)
+    check_layout(lay, rows)
+    assert lay.tokens.shape == (1, 16) and lay.num_packed_tokens == 10
+    np.testing.assert_array_equal(lay.key_end[0, :10], [4] * 4 + [8] * 4 + [10] * 2)
+    np.testing.assert_array_equal(lay.positions[0, :10], [0, 1, 2, 3, 0, 1, 2, 3, 0, 1])
+    np.testing.assert_array_equal(lay.parent, [-1, -1, -1])
+
+
+def test_prompt_prefix_of_another_prompt_and_duplicate_and_empty_rows():
+    rows = [([1, 2, 3], [7, 8]),           # its prompt is a prefix of the next row's prompt
+            ([1, 2, 3, 4, 5], [9]),
+            ([1, 2, 3], [7, 8]),           # identical to row 0: shares every token
+            ([1, 2], []),                  # a row that ends inside the shared root
+            ([], [])]                      # a padding row: no tokens at all
+    lay = pack_rows(*make_rows(rows), max_width=32)
+    check_layout(lay, rows)
+    assert lay.num_packed_tokens == 2 + 1 + 2 + 3
+    np.testing.assert_array_equal(lay.token_index[0], lay.token_index[2])
+    assert (lay.token_index[4] == -1).all()
+    # the first response token of row 0 is predicted from the shared parent's last token, which
+    # row 1's continuation also sees
+    si = lay.score_index()
+    assert lay.segment_ids.reshape(-1)[si[0, 0]] != lay.segment_ids.reshape(-1)[si[0, 1]]
+    assert lay.tokens.reshape(-1)[si[0, 0]] == 3
+    assert lay.tokens.reshape(-1)[si[1, 0]] == 5
+    assert lay.last_index()[4] == 0
+
+
+def test_units_move_whole_to_the_next_packed_row_and_width_is_bucketed():
+    # three unrelated rows of 5, 5, 4 tokens with max width 8: no segment crosses a packed row
+    rows = [([1, 2, 3], [4, 5]), ([6, 7, 8, 9], [10]), ([11, 12], [13, 14])]
+    lay = pack_rows(*make_rows(rows), max_width=8)
+    check_layout(lay, rows)
+    assert lay.tokens.shape == (3, 8)
+    lay = pack_rows(*make_rows(rows), max_width=12, widths=(6, 10, 12))
+    check_layout(lay, rows)
+    assert lay.tokens.shape == (2, 10)      # 5 + 4 in one row, 5 in the other; bucket 10
+    lay = pack_rows(*make_rows(rows), max_width=12, row_multiple=4)
+    assert lay.tokens.shape[0] == 4 and not lay.mask[2:].any()
+
+
+def test_split_tree_copies_the_ancestor_path():
+    root = [1, 2, 3, 4]
+    rows = [(root + [10, 11], [12, 13]), (root + [20, 21], [22, 23]),
+            (root + [30, 31], [32, 33]), (root + [40], [41])]
+    lay = pack_rows(*make_rows(rows), max_width=12)
+    check_layout(lay, rows)
+    # 4 + 4 + 4 = 12 fits one unit; the rest gets a copy of the root
+    assert lay.tokens.shape[0] == 2
+    root_copies = [(lay.segment_ids[p] == 0).sum() for p in range(2)]
+    assert root_copies == [4, 4]
+    assert lay.num_packed_tokens == 4 + 4 + 4 + 4 + 4 + 2
+    # a deeper split: instruction [1, 2, 3] -> task [50, 51] (too wide: split below it, the
+    # instruction + task path copied) -> three strategy rows; task [60] fits whole
+    rows = [([1, 2, 3, 50, 51, i, i + 1], [i + 2]) for i in (100, 200, 300)]
+    rows.append(([1, 2, 3, 60], [61]))
+    lay = pack_rows(*make_rows(rows), max_width=11)
+    check_layout(lay, rows)
+    # units: (path inst+task, two strategies) = 5 + 6, (path inst+task, one) = 5 + 3, and
+    # (path inst, task 60) = 3 + 2; 8 + 5 > 11, so each unit takes its own packed row
+    assert lay.num_packed_tokens == 11 + 8 + 5
+    assert lay.tokens.shape == (3, 11)
+
+
+def test_errors():
+    rows = [([1, 2, 3, 4, 5], [6, 7])]
+    with pytest.raises(ValueError, match="exceeds the largest packed width"):
+        pack_rows(*make_rows(rows), max_width=6)
+    pi, pm, ri, rm = make_rows(rows, tp=6)
+    pm2 = pm.copy()
+    pm2[0, -1] = False                     # a hole at the prompt's end
+    with pytest.raises(ValueError, match="left-padded"):
+        pack_rows(pi, pm2, ri, rm, max_width=16)
+    with pytest.raises(ValueError, match="exceed max_width"):
+        pack_rows(pi, pm, ri, rm, max_width=16, widths=(8, 32))
+
+
+def test_random_batches_keep_every_rows_context():
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        inst = rng.integers(1, 50, rng.integers(0, 6)).tolist()
+        rows = []
+        for _ in range(rng.integers(1, 9)):
+            task = rng.integers(1, 4, rng.integers(0, 3)).tolist()
+            strat = rng.integers(1, 3, rng.integers(0, 3)).tolist()
+            own = rng.integers(1, 4, rng.integers(0 if inst or task else 1, 3)).tolist()
+            resp = rng.integers(1, 4, rng.integers(0, 3)).tolist()
+            rows.append((inst + task + strat + own, resp))
+        longest = max(len(p) + len(r) for p, r in rows)
+        lay = pack_rows(*make_rows(rows), max_width=max(longest, int(rng.integers(8, 30))))
+        check_layout(lay, rows)
+        assert lay.num_packed_tokens <= lay.num_row_tokens
+
+
+# ----------------------------------------------------------------------------- packed forward
+# The packed forward against the per-row forward (`scoring.response_states`) on a tiny random
+# model. fp32 tolerances: the two paths run the same operations on the same values, but the
+# matmuls and the softmax sums see other shapes (packed rows, a different key count per query
+# block: masked keys add exact zeros), so the results differ by summation order only, a few
+# fp32 ulps per op; through 2 layers and a log-softmax over V that stays below 1e-5 absolute
+# on logprobs / entropies of magnitude ~log V, and gradients agree to 1e-4 of each leaf's scale.
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from strata_jax.models import Qwen2Config, init_params  # noqa: E402
+from strata_jax.models.lora import LoraConfig, init_lora, lora_params  # noqa: E402
+from strata_jax.training.critic import init_value_head, value_from_hidden  # noqa: E402
+from strata_jax.training.scoring import (PackedInputs, packed_response_states,  # noqa: E402
+                                         response_logprobs, response_states)
+
+CFG = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4)
+LORA = LoraConfig(rank=4, alpha=8)
+
+
+def tree_rows(seed=0):
+    """Rows with an instruction block, two tasks, strategies under one task, own steps and
+    responses; a row whose prompt is a prefix of another's, a duplicate and a padding row."""
+    rng = np.random.default_rng(seed)
+    tok = lambda n: rng.integers(1, CFG.vocab_size, n).tolist()  # noqa: E731
+    inst, t1, t2, s1, s2 = tok(9), tok(5), tok(4), tok(6), tok(3)
+    rows = [(inst + t1 + s1 + tok(3), tok(4)),
+            (inst + t1 + s1 + tok(5), tok(2)),
+            (inst + t1 + s2 + tok(2), tok(5)),
+            (inst + t1 + s2, tok(3)),                 # prefix of the previous row's prompt
+            (inst + t2 + tok(7), tok(1)),
+            (inst + t2 + tok(2), tok(4)),
+            (tok(6), tok(3))]                          # shares nothing
+    rows.append(rows[1])                               # a duplicate row
+    rows.append(([], []))                              # a padding row
+    return rows
+
+
+def perturbed_params(key):
+    p = init_params(CFG, key)
+    return jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.fold_in(key, x.size),
+                                                                 x.shape), p)
+
+
+def both_paths(max_width, query_chunk=128, lora=False, remat="none", dtype="float32"):
+    """(loss fn of params for the per-row path, same for the packed path, params, base,
+    response mask); loss = sum of response logprobs + entropies/10 + values/10 (every output
+    the update reads), aux = (lp, ent, values)."""
+    rows = tree_rows()
+    pi, pm, ri, rm = (jnp.asarray(x) for x in make_rows(rows))
+    lay = pack_rows(*make_rows(rows), max_width=max_width)
+    packed = PackedInputs(*(jnp.asarray(x) for x in (lay.tokens, lay.positions, lay.mask,
+                                                     lay.key_end, lay.score_index(),
+                                                     lay.last_index())))
+    key = jax.random.key(3)
+    base = perturbed_params(key)
+    head = init_value_head(jax.random.key(4), CFG.hidden_size, 1.0)
+    params = base
+    if lora:
+        params = init_lora(CFG, LORA, key)
+        params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(key, x.shape, x.dtype),
+                              params)
+
+    def outputs(p, states):
+        model_p = lora_params(base, p, LORA) if lora else p
+        h, last = states(model_p)
+        lp, ent = response_logprobs(model_p, CFG, h, ri, rm, temperature=0.9, chunk_size=4,
+                                    compute_dtype=dtype)
+        v = value_from_hidden(head, last) * (pm.any(1) | rm.any(1))
+        return jnp.sum(lp) + 0.1 * jnp.sum(ent) + 0.1 * jnp.sum(v), (lp, ent, v)
+
+    def per_row(p):
+        return outputs(p, lambda mp: response_states(mp, CFG, pi, pm, ri, rm, remat=remat,
+                                                     compute_dtype=dtype))
+
+    def tree(p):
+        return outputs(p, lambda mp: packed_response_states(mp, CFG, packed, remat=remat,
+                                                            query_chunk=query_chunk,
+                                                            compute_dtype=dtype))
+
+    return per_row, tree, params, np.asarray(rm), lay
+
+
+@pytest.mark.parametrize("max_width, chunk, lora, remat", [
+    (128, 128, False, "none"),     # one packed row, one query block
+    (40, 8, False, "none"),        # split tree (ancestor copies), segments across 8-query blocks
+    (40, 8, True, "full"),         # LoRA over a frozen base, per-layer remat
+])
+def test_packed_forward_equals_per_row(max_width, chunk, lora, remat):
+    per_row, tree, params, rm, lay = both_paths(max_width, chunk, lora=lora, remat=remat)
+    assert lay.num_packed_tokens < lay.num_row_tokens
+    if max_width == 40:
+        assert lay.tokens.shape[0] > 1   # the tree really is split
+    per_row_vg = jax.jit(jax.value_and_grad(per_row, has_aux=True))
+    tree_vg = jax.jit(jax.value_and_grad(tree, has_aux=True))
+    (l1, (lp1, ent1, v1)), g1 = per_row_vg(params)
+    (l2, (lp2, ent2, v2)), g2 = tree_vg(params)
+    m = rm.astype(bool)
+    print("max |diff| lp, ent, v:", np.abs(np.asarray(lp2 - lp1)).max(),
+          np.abs(np.asarray(ent2 - ent1)).max(), np.abs(np.asarray(v2 - v1)).max())
+    assert np.abs(np.asarray(lp1)[m]).min() > 0   # real logprobs on every response token
+    np.testing.assert_allclose(np.asarray(lp2)[m], np.asarray(lp1)[m], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(ent2)[m], np.asarray(ent1)[m], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(v2), np.asarray(v1), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(lp2)[~m], 0.0)
+    np.testing.assert_allclose(float(l2), float(l1), rtol=1e-6)
+    leaves1, leaves2 = jax.tree.leaves(g1), jax.tree.leaves(g2)
+    assert len(leaves1) == len(leaves2) and len(leaves1) > 0
+    worst = 0.0
+    for a, b in zip(leaves2, leaves1):
+        a, b = np.asarray(a), np.asarray(b)
+        scale = np.abs(b).max()
+        assert scale > 0
+        worst = max(worst, np.abs(a - b).max() / scale)
+        assert np.abs(a - b).max() <= 1e-4 * scale + 1e-7, (np.abs(a - b).max(), scale)
+    print("max relative gradient diff:", worst)
+
+
+def test_packed_micro_batches_partition_the_rows():
+    from strata_jax.training.prefix_tree import packed_micro_batches
+    rows = tree_rows(seed=2)
+    pi, pm, ri, rm = make_rows(rows)
+    idx = np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0], np.int32)   # two padding entries
+    real = np.arange(idx.size) < 9
+    micro = packed_micro_batches(pi, pm, ri, rm, idx, real, max_width=40)
+    assert len(micro) > 1                      # the budget splits the tree
+    seen = []
+    for mb in micro:
+        assert mb.tokens.shape == (1, mb.width) and mb.width <= 40
+        assert mb.idx.size == mb.real.size == mb.score_index.shape[0] == mb.last_index.size
+        for i, r in zip(mb.idx[mb.real], np.flatnonzero(mb.real)):
+            p, resp = rows[i]
+            seq = p + resp
+            if not seq:
+                continue
+            seen.append(int(i))
+            n_r = len(resp)
+            # response column j is scored by the row's previous token; the last token is last
+            np.testing.assert_array_equal(mb.tokens[0, mb.score_index[r, :n_r]], seq[len(p) - 1:-1])
+            np.testing.assert_array_equal(mb.positions[0, mb.score_index[r, :n_r]],
+                                          np.arange(len(p) - 1, len(seq) - 1))
+            assert mb.tokens[0, mb.last_index[r]] == seq[-1]
+        assert (mb.score_index[~mb.real] == 0).all() and (mb.last_index[~mb.real] == 0).all()
+    # every real row with tokens in exactly one micro-batch (the empty padding row in none)
+    assert sorted(seen) == [i for i in range(9) if rows[i][0] or rows[i][1]]
+
+
+def test_packed_forward_bf16_tolerance():
+    """bfloat16 compute: both paths round every activation to 8 mantissa bits (2^-8 relative
+    per rounding), in a different order, so they agree only to bf16 round-off carried through
+    the layers: 1e-2 absolute on logprobs / entropies of magnitude ~log V, 2e-2 on values of
+    scale ~1; the fp32 tests above are the exactness check."""
+    per_row, tree, params, rm, _ = both_paths(40, 8, dtype="bfloat16")
+    _, (lp1, ent1, v1) = jax.jit(per_row)(params)
+    _, (lp2, ent2, v2) = jax.jit(tree)(params)
+    m = rm.astype(bool)
+    print("bf16 max |diff| lp, ent, v:", np.abs(np.asarray(lp2 - lp1)).max(),
+          np.abs(np.asarray(ent2 - ent1)).max(), np.abs(np.asarray(v2 - v1)).max())
+    np.testing.assert_allclose(np.asarray(lp2)[m], np.asarray(lp1)[m], atol=1e-2, rtol=0)
+    np.testing.assert_allclose(np.asarray(ent2)[m], np.asarray(ent1)[m], atol=1e-2, rtol=0)
+    np.testing.assert_allclose(np.asarray(v2), np.asarray(v1), atol=2e-2, rtol=0)

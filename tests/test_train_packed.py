@@ -1,0 +1,134 @@
+"""The prefix-tree packed update (train.pack_prefixes) against the per-row update
+(train.group_by_length): same scores, same optimizer steps, fewer computed tokens."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from strata_jax.algos import KIND_ACTION, KIND_STRATEGY
+from strata_jax.models import init_params
+from strata_jax.training import Trainer, tree_to_numpy
+from tests.trainer_fixtures import TINY, make_batch, train_config
+
+
+def shared_records(seed=0, n_tasks=2, per_task=5, strategies=2):
+    """Step rows whose prompts share an instruction block, then their task's goal, then (for
+    half of them) a strategy text, then their own step; strategy rows share the instruction
+    block and their task's goal. Random responses of 1-12 tokens."""
+    rng = np.random.default_rng(seed)
+    tok = lambda n: rng.integers(1, TINY.vocab_size, n)  # noqa: E731
+    inst = tok(12)
+    recs = []
+    for t in range(n_tasks):
+        goal, strat = tok(int(rng.integers(3, 8))), tok(6)
+        for j in range(per_task):
+            prompt = [inst, goal] + ([strat] if j % 2 else []) + [tok(int(rng.integers(1, 9)))]
+            recs.append(dict(prompt_ids=np.concatenate(prompt),
+                             response_ids=tok(int(rng.integers(1, 13))), task_id=t,
+                             trajectory_id=j, kind=KIND_ACTION, score=float((j + t) % 2),
+                             step_reward=float((j + t) % 2)))
+    for s in range(strategies):
+        recs.append(dict(prompt_ids=np.concatenate([inst, tok(2)]), response_ids=tok(3),
+                         task_id=0, trajectory_id=100 + s, strategy_id=s, kind=KIND_STRATEGY))
+    return recs
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(TINY, jax.random.PRNGKey(0))
+
+
+def _moved(trainer, params, key):
+    """A fresh state whose policy (adapters) moved off the reference: KL, ratios and clipping
+    are live."""
+    state = trainer.init_state(params, jax.random.PRNGKey(1))
+    return state.replace(params=jax.tree.map(
+        lambda x: x + 0.05 * jax.random.normal(key, x.shape), state.params))
+
+
+@pytest.mark.parametrize("algo", ["ppo", "stapo"])
+def test_packed_scoring_equals_per_row_scoring(params, algo):
+    batch = make_batch(shared_records(seed=1))
+    cfg = train_config(algo, dropout=0.0, score_rows=4)
+    packed = Trainer(TINY, dataclasses.replace(cfg, pack_prefixes=True))
+    rows = Trainer(TINY, cfg)
+    state = _moved(rows, params, jax.random.PRNGKey(2))
+    a = packed.score(state, batch, params, jax.random.PRNGKey(0))
+    b = rows.score(state, batch, params, jax.random.PRNGKey(0))
+    valid = np.asarray(b.valid)
+    assert valid.sum() == 12 and np.abs(np.asarray(b.ref_logprobs)[valid]).sum() > 0
+    assert np.abs(np.asarray(b.values)[valid]).sum() > 0
+    # fp32, same operations in another summation order: a few ulps of logprobs ~ log V
+    for f in ("old_logprobs", "ref_logprobs", "values", "value_std"):
+        np.testing.assert_allclose(np.asarray(getattr(a, f))[valid],
+                                   np.asarray(getattr(b, f))[valid], rtol=1e-5, atol=1e-5,
+                                   err_msg=f)
+
+
+@pytest.mark.parametrize("algo,epochs,lora,mini", [("grpo", 1, False, 4), ("stapo", 2, False, 4),
+                                                   ("ppo", 2, True, 4), ("grpo", 1, False, 64)])
+def test_packed_update_equals_per_row_update(params, algo, epochs, lora, mini):
+    """One iteration's update (scoring, several mini-batches of the same composition, epochs;
+    mini 64: one exactly on-policy step without the old-logprob pass) with the packed path
+    gives the per-row path's params and metrics; it computes fewer tokens; a second update of
+    the same shapes compiles nothing."""
+    from strata_jax.models.lora import LoraConfig
+    from tests.sampler_fixtures import compile_counter
+    counter = compile_counter()
+    batch = make_batch(shared_records(seed=3))
+    extra = dict(lora=LoraConfig(rank=4, alpha=8.0)) if lora else {}
+    cfg = train_config(algo, ppo_epochs=epochs, dropout=0.0, mini_batch_size=mini,
+                       micro_batch_size=4, **extra)
+    packed = Trainer(TINY, dataclasses.replace(cfg, pack_prefixes=True))
+    rows = Trainer(TINY, cfg)
+    state = _moved(rows, params, jax.random.PRNGKey(4))
+    a, ma = packed.update(jax.tree.map(jnp.copy, state), batch, params)
+    b, mb = rows.update(jax.tree.map(jnp.copy, state), batch, params)
+    assert ma["optimizer_steps"] == mb["optimizer_steps"] == (3 if mini == 4 else 1) * epochs
+    assert packed.on_policy(batch) == (mini == 64)
+    # AdamW's first step is ~lr * sign(g) per weight: the tolerance of test_train's grouped
+    # vs scan comparison (1% of a 1e-3 step), the gradients compared through grad_norm below.
+    # k_bias is the exception: its exact gradient is 0 (softmax is invariant to the per-query
+    # constant q . b_k), so both paths' k_bias gradients are round-off (~1e-9) and AdamW (eps
+    # 1e-8) turns them into steps up to ~lr * |g| / eps: compared to a tenth of lr per step.
+    # (test_prefix_tree.py compares every gradient leaf directly.)
+    steps = ma["optimizer_steps"]
+    flat_a = jax.tree_util.tree_flatten_with_path(tree_to_numpy(a))[0]
+    for (path, x), y in zip(flat_a, jax.tree.leaves(tree_to_numpy(b))):
+        noise = "k_bias" in jax.tree_util.keystr(path)
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=0.1 * cfg.lr * steps if noise else 1e-5,
+                                   err_msg=jax.tree_util.keystr(path))
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        if k != "perf/update_token_fill":
+            np.testing.assert_allclose(ma[k], mb[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    assert mb["train/grad_norm"] > 0 and mb["train/kl"] > 0
+    assert ma["perf/update_token_fill"] > mb["perf/update_token_fill"]
+    before = counter.count
+    packed.update(jax.tree.map(jnp.copy, state), batch, params)
+    assert counter.count == before
+
+
+def test_packed_update_on_a_mesh_equals_single_device(params):
+    """The packed update on 8 fake devices (data 2 x fsdp 2 x tensor 2; a packed row is
+    replicated over the data axis) gives the single-device packed update."""
+    from strata_jax.sharding import make_mesh
+    batch = make_batch(shared_records(seed=5))
+    cfg = train_config("grpo", dropout=0.0, pack_prefixes=True)
+    single_trainer = Trainer(TINY, cfg)
+    state = single_trainer.init_state(params, jax.random.PRNGKey(1))
+    single, m1 = single_trainer.update(state, batch, ref_params=params)
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    sharded_trainer = Trainer(TINY, cfg, mesh=mesh)
+    s_state = sharded_trainer.init_state(params, jax.random.PRNGKey(1))
+    sharded, m8 = sharded_trainer.update(s_state, batch, ref_params=params)
+    assert len(sharded.params["layers"][0]["q_proj"].sharding.device_set) == 8
+    for a, b in zip(jax.tree.leaves(tree_to_numpy(sharded.params)),
+                    jax.tree.leaves(tree_to_numpy(single.params))):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+    np.testing.assert_allclose(m8["train/loss"], m1["train/loss"], rtol=1e-4, atol=1e-6)
+    assert m8["perf/update_token_fill"] == m1["perf/update_token_fill"] > 1.0
