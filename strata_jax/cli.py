@@ -7,18 +7,8 @@
   a missing checkpoint) and Ctrl-C end with one line on stderr instead of a traceback.
 
 Every entry point (train.py, eval.py, sft.py, ``python -m strata_jax.models.fetch``) exits with
-one of these statuses (`strata_jax.exits`), so a script can tell the outcomes apart
-(docs/reliability.md):
-
-  ====  ==============================================================================
-  0     finished
-  1     a bug: an unexpected exception, printed with its traceback
-  2     refused or bad input: one line on stderr says what to change; nothing was lost
-  75    preempted with a checkpoint (SIGTERM, SIGHUP or a first Ctrl-C during training):
-        the same command continues the run (75 is sysexits' EX_TEMPFAIL, "retry later")
-  130   interrupted at once (a second Ctrl-C; SIGTERM / SIGHUP / Ctrl-C outside the
-        training loop): the work in flight is lost, the newest checkpoint is kept
-  ====  ==============================================================================
+one of the statuses of `strata_jax.exits` (finished, a bug, refused, preempted with a checkpoint,
+interrupted at once), re-exported here; docs/reliability.md has the table.
 """
 from __future__ import annotations
 
