@@ -106,3 +106,15 @@ def test_remat_policy_names_are_written_once():
     from strata_jax.training import config as train_config
     assert train_config.REMAT_POLICIES is config.REMAT_POLICIES
     assert ("none", *qwen2.REMAT_POLICIES) == config.REMAT_POLICIES
+
+
+def test_the_pad_id_is_the_tokenizers_endoftext():
+    """The pad id is defined once (models/tokenizer.py); configs/base.py, which must not import
+    jax, writes it as a literal that this test holds to that definition."""
+    from configs.base import get_base_config
+    from strata_jax.models.tokenizer import ENDOFTEXT_ID
+    from strata_jax.rollout import RolloutConfig
+    from strata_jax.training.sft.cloning import make_sft_batch
+    import inspect
+    assert get_base_config().rollout.pad_token_id == RolloutConfig().pad_token_id == ENDOFTEXT_ID
+    assert inspect.signature(make_sft_batch).parameters["pad_id"].default == ENDOFTEXT_ID

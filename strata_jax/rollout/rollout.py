@@ -53,6 +53,7 @@ from strata_jax.algos.dapo_filter import keep_informative_groups
 from strata_jax.algos.table import get_algorithm
 from strata_jax.config import read_fields, section_sources
 from strata_jax.models import stop_token_ids
+from strata_jax.models.tokenizer import ENDOFTEXT_ID
 from strata_jax.rollout.episodes import anchor_hash, run_episodes
 from strata_jax.rollout.records import EpisodeSpec, Interval, LoopStats, Trajectory
 from strata_jax.rollout.judge import JudgeModel, judge_flags, judge_stage
@@ -102,7 +103,7 @@ class RolloutConfig:
     prompt_buckets: tuple[int, ...] | None = None
     response_buckets: tuple[int, ...] | None = None
     row_multiple: int = 8
-    pad_token_id: int = 151643  # <|endoftext|>, Qwen2.5's pad
+    pad_token_id: int = ENDOFTEXT_ID  # <|endoftext|>, Qwen2.5's pad
     revise_every: int = 0
     revise_on: str = ""
     revise_stuck_steps: int = 3

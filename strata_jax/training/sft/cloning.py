@@ -20,6 +20,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from strata_jax.models import Qwen2Config
+from strata_jax.models.tokenizer import ENDOFTEXT_ID
 from strata_jax.sampling import bucket
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.scoring import response_logprobs, response_states
@@ -28,7 +29,7 @@ from strata_jax.training.sft.render import SFTExample
 from strata_jax.training.state import make_optimizer
 
 
-def make_sft_batch(examples: Sequence[SFTExample], rows: int, pad_id: int = 151643,
+def make_sft_batch(examples: Sequence[SFTExample], rows: int, pad_id: int = ENDOFTEXT_ID,
                    prompt_floor: int = 64, response_multiple: int = 8) -> dict[str, np.ndarray]:
     """Pad examples into one batch (numpy).
 
@@ -157,7 +158,7 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[list[int
 
 
 def train_sft(params: Any, model_cfg: Qwen2Config, examples: Sequence[SFTExample],
-              cfg: SFTConfig, *, pad_id: int = 151643, remat: str = "none",
+              cfg: SFTConfig, *, pad_id: int = ENDOFTEXT_ID, remat: str = "none",
               log_fn: Callable[[str], None] | None = None) -> tuple[Any, list[float]]:
     """Behaviour cloning: ``cfg.steps`` AdamW steps of `SFTTrainer` over `examples`.
 
