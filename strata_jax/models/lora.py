@@ -39,11 +39,11 @@ import jax.numpy as jnp
 
 from strata_jax.config import read_fields, section_sources
 from strata_jax.models.config import Qwen2Config
-from strata_jax.models.qwen2 import LoraWeight, Params, layer_shapes, param_logical_axes
+from strata_jax.models.qwen2 import (LINEAR_PROJECTIONS, LoraWeight, Params, layer_shapes,
+                                     param_logical_axes)
 
 # The projections LoRA may adapt (biases and norms never are).
-PROJECTIONS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                "up_proj", "down_proj")
+PROJECTIONS: tuple[str, ...] = LINEAR_PROJECTIONS
 ALL_LINEAR = r"(q|k|v|o|gate|up|down)_proj$"
 
 Adapters = dict[str, Any]

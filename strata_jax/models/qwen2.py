@@ -55,6 +55,9 @@ _LAYER_AXES: dict[str, tuple[str | None, ...]] = {
     "up_proj": ("mlp", "embed"),
     "down_proj": ("embed", "mlp"),
 }
+# The decoder layer's linear projections (the weights LoRA may adapt and the sampler may
+# re-lay out), in the table's order.
+LINEAR_PROJECTIONS: tuple[str, ...] = tuple(n for n in _LAYER_AXES if n.endswith("_proj"))
 
 
 def layer_shapes(config: Qwen2Config) -> dict[str, tuple[int, ...]]:

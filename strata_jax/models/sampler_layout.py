@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax.models.config import Qwen2Config
-from strata_jax.models.qwen2 import InOutWeight, LoraWeight, Params
+from strata_jax.models.qwen2 import LINEAR_PROJECTIONS, InOutWeight, LoraWeight, Params
 
 # Names `prepare_sampler_params` accepts in ``in_out`` (after fusion: q/k/v become qkv_proj,
 # gate/up become gate_up_proj when fused).
@@ -108,8 +108,7 @@ def parse_sampler_layout(spec: str) -> dict:
         if tok in ("fuse_qkv", "fuse_gate_up"):
             kw[tok] = True
         elif tok == "in_out":
-            in_out += ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                       "down_proj"]
+            in_out += list(LINEAR_PROJECTIONS)
         elif tok in SAMPLER_PROJECTIONS:
             in_out.append(tok)
         else:
