@@ -146,9 +146,11 @@ class MemoryKeyEnv(_BuiltinEnv):
         return obs, self._info(0.0)
 
     def _enter_actions(self) -> list[str]:
-        if 10 ** self.code_digits <= 10:
-            return [f"enter {d}" for d in range(10)]
-        return ["enter <digits>"]
+        return [f"enter {d}" for d in range(10)] if self.code_digits == 1 else ["enter <digits>"]
+
+    def _tries_left(self) -> str:
+        n = self.attempts_left
+        return f"It allows {n} more {'try' if n == 1 else 'tries'}."
 
     def admissible_actions(self) -> list[str]:
         acts = ["look"]
@@ -162,16 +164,15 @@ class MemoryKeyEnv(_BuiltinEnv):
 
     def _where(self) -> str:
         if self.pos == self.corridor:
-            tries = (f" It allows {self.attempts_left} more "
-                     f"{'try' if self.attempts_left == 1 else 'tries'}."
-                     if self.code_attempts else "")
+            tries = f" {self._tries_left()}" if self.code_attempts else ""
             return (f"You stand before the vault. A keypad waits for a {self.code_digits}-digit "
                     f"code.{tries}")
         return f"You are in the corridor, room {self.pos} of {self.corridor}. The corridor continues north."
 
     def _enter(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        """``enter <text>`` (the rules in the class docstring)."""
         digits = "".join(ch for ch in action[6:] if ch in _ASCII_DIGITS)
-        if self.pos != self.corridor or not action.startswith("enter "):
+        if self.pos != self.corridor:
             return "Nothing happens.", 0.0, False, self._info(0.0, invalid=True)
         if digits == self.code:
             return "The vault swings open. You win.", 1.0, True, self._info(1.0)
@@ -184,8 +185,7 @@ class MemoryKeyEnv(_BuiltinEnv):
         if self.attempts_left <= 0:
             return ("The keypad buzzes: wrong code. The keypad locks for good.", 0.0, True,
                     self._info(0.0))
-        return (f"The keypad buzzes: wrong code. It allows {self.attempts_left} more "
-                f"{'try' if self.attempts_left == 1 else 'tries'}.", 0.0, False, self._info(0.0))
+        return f"The keypad buzzes: wrong code. {self._tries_left()}", 0.0, False, self._info(0.0)
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         if action == "go north" and self.pos < self.corridor:
@@ -196,7 +196,7 @@ class MemoryKeyEnv(_BuiltinEnv):
             return self._where(), 0.0, False, self._info(0.0)
         if action == "look":
             return self._where(), 0.0, False, self._info(0.0)
-        if action == "enter" or action.startswith("enter "):
+        if action.startswith("enter "):
             return self._enter(action)
         return "Nothing happens.", 0.0, False, self._info(0.0, invalid=True)
 
