@@ -137,7 +137,8 @@ def variant(args, algo: str, workdir: str, extra: tuple[str, ...] = ()) -> str:
     if args.warm_start in ("mask", "mask-actions"):
         toks += ["model.warm_start=sft", "sft.plan_code=mask", f"sft.episodes={args.sft_episodes}",
                  f"sft.train_strategies={args.warm_start == 'mask'}",
-                 f"sft.steps={args.sft_steps}", f"sft.batch_size={args.sft_batch}", f"sft.lr={args.sft_lr}",
+                 f"sft.steps={args.sft_steps}", f"sft.batch_size={args.sft_batch}",
+                 f"sft.lr={args.sft_lr}",
                  "sft.warmup_steps=5", "sft.noise=0.1", "sft.log_every=10",
                  "sft.strategy_mode=both"]
     elif args.warm_start:
@@ -155,7 +156,8 @@ def train_extra(args, algo: str, seed: int) -> tuple[str, ...]:
            f"rollout.episodes_per_strategy={m}", f"rollout.oversample={args.sigma}",
            "ckpt.every=1", "ckpt.keep=2", "eval.every=0", f"model.remat={args.remat}",
            f"optim.micro_batch_size={args.micro}",
-           # two optimizer steps per iteration over the same rows: more updates, no more rollouts
+           # --updates-per-iteration optimizer steps over one iteration's rows (about: the row
+           # count is known only after the rollout): more updates, no more rollouts
            f"optim.mini_batch_size={max(args.micro, rows_hint // args.updates_per_iteration)}")
     return out + (("matched",) if algo != "strata" else ())
 
@@ -202,12 +204,14 @@ def run_queue(args) -> None:
         print(f"[{job['name']}] {' '.join(job['argv'][1:])}  (log {log})", flush=True)
         t0, load0 = time.time(), open("/proc/loadavg").read().split()[0]
         with open(log, "a") as f:
-            rc = subprocess.run(job["argv"], cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(job["argv"], cwd=REPO, stdout=f,
+                                stderr=subprocess.STDOUT).returncode
         wall = time.time() - t0
         load1 = open("/proc/loadavg").read().split()[0]
         with open(os.path.join(args.out, "jobs.jsonl"), "a") as f:
-            f.write(json.dumps(dict(job=job["name"], rc=rc, wall_s=round(wall, 1), load_start=load0,
-                                    load_end=load1, finished=time.strftime("%Y-%m-%d %H:%M:%S"))) + "\n")
+            row = dict(job=job["name"], rc=rc, wall_s=round(wall, 1), load_start=load0,
+                       load_end=load1, finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+            f.write(json.dumps(row) + "\n")
         if rc != 0:
             print(f"[{job['name']}] exit {rc} after {wall:.0f} s; see {log}; stopping the queue",
                   flush=True)
@@ -324,7 +328,8 @@ def plot(res: dict, path: str) -> None:
     import numpy as np
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for algo, color in (("strata", "tab:blue"), ("grpo", "tab:orange")):
-        curves = [c for k, c in res["curves"].items() if k.startswith(algo + "_") and c["iterations"]]
+        curves = [c for k, c in res["curves"].items()
+                  if k.startswith(algo + "_") and c["iterations"]]
         if not curves:
             continue
         n = min(len(c["iterations"]) for c in curves)

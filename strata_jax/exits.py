@@ -2,7 +2,8 @@
 ``python -m strata_jax.models.fetch``); `strata_jax.cli` re-exports them. A module of its own,
 importing nothing of the package, so that any module can use it without an import cycle.
 
-Every entry point exits with one of these statuses, so a script can tell the outcomes apart (docs/reliability.md):
+Every entry point exits with one of these statuses, so a script can tell the outcomes apart
+(docs/reliability.md):
 
   ====  ==============================================================================
   0     finished

@@ -316,8 +316,8 @@ def run_episodes(policy: Policy, pool: EnvPool, builder: PromptBuilder,
       invalid_tail_chars: chars of an invalid output shown in the history.
       reviser: the strategy-revision hook (None = no revision: the paper setting).
       max_steps: stop each episode after this many steps even if the env is not done (a
-        probe, `strata_jax.evaluation.scaling`): its env is released and ``done`` stays False. None =
-        play to the end.
+        probe, `strata_jax.evaluation.scaling`): its env is released and ``done`` stays
+        False. None = play to the end.
     Returns:
       (trajectories in spec order, `LoopStats`).
     Raises:

@@ -19,8 +19,9 @@ from strata_jax.training.sft.render import (KINDS, MASKED_CODE, SFTExample, acti
                                             render_episode)
 
 __all__ = [
-    "SFTConfig", "ExpertStep", "ExpertEpisode", "SFTExample", "SFTTrainer", "play_builtin_expert",
-    "play_gold", "collect_expert_episodes", "plan_text", "mask_codes", "MASKED_CODE", "action_response", "judge_response",
-    "render_episode", "build_examples", "make_sft_batch", "sft_loss", "batch_order", "train_sft",
-    "sft_progress", "SFT_PROGRESS_S", "SCIWORLD_NOISE_ACTIONS", "STRATEGY_MODES", "PLAN_CODES", "KINDS",
+    "SFTConfig", "ExpertStep", "ExpertEpisode", "SFTExample", "SFTTrainer",
+    "play_builtin_expert", "play_gold", "collect_expert_episodes", "plan_text", "mask_codes",
+    "MASKED_CODE", "action_response", "judge_response", "render_episode", "build_examples",
+    "make_sft_batch", "sft_loss", "batch_order", "train_sft", "sft_progress", "SFT_PROGRESS_S",
+    "SCIWORLD_NOISE_ACTIONS", "STRATEGY_MODES", "PLAN_CODES", "KINDS",
 ]

@@ -151,5 +151,6 @@ def build_examples(builder: PromptBuilder, episodes: Sequence[ExpertEpisode],
     return out
 
 
-__all__ = ["KINDS", "SFTExample", "plan_text", "mask_codes", "MASKED_CODE", "action_response", "judge_response",
+__all__ = ["KINDS", "SFTExample", "plan_text", "mask_codes", "MASKED_CODE", "action_response",
+           "judge_response",
            "render_episode", "build_examples"]
