@@ -41,7 +41,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-ALGOS = {"strata": "strata", "grpo": "grpo"}
+ALGOS = ("strata", "grpo")
 # The code in the first observation: "A note on the wall reads: 'vault code 6-1-6'."
 _NOTE = re.compile(r"vault code ([0-9](?:-[0-9])*)'")
 # Text names the code when a code word precedes its digits (in order, separators allowed):
@@ -78,8 +78,10 @@ def leaked(traj: dict, code: str, history: int = 2, tail_chars: int = 30) -> boo
         return False
     if t <= history:   # the note itself is still in the window (or is the current observation)
         return True
-    for s in steps[t - history:t]:
-        text = (s.get("output") or "")[-tail_chars:] if s.get("invalid") else s.get("action")
+    from strata_jax.rollout.prompts import invalid_history_action
+    for s in steps[t - history:t]:   # the history text exactly as the step prompt showed it
+        text = (invalid_history_action(s.get("output") or "", tail_chars) if s.get("invalid")
+                else s.get("action"))
         if names_code(text, code):
             return True
     return False
@@ -362,7 +364,7 @@ def main() -> int:
     ap.add_argument("--eval-episodes", type=int, default=48)
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--algos", nargs="+", default=["strata", "grpo"], choices=tuple(ALGOS))
+    ap.add_argument("--algos", nargs="+", default=["strata", "grpo"], choices=ALGOS)
     ap.add_argument("--tasks", type=int, default=1, help="tasks per iteration")
     ap.add_argument("--n", type=int, default=2, help="strategies per task (GRPO: group N*M)")
     ap.add_argument("--m", type=int, default=4, help="episodes per strategy")

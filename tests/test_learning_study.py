@@ -90,17 +90,20 @@ def test_episode_rows_carrying_and_leaks():
     # a format-invalid output whose 30-character tail names the code
     tail = _traj(None, walk + ["enter 616"], True, invalid=(3,))
     tail["steps"][3]["output"] = "I must not forget: the code 616"
+    # the same words before the last 30 characters: not shown in the prompt, not a leak
+    cut = _traj(None, walk + ["enter 616"], True, invalid=(3,))
+    cut["steps"][3]["output"] = "the code 616, " + "and then I keep walking north a lot"
     guess = _traj("1. walk north\n2. enter the code", walk + ["enter 616"], True)
     short = _traj(None, ["go north", "enter 616"], True)    # the note is still in the window
     fail = _traj("plan", walk + ["enter 1"], False)
     # typed once, early: out of the 2-step window by the keypad
     early = _traj(None, ["go north", "enter 616", "go north", "go north", "enter 616"], True)
-    trajs = [carried, leak, tail, guess, short, fail, early]
+    trajs = [carried, leak, tail, guess, short, fail, early, cut]
     rows = episode_rows(trajs)
-    assert [r["carries"] for r in rows] == [True, False, False, False, False, False, False]
-    assert [r["leaked"] for r in rows] == [False, True, True, False, True, False, False]
-    assert [r["strategy"] for r in rows] == [True, False, False, True, False, True, False]
+    assert [r["carries"] for r in rows] == [True] + [False] * 7
+    assert [r["leaked"] for r in rows] == [False, True, True, False, True, False, False, False]
+    assert [r["strategy"] for r in rows] == [True, False, False, True, False, True, False, False]
     s = summary(rows)
-    assert (s["k"], s["n"], s["leaked_successes"]) == (6, 7, 3)
+    assert (s["k"], s["n"], s["leaked_successes"]) == (7, 8, 3)
     assert s["carries"] == pytest.approx(1 / 3)
-    assert s["invalid_step_frac"] == pytest.approx(1 / sum(len(t["steps"]) for t in trajs))
+    assert s["invalid_step_frac"] == pytest.approx(2 / sum(len(t["steps"]) for t in trajs))
