@@ -292,7 +292,8 @@ class Trainer:
         scored without the old-logprob pass (`Trainer.on_policy`; must plan one mini-batch).
         Returns (state, per-step metric dicts of device scalars, each with host ints
         "computed_tokens" (rows x columns the forward ran over; packed: the packed rows'
-        columns) and "real_tokens" (prompt + response tokens of its real rows)). Does not advance state.step.
+        columns) and "real_tokens" (prompt + response tokens of its real rows)). Does not
+        advance state.step.
         """
         cfg = self.cfg
         m = cfg.micro_batch_size
