@@ -62,5 +62,17 @@ def install_stop_handlers() -> None:
             signal.signal(s, stop_at_once)
 
 
-__all__ = ["EXIT_FINISHED", "EXIT_BUG", "EXIT_REFUSED", "EXIT_PREEMPTED", "EXIT_INTERRUPTED",
+def exception_chain(e: BaseException | None):
+    """`e`, then each exception it was raised from or during (``__cause__``, else
+    ``__context__``), each once. Libraries wrap what ends a run (py4j wraps a Ctrl-C that lands
+    in a simulator call, orbax / tensorstore wrap a full disk's OSError): the entry points
+    recognise it anywhere in this chain."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+__all__ = ["exception_chain", "EXIT_FINISHED", "EXIT_BUG", "EXIT_REFUSED", "EXIT_PREEMPTED", "EXIT_INTERRUPTED",
            "STOP_SIGNALS", "Stopped", "stop_at_once", "install_stop_handlers"]

@@ -32,6 +32,7 @@ from envs_bridge.base import Task
 from strata_jax import experiment as ex
 from strata_jax.models import Qwen2Config, export_params, load_params
 from strata_jax.rollout import make_prompt_builder
+from strata_jax.exits import exception_chain
 from strata_jax.training.config import remat_policy
 from strata_jax.training.sft import (KINDS, ExpertEpisode, SFTConfig, SFTExample, build_examples,
                                      collect_expert_episodes, train_sft)
@@ -51,13 +52,7 @@ def interrupted(e: BaseException) -> bool:
     """Whether `e` is the wrapper of a Ctrl-C: the expert episodes step ScienceWorld from this
     thread, and a KeyboardInterrupt that lands inside a py4j call comes back as py4j's own
     error (a page of chained tracebacks) with the KeyboardInterrupt as its cause or context."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, KeyboardInterrupt):
-            return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return False
+    return any(isinstance(x, KeyboardInterrupt) for x in exception_chain(e))
 
 
 def sft_examples(c: Any, tokenizer: Any, cfg: SFTConfig | None = None

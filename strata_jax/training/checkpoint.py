@@ -54,6 +54,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from strata_jax.exits import exception_chain
 from strata_jax.training.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -183,14 +184,8 @@ def _sync_hosts(name: str) -> None:
 
 def _is_disk_full(e: BaseException) -> bool:
     """ENOSPC anywhere in the exception chain (orbax / tensorstore wrap the OSError)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or \
-                "No space left on device" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    return any(getattr(x, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+               or "No space left on device" in str(x) for x in exception_chain(e))
 
 
 def _encode(tree: Any) -> Any:
