@@ -163,6 +163,8 @@ def _train(c, workdir, compiles, mesh) -> dict:
                 env_failures = pool_metrics(counters, pool.stats())   # crashes, restarts, ...
                 # update (multi-host: the hosts' batches become one global batch first)
                 t_update = time.time()
+                if step < c.log.get("dump_batches", 0):
+                    _dump_batch(c, workdir, step, result.batch)
                 batch = distributed.global_batch(
                     result.batch, mesh, trainer.cfg.score_rows or trainer.cfg.micro_batch_size)
                 state, metrics = trainer.update(state, batch, ref_params)
@@ -214,6 +216,22 @@ def _rollout(c, policy, pool, builder, task_sampler, rollout_cfg, step, judge=No
                                task_uid_start=uid0, judge=judge)
     return rollout(policy, pool, builder, task_sampler.sample, key=key, config=rollout_cfg,
                    judge=judge)
+
+
+def _dump_batch(c, workdir: str, step: int, batch) -> None:
+    """Write iteration `step`'s rollout SampleBatch (this host's rows) for replay
+    (`log.dump_batches`; `strata_jax.algos.load_sample_batch` reads it back)."""
+    import os
+
+    import jax
+
+    from strata_jax.algos import save_sample_batch
+
+    out = os.path.join(workdir, "batches")
+    os.makedirs(out, exist_ok=True)
+    host = f"_host{jax.process_index()}" if jax.process_count() > 1 else ""
+    save_sample_batch(batch, os.path.join(out, f"iter_{step:04d}{host}.npz"), iteration=step,
+                      algo=c.algo, env=c.env.name, model=c.model.path or c.model.preset)
 
 
 def _iteration_metrics(c, result, metrics, env_failures, compiles, *, rollout_s, update_s,

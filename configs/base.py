@@ -229,7 +229,10 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.eval.strategy_samples = 1
     c.eval.strategy_choice = "judge"
     c.eval.probe_steps = 0
-    c.log = ml_collections.ConfigDict(dict(dump_trajectories=8))
+    # dump_batches: the first N iterations' update batches (the SampleBatch with the sampler's
+    # token ids) go to <workdir>/batches/iter_<step>.npz, for replaying a real update
+    # (benchmarks/prefix_tree.py --batches; `strata_jax.algos.load_sample_batch`). 0 = none.
+    c.log = ml_collections.ConfigDict(dict(dump_trajectories=8, dump_batches=0))
     return c
 
 

@@ -71,3 +71,28 @@ def test_pad_batch_left_pads_prompts_right_pads_responses():
     assert float(p.score[1:].sum()) == 0.0 and not p.prompt_mask[1:].any()
     with pytest.raises(ValueError, match="cannot shrink"):
         pad_batch(b, 0)
+
+
+def test_saved_batch_loads_back_field_for_field_with_its_meta(tmp_path):
+    from strata_jax.algos.batch import load_sample_batch, save_sample_batch
+    b = make_sample_batch([_rec(score=0.25, step_reward=0.5),
+                           _rec(prompt_ids=[9], response_ids=[4, 5, 6], trajectory_id=1, kind=1,
+                                strategy_len=3)], row_multiple=4)
+    b = b.replace(old_logprobs=np.full(b.response_ids.shape, -0.5, np.float32))
+    path = str(tmp_path / "iter_0000.npz")
+    save_sample_batch(jax.device_put(b), path, iteration=0, algo="strata")
+    got, meta = load_sample_batch(path)
+    assert meta == {"iteration": 0, "algo": "strata", "version": 1}
+    for f in b.__dataclass_fields__:
+        want = np.asarray(getattr(b, f))
+        np.testing.assert_array_equal(getattr(got, f), want, err_msg=f)
+        assert getattr(got, f).dtype == want.dtype, f
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000.npz"]   # no temp file left
+
+
+def test_loading_a_file_that_is_not_a_batch_says_to_dump_it_again(tmp_path):
+    from strata_jax.algos.batch import load_sample_batch
+    path = str(tmp_path / "other.npz")
+    np.savez(path, prompt_ids=np.zeros((2, 3), np.int32))
+    with pytest.raises(ValueError, match="log.dump_batches"):
+        load_sample_batch(path)

@@ -67,6 +67,7 @@ def reference_run(tmp_path_factory):
     # the cached export, as every later run of the setting does (the in-process training path
     # of `maybe_warm_start` is tested in test_sft.py).
     assert not export_warm_start(c)["cached"]
+    c.log.dump_batches = 1   # log.* may differ from the preempted run's (a resume may change it)
     summary = train.run(c)
     return c, summary
 
@@ -104,6 +105,24 @@ def test_tiny_run_writes_metrics_checkpoints_and_real_observations(reference_run
     obs = first[0]["steps"][0]["observation"]
     assert obs.startswith("This room is called the ") and "You also see:" in obs
     assert os.path.isdir(os.path.join(c.workdir, "ckpt", str(ITERS)))
+
+
+def test_dumped_update_batch_holds_the_ids_of_the_episodes_it_trained(reference_run):
+    from strata_jax.algos import KIND_ACTION, load_sample_batch
+    c, _ = reference_run
+    out = os.path.join(c.workdir, "batches")
+    assert sorted(os.listdir(out)) == ["iter_0000.npz"]   # log.dump_batches=1: iteration 0 only
+    b, meta = load_sample_batch(os.path.join(out, "iter_0000.npz"))
+    assert meta["iteration"] == 0 and meta["algo"] == c.algo and meta["env"] == "scienceworld"
+    first = {(t["task_uid"], t["trajectory_id"]): t
+             for t in read_jsonl(os.path.join(c.workdir, "trajectories.jsonl")) if t["step"] == 1}
+    rows = np.flatnonzero(b.valid & (b.kind == KIND_ACTION))
+    assert len(rows) == sum(len(t["steps"]) for t in first.values())
+    tok = ex.build_tokenizer(c)
+    for r in rows:
+        step = first[(int(b.task_id[r]), int(b.trajectory_id[r]))]["steps"][int(b.step_index[r])]
+        prompt = tok.decode(b.prompt_ids[r][b.prompt_mask[r]].tolist())
+        assert step["observation"][:80] in prompt, (r, step["observation"][:80])
 
 
 def test_tiny_run_starts_from_a_warm_start_whose_actions_reach_scienceworld(reference_run):

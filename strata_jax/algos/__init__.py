@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 # config typo must be reported before jax and flax are imported (seconds on a loaded machine).
 _EXPORTS = {
     "batch": ("ID_FIELDS", "KIND_ACTION", "KIND_STRATEGY", "PAD_ID", "SampleBatch",
-              "make_sample_batch", "pad_batch", "pad_rows"),
+              "make_sample_batch", "pad_batch", "pad_rows", "save_sample_batch",
+              "load_sample_batch"),
     "config": ("EstimatorConfig", "LossConfig"),
     "dapo_filter": ("keep_informative_groups",),
     "estimators": ("ESTIMATORS", "compute_advantages", "get_estimator", "register_estimator",
@@ -35,7 +36,8 @@ def __getattr__(name: str):
 
 if TYPE_CHECKING:   # what static tools see: the eager form of the table above
     from strata_jax.algos.batch import (ID_FIELDS, KIND_ACTION, KIND_STRATEGY, PAD_ID, SampleBatch,
-                                       make_sample_batch, pad_batch, pad_rows)
+                                       load_sample_batch, make_sample_batch, pad_batch,
+                                       pad_rows, save_sample_batch)
     from strata_jax.algos.config import EstimatorConfig, LossConfig
     from strata_jax.algos.dapo_filter import keep_informative_groups
     from strata_jax.algos.estimators import (
@@ -59,7 +61,7 @@ if TYPE_CHECKING:   # what static tools see: the eager form of the table above
 
 __all__ = [
     "ID_FIELDS", "KIND_ACTION", "KIND_STRATEGY", "PAD_ID", "SampleBatch", "make_sample_batch",
-    "pad_batch", "pad_rows",
+    "pad_batch", "pad_rows", "save_sample_batch", "load_sample_batch",
     "EstimatorConfig", "LossConfig", "keep_informative_groups",
     "ESTIMATORS", "compute_advantages", "get_estimator", "register_estimator", "strategy_rewards",
     "aggregate", "kl_penalty", "loss_mask", "loss_normalizers", "policy_loss_per_token",

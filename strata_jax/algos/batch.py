@@ -279,3 +279,45 @@ def pad_rows(batch: SampleBatch, multiple: int) -> SampleBatch:
     `multiple`; the batch itself (numpy or jax leaves) when it already is."""
     extra = (-batch.num_rows) % max(int(multiple), 1)
     return pad_batch(batch, batch.num_rows + extra) if extra else batch
+
+
+BATCH_FILE_VERSION = 1
+"""Layout version of `save_sample_batch` files (bumped when a field changes meaning)."""
+
+
+def save_sample_batch(batch: SampleBatch, path: str, **meta: Any) -> None:
+    """Write `batch` (every field, host values) to `path` as a compressed ``.npz``.
+
+    Why: stored runs otherwise keep only trajectory text, and re-encoding text does not give the
+    sampler's exact ids, so a benchmark or a test that replays a real update needs the batch
+    itself (`load_sample_batch`). `meta`: small JSON-able values stored beside the fields (e.g.
+    the iteration, algo, env), returned by `load_sample_batch`. The file is written to a
+    temporary name and renamed, so a killed run never leaves a half-written batch.
+    """
+    import json
+    import os
+    arrays = {f.name: np.asarray(jax.device_get(getattr(batch, f.name)))
+              for f in dataclasses.fields(batch)}
+    arrays["__meta__"] = np.frombuffer(json.dumps(
+        dict(meta, version=BATCH_FILE_VERSION), default=str).encode(), np.uint8)
+    tmp = f"{path}.tmp{os.getpid()}.npz"
+    np.savez_compressed(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def load_sample_batch(path: str) -> tuple[SampleBatch, dict[str, Any]]:
+    """(SampleBatch with numpy leaves, meta dict) from a `save_sample_batch` file.
+
+    Raises ValueError when the file is not such a batch (a missing field or another layout
+    version): say which, so the user re-dumps it with this code (``log.dump_batches``)."""
+    import json
+    with np.load(path) as z:
+        names = set(z.files)
+        meta = json.loads(bytes(z["__meta__"]).decode()) if "__meta__" in names else {}
+        want = [f.name for f in dataclasses.fields(SampleBatch)]
+        missing = [n for n in want if n not in names]
+        if missing or meta.get("version") != BATCH_FILE_VERSION:
+            raise ValueError(f"{path} is not a SampleBatch file of layout version "
+                             f"{BATCH_FILE_VERSION} (missing {missing}, version "
+                             f"{meta.get('version')}); dump it again with log.dump_batches")
+        return SampleBatch(**{n: z[n] for n in want}), meta
