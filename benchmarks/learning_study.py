@@ -132,7 +132,11 @@ def variant(args, algo: str, workdir: str, extra: tuple[str, ...] = ()) -> str:
             f"env.code_digits={args.digits}", "env.code_attempts=1",
             f"env.max_steps={args.max_steps}", "rollout.format_examples=true",
             "rollout.max_action_tokens=96", "rollout.max_strategy_tokens=128",
-            "rollout.max_judge_tokens=32", "env.max_prompt_tokens=1536", "env.num_workers=16",
+            "rollout.max_judge_tokens=32", "env.max_prompt_tokens=1536",
+            # every eval episode live at once: memory_key steps are instant, and one decode
+            # call of 48 rows reads the weights once per token where three waves of 16 read
+            # them three times
+            f"env.num_workers={max(16, args.eval_episodes)}",
             f"model.dtype={args.dtype}", f"rollout.sampler_dtype={args.dtype}",
             f"train.compute_dtype={args.dtype}", "eval.temperature=0.4",
             "log.dump_trajectories=1000"]
@@ -157,6 +161,8 @@ def train_extra(args, algo: str, seed: int) -> tuple[str, ...]:
            f"rollout.tasks_per_batch={args.tasks}", f"rollout.num_strategies={n}",
            f"rollout.episodes_per_strategy={m}", f"rollout.oversample={args.sigma}",
            "ckpt.every=1", "ckpt.keep=2", "eval.every=0", f"model.remat={args.remat}",
+           # the first iterations' update batches, replayed by benchmarks/prefix_tree.py
+           "log.dump_batches=2",
            f"optim.micro_batch_size={args.micro}",
            # --updates-per-iteration optimizer steps over one iteration's rows (about: the row
            # count is known only after the rollout): more updates, no more rollouts
