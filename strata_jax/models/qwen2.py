@@ -570,8 +570,8 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
       query_chunk: static; attention runs over blocks of this many queries when T is longer,
         each block over the keys up to its causal end (bounds the fp32 score memory of long
         prefills / training sequences and skips the masked half of the scores; same result).
-        The default (`QUERY_CHUNK`) is the block size benchmarks/layer_step.py found fastest on CPU for the
-        0.5B shape.
+        The default (`QUERY_CHUNK`) is the block size benchmarks/layer_step.py found fastest
+        on CPU for the 0.5B shape.
       remat: static; "none" | "full" | "dots" (`REMAT_POLICIES`): each decoder layer is
         rematerialised with that policy and recomputed only when its output cotangent exists
         (`_remat_layer`), so a backward pass holds one layer's activations plus the layer
