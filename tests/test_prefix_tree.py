@@ -187,6 +187,103 @@ def test_random_batches_keep_every_rows_context():
         assert lay.num_packed_tokens <= lay.num_row_tokens
 
 
+def open_keys_by_rule(lay, block):
+    """The index's sets from the dense rule: key k < j * block that some query of block j sees."""
+    vis = lay.visible()
+    out = []
+    for p in range(lay.tokens.shape[0]):
+        row = []
+        for j0 in range(0, lay.width, block):
+            seen = vis[p, j0:j0 + block, :j0].any(0)
+            row.append(np.flatnonzero(seen).tolist())
+        out.append(row)
+    return out
+
+
+def test_block_key_index_exact_sets():
+    # root [5, 6, 7] (slots 0-2, subtree to 11), children [10, 11, 12] (3-5), [20, 21, 22]
+    # (6-8), [30, 31] (9-10), padding from 11
+    s = [5, 6, 7]
+    rows = [(s + [10], [11, 12]), (s + [20, 21], [22]), (s + [30], [31])]
+    lay = pack_rows(*make_rows(rows), max_width=64)
+    assert lay.width == 16
+    ix = lay.key_index(4)
+    # block 1 starts at 4 inside the first child (3 open); block 2 at 8 inside the second
+    # (6, 7 open; the first child closed); block 3 at 12 is padding: nothing open
+    assert ix.shape == (1, 4, 8)
+    np.testing.assert_array_equal(ix[0], [[-1] * 8,
+                                          [0, 1, 2, 3, -1, -1, -1, -1],
+                                          [0, 1, 2, 6, 7, -1, -1, -1],
+                                          [-1] * 8])
+    ix = lay.key_index(3)
+    # blocks of 3 start on the children's boundaries (3, 6, 9): only the root is open, A = 3;
+    # at 12 and 15 the root's subtree (to 11) is closed
+    assert ix.shape == (1, 6, 3)
+    np.testing.assert_array_equal(ix[0], [[-1] * 3, [0, 1, 2], [0, 1, 2], [0, 1, 2],
+                                          [-1] * 3, [-1] * 3])
+    # one block over the row: nothing before it, A = 0
+    assert lay.key_index(16).shape == (1, 1, 0)
+    with pytest.raises(ValueError, match="block >= 1"):
+        lay.key_index(0)
+
+
+def test_block_key_index_matches_the_rule_on_random_trees():
+    rng = np.random.default_rng(5)
+    for trial in range(20):
+        inst = rng.integers(1, 50, rng.integers(0, 9)).tolist()
+        rows = []
+        for _ in range(rng.integers(1, 12)):
+            task = rng.integers(1, 4, rng.integers(0, 5)).tolist()
+            own = rng.integers(1, 4, rng.integers(0 if inst or task else 1, 6)).tolist()
+            rows.append((inst + task + own, rng.integers(1, 4, rng.integers(0, 4)).tolist()))
+        longest = max(len(p) + len(r) for p, r in rows)
+        lay = pack_rows(*make_rows(rows), max_width=max(longest, int(rng.integers(8, 60))))
+        for block in (1, 3, 8):
+            ix = lay.key_index(block)
+            assert ix.shape[2] % block == 0
+            want = open_keys_by_rule(lay, block)
+            for p in range(ix.shape[0]):
+                for j in range(ix.shape[1]):
+                    got = ix[p, j]
+                    assert (got[got >= 0].tolist()) == want[p][j]
+                    assert (got[len(want[p][j]):] == -1).all()
+            # A is the largest set rounded up to the block: no larger
+            most = max(len(x) for r in want for x in r)
+            assert ix.shape[2] == -(-most // block) * block
+
+
+def test_key_index_buckets_stay_few_over_random_batches():
+    """A takes multiples of the block up to the longest row: over many StraTA-shaped random
+    batches (rows of at most 200 tokens) the packed micro-batches see at most
+    ceil(200 / 32) + 1 values of A with block 32."""
+    from strata_jax.training.prefix_tree import block_key_index, packed_micro_batches
+    rng = np.random.default_rng(7)
+    seen = set()
+    for trial in range(30):
+        inst = rng.integers(1, 90, rng.integers(10, 60)).tolist()
+        rows = []
+        for _ in range(rng.integers(2, 4)):
+            goal = rng.integers(1, 90, rng.integers(5, 40)).tolist()
+            for _ in range(rng.integers(1, 3)):
+                strat = rng.integers(1, 90, rng.integers(5, 30)).tolist()
+                for _ in range(rng.integers(1, 4)):
+                    step = rng.integers(1, 90, rng.integers(5, 80)).tolist()
+                    resp = rng.integers(1, 90, rng.integers(1, 30)).tolist()
+                    rows.append((inst + goal + strat + step, resp))
+        pi, pm, ri, rm = make_rows(rows)
+        n = len(rows)
+        micro = packed_micro_batches(pi, pm, ri, rm, np.arange(n), np.ones(n, bool),
+                                     max_width=4 * (pi.shape[1] + ri.shape[1]), block=32)
+        for mb in micro:
+            assert mb.block == 32
+            np.testing.assert_array_equal(mb.key_index,
+                                          block_key_index(mb.mask, mb.key_end, 32))
+            assert mb.key_index.shape[:2] == (1, -(-mb.width // 32))
+            seen.add(mb.key_index.shape[2])
+    print("A values:", sorted(seen))
+    assert all(a % 32 == 0 for a in seen) and len(seen) <= -(-200 // 32) + 1
+
+
 # ----------------------------------------------------------------------------- packed forward
 # The packed forward against the per-row forward (`scoring.response_states`) on a tiny random
 # model. fp32 tolerances: the two paths run the same operations on the same values, but the
@@ -233,16 +330,22 @@ def perturbed_params(key):
                                                                  x.shape), p)
 
 
-def both_paths(max_width, query_chunk=128, lora=False, remat="none", dtype="float32"):
+def both_paths(max_width, query_chunk=128, lora=False, remat="none", dtype="float32",
+               sparse=False):
     """(loss fn of params for the per-row path, same for the packed path, params, base,
     response mask); loss = sum of response logprobs + entropies/10 + values/10 (every output
-    the update reads), aux = (lp, ent, values)."""
+    the update reads), aux = (lp, ent, values). sparse: the packed path carries the layout's
+    block key index (block-sparse attention), else the dense tree rule."""
     rows = tree_rows()
     pi, pm, ri, rm = (jnp.asarray(x) for x in make_rows(rows))
     lay = pack_rows(*make_rows(rows), max_width=max_width)
     packed = PackedInputs(*(jnp.asarray(x) for x in (lay.tokens, lay.positions, lay.mask,
                                                      lay.key_end, lay.score_index(),
                                                      lay.last_index())))
+    if sparse:
+        packed = PackedInputs(*(jnp.asarray(x) for x in (
+            lay.tokens, lay.positions, lay.mask, lay.key_end, lay.score_index(),
+            lay.last_index(), lay.key_index(query_chunk))), block=query_chunk)
     key = jax.random.key(3)
     base = perturbed_params(key)
     head = init_value_head(jax.random.key(4), CFG.hidden_size, 1.0)
@@ -305,6 +408,73 @@ def test_packed_forward_equals_per_row(max_width, chunk, lora, remat):
         worst = max(worst, np.abs(a - b).max() / scale)
         assert np.abs(a - b).max() <= 1e-4 * scale + 1e-7, (np.abs(a - b).max(), scale)
     print("max relative gradient diff:", worst)
+
+
+def _grad_rel_diff(g_a, g_b):
+    """Largest |a - b| / max|b| over the gradient leaves (each leaf has a nonzero scale)."""
+    la, lb = jax.tree.leaves(g_a), jax.tree.leaves(g_b)
+    assert len(la) == len(lb) and len(la) > 0
+    worst = 0.0
+    for a, b in zip(la, lb):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(b).max() > 0
+        worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
+    return worst
+
+
+@pytest.mark.parametrize("max_width, chunk, lora, remat", [
+    (128, 8, False, "none"),       # one packed row; 7 of its 12 blocks gather their keys
+    (40, 4, False, "none"),        # a tree split across 3 packed rows, segments across blocks
+    (64, 8, True, "full"),         # split in 2, LoRA over a frozen base, per-layer remat
+])
+def test_block_sparse_forward_equals_dense_rule_and_per_row(max_width, chunk, lora, remat):
+    """The block-sparse attention (key index) against the dense tree rule (no index) and the
+    per-row forward: the same keys are visible, the left-out ones had probability exactly 0,
+    so only summation order differs. Against per-row: the dense rule's tolerances above
+    (logprobs / entropies / values 1e-5 absolute, loss 1e-6 relative, every gradient leaf 1e-4
+    of its scale). Against the dense rule, the same matmul shapes outside the attention:
+    2e-6 absolute and 1e-5 of each gradient leaf's scale (a few fp32 ulps of log V)."""
+    per_row, sparse, params, rm, lay = both_paths(max_width, chunk, lora=lora, remat=remat,
+                                                  sparse=True)
+    _, dense, _, _, _ = both_paths(max_width, chunk, lora=lora, remat=remat)
+    a = lay.key_index(chunk).shape[2]
+    assert sum(1 for i in range(0, lay.width, chunk) if a < i) > 0   # the gather path runs
+    if max_width < 128:
+        assert lay.tokens.shape[0] > 1
+    res = {}
+    for name, fn in (("per_row", per_row), ("dense", dense), ("sparse", sparse)):
+        (loss, aux), g = jax.jit(jax.value_and_grad(fn, has_aux=True))(params)
+        res[name] = (float(loss), [np.asarray(x) for x in aux], g)
+    m = rm.astype(bool)
+    for ref, atol, gtol in (("dense", 2e-6, 1e-5), ("per_row", 1e-5, 1e-4)):
+        (l1, (lp1, ent1, v1), g1), (l2, (lp2, ent2, v2), g2) = res[ref], res["sparse"]
+        print(f"sparse vs {ref}: max |diff| lp {np.abs(lp2 - lp1).max():.2e} ent "
+              f"{np.abs(ent2 - ent1).max():.2e} v {np.abs(v2 - v1).max():.2e}, relative "
+              f"gradient {_grad_rel_diff(g2, g1):.2e}")
+        np.testing.assert_allclose(lp2[m], lp1[m], atol=atol, rtol=0)
+        np.testing.assert_allclose(ent2[m], ent1[m], atol=atol, rtol=0)
+        np.testing.assert_allclose(v2, v1, atol=atol, rtol=0)
+        np.testing.assert_array_equal(lp2[~m], 0.0)
+        np.testing.assert_allclose(l2, l1, rtol=1e-6)
+        assert _grad_rel_diff(g2, g1) <= gtol
+    assert np.abs(res["per_row"][1][0][m]).min() > 0   # real logprobs on every response token
+
+
+def test_block_sparse_block_mismatch_raises():
+    _, sparse, params, _, _ = both_paths(40, 4, sparse=True)
+    rows = tree_rows()
+    lay = pack_rows(*make_rows(rows), max_width=40)
+    packed = PackedInputs(*(jnp.asarray(x) for x in (
+        lay.tokens, lay.positions, lay.mask, lay.key_end, lay.score_index(), lay.last_index(),
+        lay.key_index(4))), block=4)
+    with pytest.raises(ValueError, match="built for query blocks of 4"):
+        packed_response_states(params, CFG, packed, query_chunk=8)
+    # an index whose block count does not fit the width
+    bad = PackedInputs(*(jnp.asarray(x) for x in (
+        lay.tokens, lay.positions, lay.mask, lay.key_end, lay.score_index(), lay.last_index(),
+        lay.key_index(4)[:, :3])), block=4)
+    with pytest.raises(ValueError, match="must be \\[B, nblocks, A\\]"):
+        packed_response_states(params, CFG, bad)
 
 
 def test_packed_micro_batches_partition_the_rows():

@@ -113,6 +113,44 @@ def test_packed_update_equals_per_row_update(params, algo, epochs, lora, mini):
     assert counter.count == before
 
 
+def test_packed_update_block_sparse_equals_per_row_update(params, monkeypatch):
+    """The update with the block-sparse attention actually gathering keys: the trainer's packed
+    micro-batches built for query blocks of 8 (the forward then runs query_chunk 8, the block
+    each index carries), so blocks past the ancestor chain score only their visible keys; the
+    params and metrics equal the per-row update's (the tolerances above)."""
+    import functools
+
+    import strata_jax.training.trainer as trainer_mod
+    from strata_jax.training.prefix_tree import packed_micro_batches
+    made = []
+
+    def small_blocks(*a, **kw):
+        out = packed_micro_batches(*a, block=8, **kw)
+        made.extend(out)
+        return out
+    monkeypatch.setattr(trainer_mod, "packed_micro_batches", functools.wraps(
+        packed_micro_batches)(small_blocks))
+    batch = make_batch(shared_records(seed=3))
+    cfg = train_config("grpo", dropout=0.0, mini_batch_size=4, micro_batch_size=4)
+    packed = Trainer(TINY, dataclasses.replace(cfg, pack_prefixes=True))
+    rows = Trainer(TINY, cfg)
+    state = _moved(rows, params, jax.random.PRNGKey(4))
+    a, ma = packed.update(jax.tree.map(jnp.copy, state), batch, params)
+    b, mb = rows.update(jax.tree.map(jnp.copy, state), batch, params)
+    # some block of some micro-batch has fewer indexed keys than its causal slice: gathered
+    assert made and all(mb_.block == 8 for mb_ in made)
+    assert any(mb_.key_index.shape[2] < i for mb_ in made for i in range(0, mb_.width, 8))
+    flat_a = jax.tree_util.tree_flatten_with_path(tree_to_numpy(a))[0]
+    for (path, x), y in zip(flat_a, jax.tree.leaves(tree_to_numpy(b))):
+        noise = "k_bias" in jax.tree_util.keystr(path)
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=0.1 * cfg.lr if noise else 1e-5,
+                                   err_msg=jax.tree_util.keystr(path))
+    for k in ma:
+        if k != "perf/update_token_fill":
+            np.testing.assert_allclose(ma[k], mb[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    assert mb["train/grad_norm"] > 0
+
+
 def test_packed_update_on_a_mesh_equals_single_device(params):
     """The packed update on 8 fake devices (data 2 x fsdp 2 x tensor 2; a packed row is
     replicated over the data axis) gives the single-device packed update."""

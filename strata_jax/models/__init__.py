@@ -7,13 +7,13 @@ qwen2.py (params layout, `KVCache`, `forward`) and heads.py (`token_logprobs_and
 from strata_jax.models.config import PRESETS, Qwen2Config
 from strata_jax.models.heads import logits_from_hidden, token_logprobs_and_entropy
 from strata_jax.models.loading import export_params, load_checkpoint, load_params
-from strata_jax.models.qwen2 import (KVCache, forward, init_cache, init_params,
+from strata_jax.models.qwen2 import (QUERY_CHUNK, KVCache, forward, init_cache, init_params,
                                      param_logical_axes, param_shardings, shard_params)
 from strata_jax.models.tokenizer import (QWEN25_CHAT_TEMPLATE, load_tokenizer,
                                          stop_token_ids)
 
 __all__ = [
-    "PRESETS", "Qwen2Config", "KVCache", "forward", "init_cache", "init_params",
+    "PRESETS", "Qwen2Config", "QUERY_CHUNK", "KVCache", "forward", "init_cache", "init_params",
     "param_logical_axes", "param_shardings", "shard_params", "logits_from_hidden",
     "token_logprobs_and_entropy", "load_params",
     "load_checkpoint", "export_params", "load_tokenizer", "stop_token_ids",

@@ -258,21 +258,37 @@ def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array,
     return jnp.einsum("bkgts,bskh->bkgth", probs, v.astype(q.dtype))
 
 
+# Queries per attention block (`forward`'s query_chunk default, and the block a packed layout's
+# host key index is built for, training/prefix_tree.py): the two must agree, so both read this.
+QUERY_CHUNK = 128
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TreeMask:
     """The prefix-tree attention rule of a packed layout (training/prefix_tree.py), kept as
-    two per-key vectors instead of a [B, T, S] mask.
+    two per-key vectors instead of a [B, T, S] mask, optionally with a per-block key index.
 
     Attributes: valid [B, S] bool (real key), end [B, S] int32 (exclusive end slot of the
     key's segment subtree in pre-order). Key slot k is visible to query slot q iff
     valid[k] and k <= q < end[k]: a query sees its own segment causally and every token of
-    its ancestor segments. `_attention` builds the [B, query_chunk, S] block of the rule
-    inside each (rematerialised) query block, so no [B, T, S] array exists.
+    its ancestor segments. `_attention` builds the block of the rule inside each
+    (rematerialised) query block, so no [B, T, S] array exists.
+
+    index: optional [B, nblocks, A] int32 (`prefix_tree.block_key_index`): for query block j
+    (slots [j * block, (j + 1) * block)), the key slots before the block that its queries may
+    see, i.e. {k < j * block : valid[k] and end[k] > j * block} (the segments still open at
+    the block's start: its ancestor chain), ascending, -1 padding. With it a block attends
+    to those A keys plus its own slots instead of every key up to its end, the same values
+    (every other key's probability is exactly 0 under the rule). block: static, the query
+    block the index was built for; `_attention` raises ValueError unless it equals its
+    query_chunk (another block size would read another block's ancestors).
     """
 
     valid: jax.Array
     end: jax.Array
+    index: jax.Array | None = None
+    block: int = dataclasses.field(metadata=dict(static=True), default=0)
 
 
 def _block_mask(allowed: jax.Array | TreeMask, q0: int, q1: int, s: int) -> jax.Array:
@@ -294,6 +310,34 @@ def _mask_block_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     return _attention_block(q, k, v, _block_mask(allowed, q0, q0 + q.shape[3], k.shape[1]))
 
 
+def _sparse_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, tree: TreeMask,
+                            q0: int) -> jax.Array:
+    """`_attention_block` of the queries q [B,K,G,C,Dh] in slots q0..q0+C-1 over only the keys
+    they can see under the tree rule: the A keys of ``tree.index[:, q0 // block]`` (gathered
+    from k, v [B,S,K,Dh]) and the block's own C slots. Scores are [.., C, A + C] instead of
+    [.., C, q0 + C]. The gather runs here, inside the caller's checkpoint, so the backward pass
+    keeps only k, v and the O(S) rule (memory as the dense rule's); its gradient is autodiff's
+    scatter-add of the gathered keys' cotangents. Same values as the dense rule: the same
+    visible keys, whose scores and softmax are computed the same way; the keys left out
+    would get probability exactly 0 (a padding query sees no key either way and gets a
+    uniform, finite, never read distribution)."""
+    c = q.shape[3]
+    idx = tree.index[:, q0 // tree.block]                      # [B, A]
+    rows = jnp.arange(idx.shape[0])[:, None]
+    safe = jnp.maximum(idx, 0)                                 # -1 padding: slot 0, masked
+    own = jnp.arange(q0, q0 + c)
+    slot = jnp.concatenate([safe, jnp.broadcast_to(own, (idx.shape[0], c))], axis=1)
+    valid = jnp.concatenate([tree.valid[rows, safe] & (idx >= 0), tree.valid[:, q0:q0 + c]],
+                            axis=1)
+    end = jnp.concatenate([tree.end[rows, safe], tree.end[:, q0:q0 + c]], axis=1)
+    kk = jnp.concatenate([k[rows, safe], k[:, q0:q0 + c]], axis=1)
+    vv = jnp.concatenate([v[rows, safe], v[:, q0:q0 + c]], axis=1)
+    q_slot = own[None, :, None]
+    allowed = (valid[:, None, :] & (slot[:, None, :] <= q_slot)
+               & (q_slot < end[:, None, :]))
+    return _attention_block(q, kk, vv, allowed)
+
+
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array | TreeMask,
                num_kv_heads: int, query_chunk: int, first_slot: int | None = None) -> jax.Array:
     """Grouped-query attention. q [B,T,H,Dh]; k, v [B,S,K,Dh]; allowed [B,T,S] bool, or a
@@ -312,6 +356,13 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array | Tr
     slot, gets a uniform distribution over fewer keys, still finite and never read). Skipping
     the causal half roughly halves attention's forward + backward against blocks over every key
     (benchmarks/layer_step.py times it beside torch's fused attention).
+
+    A `TreeMask` with an index (block-sparse tree attention) goes further: block j scores only
+    its A indexed earlier keys and its own slots (`_sparse_block_attention`) whenever
+    A < j * query_chunk, so a packed row's attention grows as T x (A + query_chunk) instead of
+    T^2 / 2 (the keys of unrelated subtrees are never scored); earlier blocks keep the causal
+    slice, which is then no larger. Raises ValueError when the index's block is not
+    query_chunk or its shape is not [B, ceil(T / query_chunk), A].
     Source: HF transformers Qwen2 attention (repeat_kv + eager softmax attention), same values.
     """
     b, t, h, dh = q.shape
@@ -322,20 +373,37 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array | Tr
         """Key slots a block of queries [.., end) may see: up to its causal end, else all."""
         return k.shape[1] if first_slot is None else min(k.shape[1], first_slot + end)
 
-    if isinstance(allowed, TreeMask) and first_slot != 0:
+    tree = allowed if isinstance(allowed, TreeMask) else None
+    if tree is not None and first_slot != 0:
         raise ValueError("a TreeMask is the rule of a packed forward without a cache")
+    n_anc = 0
+    if tree is not None and tree.index is not None:
+        nblocks = -(-t // query_chunk)
+        if tree.block != query_chunk:
+            raise ValueError(f"the tree key index was built for query blocks of {tree.block} "
+                             f"slots but attention runs blocks of query_chunk={query_chunk}; "
+                             "build it with block=query_chunk")
+        if tree.index.shape[:2] != (b, nblocks):
+            raise ValueError(f"tree key index must be [B, nblocks, A] = [{b}, {nblocks}, A] for "
+                             f"T={t}, query_chunk={query_chunk}; got {tree.index.shape}")
+        n_anc = tree.index.shape[2]
     if t <= query_chunk:
         s = keys(t)
         out = _mask_block_attention(q, k[:, :s], v[:, :s], allowed, 0)
     else:
         block = jax.checkpoint(_mask_block_attention, static_argnums=(4,))
+        sparse = jax.checkpoint(_sparse_block_attention, static_argnums=(4,))
         outs = []
         for i in range(0, t, query_chunk):
             e = min(t, i + query_chunk)
             s = keys(e)
-            part = allowed if isinstance(allowed, TreeMask) else allowed[:, i:e, :s]
+            if tree is not None and tree.index is not None and n_anc < i:
+                # fewer keys than the causal slice's i earlier slots: gather them
+                outs.append(sparse(q[:, :, :, i:e], k, v, tree, i))
+                continue
+            part = allowed if tree is not None else allowed[:, i:e, :s]
             outs.append(block(q[:, :, :, i:e], k[:, :s], v[:, :s], part,
-                              i if isinstance(allowed, TreeMask) else 0))
+                              i if tree is not None else 0))
         out = jnp.concatenate(outs, axis=3)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * dh)
 
@@ -481,9 +549,10 @@ def _remat_layers(x: jax.Array, layers: list[Params], cos: jax.Array, sin: jax.A
 def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: jax.Array,
             mask: jax.Array, cache: KVCache | None = None,
             cache_index: jax.Array | int = 0,
-            query_chunk: int = 128, remat: str = "none",
+            query_chunk: int = QUERY_CHUNK, remat: str = "none",
             scan_layers: bool = False,
-            key_end: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+            key_end: jax.Array | None = None, key_index: jax.Array | None = None,
+            key_block: int | None = None) -> tuple[jax.Array, KVCache | None]:
     """Run the decoder and return final hidden states (after the final RMSNorm).
 
     Args:
@@ -501,8 +570,8 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
       query_chunk: static; attention runs over blocks of this many queries when T is longer,
         each block over the keys up to its causal end (bounds the fp32 score memory of long
         prefills / training sequences and skips the masked half of the scores; same result).
-        The default 128 is the block size benchmarks/layer_step.py found fastest on CPU for the
-        0.5B shape.
+        The default (`QUERY_CHUNK`) is the block size benchmarks/layer_step.py found fastest
+        on CPU for the 0.5B shape.
       remat: static; "none" | "full" | "dots" (`REMAT_POLICIES`): each decoder layer is
         rematerialised with that policy and recomputed only when its output cotangent exists
         (`_remat_layer`), so a backward pass holds one layer's activations plus the layer
@@ -518,11 +587,17 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
         of its ancestor segments (`TreeMask`, built per query block: memory as the plain causal
         forward's). positions must then be the layout's (a segment's continue its parent's),
         and every hidden state equals the per-row forward's. Only without a cache.
+      key_index: optional [B, ceil(T / query_chunk), A] int32 with key_end, the layout's
+        per-query-block visible earlier keys (`TreeMask.index`,
+        `prefix_tree.block_key_index`): each block then scores only those A keys and its own
+        slots (same values; attention work ~T x (A + query_chunk) instead of ~T^2 / 2).
+        key_block: the block size the index was built for; must equal query_chunk.
     Returns:
       hidden [B, T, D] in the param dtype; the updated cache (None without one).
     Raises:
       ValueError: shape mismatches, a static cache_index with cache_index + T > S, an
-        unknown remat name, or key_end with a cache.
+        unknown remat name, key_end with a cache, key_index without key_end, or a
+        key_block other than query_chunk (`_attention`).
     """
     if remat != "none" and remat not in REMAT_POLICIES:
         raise ValueError(f"remat must be 'none', 'full' or 'dots', got {remat!r}")
@@ -558,8 +633,12 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
         q_slot = cache_index + jnp.arange(t)
         key_slot = jnp.arange(s)
         cache_k, cache_v = cache.k, cache.v
+    if key_index is not None and key_end is None:
+        raise ValueError("key_index needs key_end (it indexes the tree rule's keys)")
     if key_end is not None:
-        allowed = TreeMask(valid=mask, end=key_end.astype(jnp.int32))
+        allowed = TreeMask(valid=mask, end=key_end.astype(jnp.int32),
+                           index=None if key_index is None else key_index.astype(jnp.int32),
+                           block=0 if key_block is None else int(key_block))
     else:
         allowed = key_valid[:, None, :] & (key_slot[None, :] <= q_slot[:, None])[None]
 

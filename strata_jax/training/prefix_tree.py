@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from strata_jax.algos.batch import bucket_size
+from strata_jax.models.qwen2 import QUERY_CHUNK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +90,53 @@ class PackedLayout:
         `scoring.response_states` reads the value head's state."""
         return _last_real(self.token_index)
 
+    def key_index(self, block: int = QUERY_CHUNK) -> np.ndarray:
+        """[P, ceil(W / block), A] int32 `block_key_index` of the packed rows."""
+        return block_key_index(self.mask, self.key_end, block)
+
     def visible(self) -> np.ndarray:
         """[P, W, W] bool dense attention rule (query, key): for tests and small inspections
         only; the model builds it per query block from `key_end`."""
         col = np.arange(self.width)
         q, k = col[:, None], col[None, :]
         return (k <= q)[None] & (q[None] < self.key_end[:, None, :]) & self.mask[:, None, :]
+
+
+def block_key_index(mask: np.ndarray, key_end: np.ndarray, block: int) -> np.ndarray:
+    """Per query block of a packed layout, the earlier key slots its queries may see: the
+    block-sparse form of the tree rule (`qwen2.TreeMask.index`).
+
+    Args: mask [P, W] bool (real slots), key_end [P, W] int (the layout's `key_end`), block:
+    the forward's query_chunk (queries per attention block; the forward raises ValueError on
+    another).
+    Returns: [P, ceil(W / block), A] int32. Entry [p, j] lists, ascending, the slots
+    {k < j * block : mask[p, k] and key_end[p, k] > j * block}, i.e. the keys of the segments
+    still open at the block's start (its ancestor chain, plus the earlier part of a segment
+    the block starts inside); -1 pads. Under the rule (k visible to q iff k <= q <
+    key_end[k]) a query of block j sees no other key before the block, so the block attends
+    to these and its own slots only. A is the largest such set over the rows and blocks,
+    rounded up to a multiple of block (0 when none): A is a static shape (one compiled program
+    per value), and the multiple bounds the values to ceil(L / block) + 1 for rows of at most
+    L tokens (a chain is at most one row's tokens) while wasting fewer key columns per block
+    than the block's own; the forward keeps the causal slice for the blocks j with
+    j * block <= A, where that is no larger.
+    Raises: ValueError when block < 1 or the shapes differ.
+    """
+    mask, key_end = np.asarray(mask, bool), np.asarray(key_end)
+    if block < 1 or mask.ndim != 2 or key_end.shape != mask.shape:
+        raise ValueError(f"need block >= 1 and mask, key_end [P, W]; got block {block}, "
+                         f"{mask.shape}, {key_end.shape}")
+    p, w = mask.shape
+    starts = np.arange(0, w, block)                            # [nb]
+    col = np.arange(w)
+    open_ = (mask[:, None, :] & (col[None, None, :] < starts[None, :, None])
+             & (key_end[:, None, :] > starts[None, :, None]))  # [P, nb, W]
+    count = open_.sum(-1)
+    a = -(-int(count.max(initial=0)) // block) * block
+    # stable sort puts the open slots first, ascending; the rest become -1
+    order = np.argsort(~open_, axis=-1, kind="stable")[..., :a]
+    keep = np.arange(a)[None, None, :] < count[..., None]
+    return np.where(keep, order, -1).astype(np.int32)
 
 
 def _last_real(ti: np.ndarray) -> np.ndarray:
@@ -313,6 +355,9 @@ class PackedMicroBatch:
       score_index: [m, wr] int32 column of the state that scores response column j of row i
         (0 for padding entries and columns).
       last_index: [m] int32 column of row i's last real token (0 for padding entries).
+      key_index: [1, ceil(w / block), A] int32 `block_key_index` of the packed row (the
+        block-sparse attention's keys per query block).
+      block: the query block the index was built for (the forward's query_chunk).
     """
 
     idx: np.ndarray
@@ -324,6 +369,8 @@ class PackedMicroBatch:
     key_end: np.ndarray
     score_index: np.ndarray
     last_index: np.ndarray
+    key_index: np.ndarray
+    block: int
 
     @property
     def width(self) -> int:
@@ -332,14 +379,15 @@ class PackedMicroBatch:
 
 
 def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, idx, real, *,
-                         max_width: int) -> list[PackedMicroBatch]:
+                         max_width: int, block: int = QUERY_CHUNK) -> list[PackedMicroBatch]:
     """The rows idx[real] of a batch as packed micro-batches: `pack_rows` of those rows with
     packed rows of at most max_width tokens, each packed row one micro-batch holding the rows
     whose tokens it carries (every row lives in exactly one packed row).
 
     Args: the batch's prompt_ids / prompt_mask [R, Tp], response_ids / response_mask [R, Tr]
     (numpy, `pack_rows`' contract); idx [n] int, real [n] bool (a `minibatch_plan` entry, or
-    every row with real = valid); max_width: the token budget of one micro-batch.
+    every row with real = valid); max_width: the token budget of one micro-batch; block: the
+    query_chunk the forward will run (each micro-batch's `block_key_index` is built for it).
     Returns: [`PackedMicroBatch`] in packed-row order; static shapes are bucketed
     (`bucket_size`: the row count m two sizes per octave; the width w and response columns wr
     two per octave, multiples of 8, capped at max_width / Tr), so few programs compile. Real
@@ -375,8 +423,12 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         out.append(PackedMicroBatch(idx=mb_idx, real=mb_real, response_width=int(wr),
                                     tokens=cut(lay.tokens), positions=cut(lay.positions),
                                     mask=cut(lay.mask), key_end=cut(lay.key_end),
-                                    score_index=score, last_index=last))
+                                    score_index=score, last_index=last,
+                                    key_index=block_key_index(cut(lay.mask), cut(lay.key_end),
+                                                              block),
+                                    block=int(block)))
     return out
 
 
-__all__ = ["PackedLayout", "pack_rows", "PackedMicroBatch", "packed_micro_batches"]
+__all__ = ["PackedLayout", "pack_rows", "PackedMicroBatch", "packed_micro_batches",
+           "block_key_index"]

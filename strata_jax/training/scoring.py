@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from strata_jax.models import Qwen2Config, forward, token_logprobs_and_entropy
+from strata_jax.models import QUERY_CHUNK, Qwen2Config, forward, token_logprobs_and_entropy
 
 Params = dict[str, Any]
 
@@ -79,7 +79,10 @@ class PackedInputs:
     Attributes: tokens, positions [P, W] int32, mask [P, W] bool, key_end [P, W] int32 (the
     packed rows and their attention rule, `qwen2.forward`); score_index [m, Tr] int32 (flat
     packed index p * W + c of the state that scores response column j of micro-batch row i);
-    last_index [m] int32 (flat packed index of row i's last real token).
+    last_index [m] int32 (flat packed index of row i's last real token); key_index
+    optional [P, ceil(W / block), A] int32 (`prefix_tree.block_key_index`: each query block's
+    visible earlier keys, for the block-sparse attention; None: the dense tree rule); block
+    (static) the query block it was built for, the forward's query_chunk.
     """
 
     tokens: jax.Array
@@ -88,30 +91,39 @@ class PackedInputs:
     key_end: jax.Array
     score_index: jax.Array
     last_index: jax.Array
+    key_index: jax.Array | None = None
+    block: int = dataclasses.field(metadata=dict(static=True), default=0)
 
 
 def packed_response_states(params: Params, model: Qwen2Config, packed: PackedInputs, *,
                            remat: str = "none", compute_dtype: str = "float32",
                            scan_layers: bool = False,
-                           query_chunk: int = 128) -> tuple[jax.Array, jax.Array]:
+                           query_chunk: int | None = None) -> tuple[jax.Array, jax.Array]:
     """`response_states` of the original rows, computed over a prefix-tree packed layout
     (`training.prefix_tree`): each shared prefix is run once.
 
     Args:
       params, model, remat, compute_dtype, scan_layers: as `response_states`; query_chunk:
         static queries per attention block (`qwen2.forward`; bounds the fp32 scores held at
-        once to P x H x query_chunk x W).
+        once to P x H x query_chunk x W); None: packed.block when it carries a key index
+        (the block it was built for), else `QUERY_CHUNK`.
       packed: `PackedInputs` (the packed rows, `qwen2.forward` with key_end: a token sees
-        its own segment causally and all of its ancestor segments; the gather indices).
+        its own segment causally and all of its ancestor segments; with key_index each
+        query block scores only the keys it can see; the gather indices).
+    Raises: ValueError (from `qwen2.forward`) when query_chunk is given and differs from the
+      block packed.key_index was built for.
     Returns: (hidden [m, Tr, D] in the compute dtype, last [m, D] f32), the values
       `response_states` returns for the same rows (float round-off aside: different matmul
       shapes sum in a different order). Gradients flow through the gathers: a shared prefix
       state gets the sum of the cotangents of every row that reads it.
     """
     p = cast_params(params, compute_dtype)
+    if query_chunk is None:
+        query_chunk = packed.block if packed.key_index is not None else QUERY_CHUNK
     hidden, _ = forward(p, model, packed.tokens.astype(jnp.int32),
                         packed.positions.astype(jnp.int32), packed.mask.astype(bool),
                         remat=remat, scan_layers=scan_layers, key_end=packed.key_end,
+                        key_index=packed.key_index, key_block=packed.block,
                         query_chunk=query_chunk)
     flat = hidden.reshape((-1, hidden.shape[-1]))
     resp = jnp.take(flat, packed.score_index, axis=0)

@@ -422,7 +422,8 @@ class Trainer:
 def _packed_inputs(mb: PackedMicroBatch) -> PackedInputs:
     """The device `PackedInputs` of a host `PackedMicroBatch` (small arrays, replicated)."""
     return PackedInputs(*(jnp.asarray(x) for x in (mb.tokens, mb.positions, mb.mask, mb.key_end,
-                                                   mb.score_index, mb.last_index)))
+                                                   mb.score_index, mb.last_index, mb.key_index)),
+                        block=mb.block)
 
 
 __all__ = ["Trainer"]
