@@ -19,7 +19,7 @@ MAY_CHANGE = {"workdir", "iterations", "compilation_cache_dir", "env.num_workers
               "mesh.data", "mesh.fsdp", "mesh.tensor", "ckpt.every", "ckpt.keep", "eval.every",
               "eval.split", "eval.temperature", "eval.max_tasks", "eval.episodes_per_family",
               "eval.strategy_samples", "eval.strategy_choice", "eval.probe_steps",
-              "log.dump_trajectories", "train.donate_state", "train.scan_layers",
+              "log.dump_trajectories", "log.dump_batches", "train.donate_state", "train.scan_layers",
               "train.group_by_length", "train.pack_prefixes",
               "distributed.coordinator_address", "distributed.num_processes",
               "distributed.process_id", "distributed.local_device_ids",
