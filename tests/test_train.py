@@ -162,6 +162,20 @@ def test_minibatch_plan_spreads_strategies():
     assert {idx.size for idx, _ in plan} == {8}   # 5 + ceil(4/3) = 7 -> multiple of 4
 
 
+def test_scatter_scores_padding_entries_never_overwrite_a_real_row():
+    """A chunk's padding entries point at row 0; when row 0 is a real row of the same chunk,
+    its new scores must land (a scatter of duplicate indices keeps an unspecified write)."""
+    from strata_jax.training.steps import scatter_scores
+    scores = (jnp.zeros((4, 3)), jnp.zeros((4, 3)), jnp.zeros(4), jnp.zeros(4))
+    new = (jnp.ones((3, 2)), jnp.full((3, 2), 2.0), jnp.full(3, 3.0), jnp.full(3, 4.0))
+    old, ref, v, s = scatter_scores(scores, jnp.asarray([0, 2, 0]),
+                                    jnp.asarray([True, True, False]), new)
+    np.testing.assert_array_equal(old, [[1, 1, 0], [0, 0, 0], [1, 1, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(ref, 2 * np.asarray(old))
+    np.testing.assert_array_equal(v, [3, 0, 3, 0])
+    np.testing.assert_array_equal(s, [4, 0, 4, 0])
+
+
 def test_pad_rows_marks_padding_invalid():
     batch = make_batch(grpo_records(n_tasks=1, per_task=3))
     padded = pad_rows(batch, 12)

@@ -177,14 +177,17 @@ def _score_rows(params, critic_params, ref_params, b: SampleBatch, key, packed=N
 
 
 def _scatter_scores(scores, idx, real, new):
-    width = scores[0].shape[1]
+    width, rows = scores[0].shape[1], scores[0].shape[0]
+    # Padding entries (real False) point at a real row (row 0): they must not write at all. A
+    # scatter with duplicate indices keeps an unspecified one of the writes, so rewriting the
+    # old value there could overwrite the real row's new score in the same call. They go to an
+    # out-of-range index instead, which mode="drop" discards.
+    target = jnp.where(real, idx, rows)
     out = []
     for x, y in zip(scores, new):
         if y.ndim == 2:
             y = jnp.pad(y, ((0, 0), (0, width - y.shape[1])))
-        # padding entries (real False) leave their rows as they were
-        y = jnp.where(real.reshape((-1,) + (1,) * (y.ndim - 1)), y, x[idx])
-        out.append(x.at[idx].set(y))
+        out.append(x.at[target].set(y, mode="drop"))
     return tuple(out)
 
 
