@@ -24,7 +24,7 @@ over (data, fsdp), kv heads over tensor.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,32 @@ from strata_jax.sampling.selection import select_next_tokens
 Params = dict[str, Any]
 
 _CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
+class DecodeState(NamedTuple):
+    """The carry of `decode`'s ``lax.while_loop`` (B rows, n_out new-token columns).
+
+    Attributes:
+      step: int32 scalar, the column the next token goes to (1 after the prefill's token).
+      cache: the KVCache (donated into `decode`, updated in place).
+      prev: [B] int32 token chosen last (fed through the model next).
+      done: [B] bool, the row is finished (stopped, at max_new, or a filler row).
+      lengths: [B] int32 tokens generated so far.
+      stopped: [B] bool, the row ended on a stop id or stop string.
+      tokens: [B, n_out] int32 generated tokens (0 past each row's length).
+      logprobs: [B, n_out] float32 their logprobs (0 past each row's length).
+      text_state: [B] int32 stop-string automaton state (0 when stop strings are off).
+    """
+
+    step: jax.Array
+    cache: KVCache
+    prev: jax.Array
+    done: jax.Array
+    lengths: jax.Array
+    stopped: jax.Array
+    tokens: jax.Array
+    logprobs: jax.Array
+    text_state: jax.Array
 
 
 def _constrain_cache(cache: KVCache) -> KVCache:
@@ -170,36 +196,34 @@ def decode(params: Params, cache: KVCache, last_hidden: jax.Array, key_data: jax
     done = ~active | stopped | (max_new <= 1)
     lengths = active.astype(jnp.int32)
 
-    def cond(state):
-        step, _, _, done, *_ = state
-        return (step < max_new) & ~jnp.all(done)
+    def cond(state: DecodeState):
+        return (state.step < max_new) & ~jnp.all(state.done)
 
-    def body(state):
-        (step, cache, prev, done, lengths, stopped, out_tokens, out_logprobs,
-         text_state) = state
+    def body(state: DecodeState) -> DecodeState:
+        step, done = state.step, state.done
         position = (next_position + step - 1)[:, None]
-        hidden, cache = forward(params, config, prev[:, None], position,
-                                jnp.ones((b, 1), bool), cache, start_slot + step - 1)
+        hidden, cache = forward(params, config, state.prev[:, None], position,
+                                jnp.ones((b, 1), bool), state.cache, start_slot + step - 1)
         tok, lp = choose(hidden[:, 0], step)
         live = ~done
         tok = jnp.where(live, tok, 0)
         lp = jnp.where(live, lp, 0.0)
         zero = jnp.int32(0)
-        out_tokens = lax.dynamic_update_slice(out_tokens, tok[:, None], (zero, step))
-        out_logprobs = lax.dynamic_update_slice(out_logprobs, lp[:, None], (zero, step))
-        lengths = lengths + live.astype(jnp.int32)
-        text_state, text_hit = advance_text(text_state, tok, live)
+        out_tokens = lax.dynamic_update_slice(state.tokens, tok[:, None], (zero, step))
+        out_logprobs = lax.dynamic_update_slice(state.logprobs, lp[:, None], (zero, step))
+        text_state, text_hit = advance_text(state.text_state, tok, live)
         hit = live & (is_stop(tok) | text_hit)
-        stopped = stopped | hit
-        done = done | hit | (step + 1 >= max_new)
-        return (step + 1, cache, tok, done, lengths, stopped, out_tokens, out_logprobs,
-                text_state)
+        return DecodeState(step=step + 1, cache=cache, prev=tok,
+                           done=done | hit | (step + 1 >= max_new),
+                           lengths=state.lengths + live.astype(jnp.int32),
+                           stopped=state.stopped | hit, tokens=out_tokens,
+                           logprobs=out_logprobs, text_state=text_state)
 
-    state = (jnp.int32(1), cache, tok0, done, lengths, stopped, out_tokens, out_logprobs,
-             text_state)
-    _, cache, _, _, lengths, stopped, out_tokens, out_logprobs, _ = lax.while_loop(
-        cond, body, state)
-    return out_tokens, out_logprobs, lengths, stopped, cache
+    state = DecodeState(step=jnp.int32(1), cache=cache, prev=tok0, done=done, lengths=lengths,
+                        stopped=stopped, tokens=out_tokens, logprobs=out_logprobs,
+                        text_state=text_state)
+    final = lax.while_loop(cond, body, state)
+    return final.tokens, final.logprobs, final.lengths, final.stopped, final.cache
 
 
 @functools.partial(jax.jit, static_argnames=("config", "n_resp"))
