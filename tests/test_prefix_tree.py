@@ -170,19 +170,26 @@ def test_errors():
         pack_rows(pi, pm, ri, rm, max_width=16, widths=(8, 32))
 
 
+def random_tree(rng, inst=6, rows=9, task=3, strat=3, own=3, resp=3, width=30):
+    """(rows [(prompt, response)], a packed layout of them) of a random StraTA-like tree:
+    one instruction block, then per row a few task / strategy / own tokens from small alphabets
+    (so rows collide into shared prefixes), bounds exclusive; packed rows of a random width
+    in [8, width) or the longest row."""
+    block = rng.integers(1, 50, rng.integers(0, inst)).tolist()
+    out = []
+    for _ in range(rng.integers(1, rows)):
+        t = rng.integers(1, 4, rng.integers(0, task)).tolist()
+        z = rng.integers(1, 3, rng.integers(0, strat)).tolist()
+        o = rng.integers(1, 4, rng.integers(0 if block or t or z else 1, own)).tolist()
+        out.append((block + t + z + o, rng.integers(1, 4, rng.integers(0, resp)).tolist()))
+    longest = max(len(p) + len(r) for p, r in out)
+    return out, pack_rows(*make_rows(out), max_width=max(longest, int(rng.integers(8, width))))
+
+
 def test_random_batches_keep_every_rows_context():
     rng = np.random.default_rng(0)
     for trial in range(20):
-        inst = rng.integers(1, 50, rng.integers(0, 6)).tolist()
-        rows = []
-        for _ in range(rng.integers(1, 9)):
-            task = rng.integers(1, 4, rng.integers(0, 3)).tolist()
-            strat = rng.integers(1, 3, rng.integers(0, 3)).tolist()
-            own = rng.integers(1, 4, rng.integers(0 if inst or task else 1, 3)).tolist()
-            resp = rng.integers(1, 4, rng.integers(0, 3)).tolist()
-            rows.append((inst + task + strat + own, resp))
-        longest = max(len(p) + len(r) for p, r in rows)
-        lay = pack_rows(*make_rows(rows), max_width=max(longest, int(rng.integers(8, 30))))
+        rows, lay = random_tree(rng)
         check_layout(lay, rows)
         assert lay.num_packed_tokens <= lay.num_row_tokens
 
@@ -230,14 +237,7 @@ def test_block_key_index_exact_sets():
 def test_block_key_index_matches_the_rule_on_random_trees():
     rng = np.random.default_rng(5)
     for trial in range(20):
-        inst = rng.integers(1, 50, rng.integers(0, 9)).tolist()
-        rows = []
-        for _ in range(rng.integers(1, 12)):
-            task = rng.integers(1, 4, rng.integers(0, 5)).tolist()
-            own = rng.integers(1, 4, rng.integers(0 if inst or task else 1, 6)).tolist()
-            rows.append((inst + task + own, rng.integers(1, 4, rng.integers(0, 4)).tolist()))
-        longest = max(len(p) + len(r) for p, r in rows)
-        lay = pack_rows(*make_rows(rows), max_width=max(longest, int(rng.integers(8, 60))))
+        _, lay = random_tree(rng, inst=9, rows=12, task=5, strat=1, own=6, resp=4, width=60)
         for block in (1, 3, 8):
             ix = lay.key_index(block)
             assert ix.shape[2] % block == 0
