@@ -5,18 +5,17 @@ Parts (each runs in its own subprocess so peak RSS is per part; results are cach
 
   update      the trainer update on the tiny ScienceWorld batch shape (16 rows x (768 prompt +
               64 response) tokens, every token real, 4 GRPO groups of 4): strata-jax
-              `Trainer.update` split into the reference pass (KL on, `Trainer.score`), the
-              forward + backward (`Trainer.gradients`) and the optimizer (the rest), and in
+              `Trainer.update` split into the reference pass (KL on), the forward + backward
+              (`accumulate_grads`) and the optimizer (the rest of `train_minibatch`), and in
               the same run a plain transformers/torch step on the same model, the same token
               batch and the same dtype (fp32 master weights, bf16 autocast compute, per-layer
               gradient checkpointing like remat "full", logits only at the response positions,
               AdamW): update tokens/s of both and their ratio, peak RSS, and XLA compilations
               after warm-up. LoRA (all linear layers, rank --rank; torch: the same low-rank
               adapters hand-written, PEFT is not needed) and full fine-tuning (--modes).
-  packing     the packed `Trainer.update` and the per-row reference update
-              (`reference.RowTrainer`) in one process, on rows with the prompt / output
-              lengths of a real run's trajectories (--lengths-from): update seconds of both,
-              their token fill (real / computed tokens), compilations.
+  grouping    `Trainer.update` with train.group_by_length on and off in one process, on rows
+              with the prompt / output lengths of a real run's trajectories (--lengths-from):
+              update seconds of both, their token fill (real / computed tokens), compilations.
   iteration   one real iteration of `train.py` (ScienceWorld :tiny variant, the real model,
               --algos strata grpo): rollout wall time, sampler seconds, env wait, sampled
               tokens, update seconds and compilations read from the run's metrics.jsonl.
@@ -24,7 +23,7 @@ Parts (each runs in its own subprocess so peak RSS is per part; results are cach
     python -m benchmarks.iteration --model /path/qwen05-hf                 # all parts
     python -m benchmarks.iteration --model /path/qwen05-hf --part update --modes lora
     python -m benchmarks.iteration --model /path/qwen05-hf --part iteration --algos grpo
-    python -m benchmarks.iteration --model /path/qwen05-hf --part packing --modes lora \
+    python -m benchmarks.iteration --model /path/qwen05-hf --part grouping --modes lora \
         --lengths-from runs/bench_iteration/run_strata_lora/trajectories.jsonl
 
 --model is an HF checkpoint directory (or, where the checkout's loader reads GGUF, a .gguf
@@ -72,6 +71,7 @@ def jax_update_worker(args) -> dict:
     from strata_jax.metrics import CompileCounter
     from strata_jax.models import load_checkpoint
     from strata_jax.training import TrainConfig, Trainer
+    from strata_jax.training.steps import accumulate_grads, gather_rows, score_batch
 
     compiles = CompileCounter.install()
     # LoRA's base is frozen: --base-dtype bfloat16 stores it in the compute dtype (half the
@@ -110,16 +110,20 @@ def jax_update_worker(args) -> dict:
         totals.append(t)
     n_after_update = compiles.count
     # The parts, each jitted as the update runs it (compiled here once, then timed).
+    placed = trainer.put_batch(batch)
     use_ref = bool(cfg.loss.kl_coef)
-    # the reference pass alone (on-policy: no old-logprob pass), as the update runs it
-    score = lambda: trainer.score(state, batch, ref, jax.random.PRNGKey(0),  # noqa: E731
-                                  use_old=False)
+    score = lambda: score_batch(state.params, state.critic_params, ref, placed,  # noqa: E731
+                                jax.random.PRNGKey(0), model=model, cfg=cfg, use_ref=use_ref,
+                                chunk_rows=cfg.micro_batch_size, use_old=False)
     scored, _ = timed(score)
     _, t_ref = timed(score)
     adv = jax.numpy.asarray(np.where(scores > 0.5, 1.0, -1.0).astype(np.float32))
     w = scored.valid.astype(jax.numpy.float32)
-    grads = lambda: trainer.gradients(state.params, state.critic_params, scored, adv,  # noqa
-                                      w, adv, ref, on_policy=True)
+    idx = jax.numpy.arange(batch.num_rows)
+    mb, a, ww, tt = gather_rows(scored, adv, w, adv, idx, scored.valid)
+    grads = lambda: accumulate_grads(state.params, state.critic_params, mb, a, ww, tt,  # noqa
+                                     ref if trainer.lora else None, model=model, cfg=cfg,
+                                     on_policy=True)
     timed(grads)
     fb = [timed(grads)[1] for _ in range(args.repeats)]
     t_update, t_fb = statistics.median(totals), statistics.median(fb)
@@ -150,9 +154,9 @@ def row_lengths(path: str, rows: int) -> list[tuple[int, int]]:
     return [lens[int(i * len(lens) / rows)] for i in range(rows)]
 
 
-def jax_packing_worker(args) -> dict:
-    """The packed Trainer.update and the per-row reference's (RowTrainer), same process, same
-    batch: rows with the prompt / output lengths of a real run (`row_lengths`), random ids."""
+def jax_grouping_worker(args) -> dict:
+    """Trainer.update with train.group_by_length on and off, same process, same batch: rows
+    with the prompt / output lengths of a real run (`row_lengths`), random token ids."""
     import jax
     import numpy as np
 
@@ -161,7 +165,6 @@ def jax_packing_worker(args) -> dict:
     from strata_jax.metrics import CompileCounter
     from strata_jax.models import load_checkpoint
     from strata_jax.training import TrainConfig, Trainer
-    from strata_jax.training.reference import RowTrainer
 
     from benchmarks._timing import time_updates
 
@@ -180,17 +183,18 @@ def jax_packing_worker(args) -> dict:
     out = {"rows": len(lens), "lengths": lens, "real_tokens": int(sum(p + r for p, r in lens)),
            "width": [int(batch.prompt_ids.shape[1]), int(batch.response_ids.shape[1])],
            "load_start": _load()}
-    cfg = TrainConfig.from_config(c, mini_batch_size=64, micro_batch_size=args.micro,
-                                  remat=args.remat, compute_dtype=args.dtype,
-                                  donate_state=True, scan_layers=args.scan_layers)
-    for name, cls in (("packed", Trainer), ("per_row", RowTrainer)):
-        trainer = cls(model, cfg)
+    for grouped in (True, False):
+        cfg = TrainConfig.from_config(c, mini_batch_size=64, micro_batch_size=args.micro,
+                                      remat=args.remat, compute_dtype=args.dtype,
+                                      donate_state=True, group_by_length=grouped,
+                                      scan_layers=args.scan_layers)
+        trainer = Trainer(model, cfg)
         state = trainer.init_state(params, jax.random.PRNGKey(1))
         n_warm = []
         state, warm, runs, m = time_updates(trainer, state, batch, params, args.repeats,
                                             lambda: n_warm.append(compiles.count))
         n_warm = n_warm[0]
-        out[name] = {
+        out["grouped" if grouped else "one_width"] = {
             "update_s": statistics.median(runs), "runs": runs, "warmup_s": warm,
             "compiles_warmup": n_warm, "compiles_after_warmup": compiles.count - n_warm,
             "token_fill": m["perf/update_token_fill"], "load": _load()}
@@ -199,20 +203,20 @@ def jax_packing_worker(args) -> dict:
     return out
 
 
-def report_packing(r: dict) -> None:
-    print("\n=== update, packed Trainer / per-row reference (same process, same batch) ===")
+def report_grouping(r: dict) -> None:
+    print("\n=== update, train.group_by_length on / off (same process, same batch) ===")
     if "error" in r:
         print(r["error"])
         return
     print(f"{r['rows']} rows, {r['real_tokens']} real tokens, batch width "
           f"{r['width'][0]} + {r['width'][1]}; lengths {r['lengths']}")
-    for name in ("packed", "per_row"):
+    for name in ("grouped", "one_width"):
         g = r[name]
         print(f"{name:9s}: update {g['update_s']:7.1f} s = {r['real_tokens'] / g['update_s']:5.0f} "
               f"real tok/s | token fill {g['token_fill']:.2f} | warm-up {g['warmup_s']:.0f} s "
               f"({g['compiles_warmup']} compiles so far), {g['compiles_after_warmup']} after | "
               f"load {g['load']}")
-    print(f"speed-up of packing: {r['per_row']['update_s'] / r['packed']['update_s']:.2f}x; "
+    print(f"speed-up of grouping: {r['one_width']['update_s'] / r['grouped']['update_s']:.2f}x; "
           f"peak RSS {r['rss_gb']:.2f} GB")
 
 
@@ -382,7 +386,7 @@ def report_update(mode: str, jx: dict, th: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF checkpoint dir (or .gguf where supported)")
-    p.add_argument("--part", default="all", choices=("all", "update", "iteration", "packing"))
+    p.add_argument("--part", default="all", choices=("all", "update", "iteration", "grouping"))
     p.add_argument("--modes", nargs="+", default=["lora", "full"], choices=("lora", "full"))
     p.add_argument("--algos", nargs="+", default=["strata", "grpo"])
     p.add_argument("--frameworks", nargs="+", default=["jax", "torch"])
@@ -400,10 +404,10 @@ def main() -> None:
     p.add_argument("--base-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="dtype of the frozen LoRA base in the strata-jax run (torch keeps fp32)")
     p.add_argument("--lengths-from", default="",
-                   help="packing part: a run's trajectories.jsonl whose step rows give the "
+                   help="grouping part: a run's trajectories.jsonl whose step rows give the "
                         "prompt / output lengths (e.g. --part iteration's run_strata_lora/)")
     p.add_argument("--scan-layers", action="store_true",
-                   help="packing part: train.scan_layers (faster compiles, same math)")
+                   help="grouping part: train.scan_layers (faster compiles, same math)")
     p.add_argument("--out", default="runs/bench_iteration")
     p.add_argument("--force", action="store_true", help="re-run parts cached in --out")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -412,7 +416,7 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         fn = {"jax": jax_update_worker, "torch": torch_update_worker,
-              "iteration": iteration_worker, "packing": jax_packing_worker}[args.worker]
+              "iteration": iteration_worker, "grouping": jax_grouping_worker}[args.worker]
         print("RESULT " + json.dumps(fn(args)), flush=True)
         return
     os.makedirs(args.out, exist_ok=True)
@@ -428,16 +432,16 @@ def main() -> None:
                                   lambda: _spawn(fw, args, mode=mode))
             report_update(mode, res.get("jax", {"error": "not run"}),
                           res.get("torch", {"error": "not run"}))
-    if args.part == "packing":
+    if args.part == "grouping":
         if not args.lengths_from:
-            raise SystemExit("--part packing needs --lengths-from <run>/trajectories.jsonl")
+            raise SystemExit("--part grouping needs --lengths-from <run>/trajectories.jsonl")
         for mode in args.modes:
             # every setting that changes the measurement is in the cache name
             src = os.path.basename(os.path.dirname(os.path.abspath(args.lengths_from)))
-            name = (f"packing_{mode}_{args.dtype}_base-{args.base_dtype}_{src}_rows{args.rows}"
+            name = (f"grouping_{mode}_{args.dtype}_base-{args.base_dtype}_{src}_rows{args.rows}"
                     f"_micro{args.micro}_remat-{args.remat}{'_scan' if args.scan_layers else ''}")
-            r = _cached(args, name, lambda: _spawn("packing", args, mode=mode))
-            report_packing(r)
+            r = _cached(args, name, lambda: _spawn("grouping", args, mode=mode))
+            report_grouping(r)
     if args.part in ("all", "iteration"):
         for algo in args.algos:
             for mode in args.modes:

@@ -1,5 +1,5 @@
-"""The Trainer's prefix-tree packed update beside the per-row reference update
-(`strata_jax.training.reference.RowTrainer`), on a StraTA-shaped batch with synthetic ids.
+"""The prefix-tree packed update (train.pack_prefixes) beside the per-row update
+(train.group_by_length), on a StraTA-shaped batch with synthetic ids.
 
 The batch: every row's prompt starts with one instruction block (--inst tokens); the rows of a
 task share its goal (--goal); the rows of a strategy share its text (--strategy); the first
@@ -9,9 +9,9 @@ step, as in a real StraTA batch (stored runs keep text, not ids: replaying real 
 a run that dumps its SampleBatch, which this script does not do).
 
 Reported per batch: tokens the forward computes under each layout (per-row at the batch's
-width; packing without sharing, i.e. the rows' own tokens; only the instruction block shared;
-the full tree), then the update wall time of the per-row reference and the packed `Trainer`
-in one process (warm-up, i.e. compilation, reported apart), XLA compilations
+width; per-row length-grouped; packing without sharing, i.e. the rows' own tokens; only the
+instruction block shared; the full tree), then `Trainer.update` wall time of the per-row and
+the packed path in one process (warm-up, i.e. compilation, reported apart), XLA compilations
 after warm-up, and peak RSS. Nothing here asserts a timing; on a shared machine the load is
 printed with each result. On a tiny model attention and per-call overhead dominate, so fewer
 tokens need not mean less time there: a packed row of width W computes ~W^2 / 2 score pairs,
@@ -57,11 +57,15 @@ def token_counts(batch, micro: int) -> dict:
     """Tokens computed by each layout of the whole batch (one mini-batch)."""
     import numpy as np
 
+    from strata_jax.training.batching import length_grouped_micro_batches, row_widths
     from strata_jax.training.prefix_tree import pack_rows
     pi, pm = np.asarray(batch.prompt_ids), np.asarray(batch.prompt_mask)
     ri, rm = np.asarray(batch.response_ids), np.asarray(batch.response_mask)
     real = np.asarray(batch.valid)
     tp, tr = pi.shape[1], ri.shape[1]
+    idx = np.arange(pi.shape[0])
+    need_p, need_r = row_widths(pm, rm)
+    grouped = length_grouped_micro_batches(idx, real, need_p, need_r, micro, tp, tr)
     width = micro * (tp + tr)
     lay = pack_rows(pi[real], pm[real], ri[real], rm[real], max_width=width)
     # only the instruction block shared: the token after the block made distinct per row,
@@ -74,7 +78,8 @@ def token_counts(batch, micro: int) -> dict:
     inst = pack_rows(cut, pm[real], ri[real], rm[real], max_width=width)
     real_micro = -(-real.size // micro) * micro
     busy = np.pad(real, (0, real_micro - real.size)).reshape(-1, micro).any(1).sum()
-    return {"per_row": int(busy) * micro * (tp + tr),   # RowTrainer's micro-batches
+    return {"per_row": int(busy) * micro * (tp + tr),   # the one-width scan's micro-batches
+            "grouped": sum(micro * (wp + wr) for _, _, (wp, wr) in grouped),
             "packed_no_sharing": lay.num_row_tokens,
             "instruction_shared": inst.num_packed_tokens,
             "tree": lay.num_packed_tokens}
@@ -122,7 +127,6 @@ def main() -> None:
     from strata_jax.metrics import CompileCounter
     from strata_jax.models import Qwen2Config, init_params, load_checkpoint
     from strata_jax.training import TrainConfig, Trainer
-    from strata_jax.training.reference import RowTrainer
 
     compiles = CompileCounter.install()
     if args.model:
@@ -146,14 +150,16 @@ def main() -> None:
     c = base.get_base_config()
     c.algo = "grpo"
     c.lora.rank = args.lora
-    cfg = TrainConfig.from_config(c, mini_batch_size=1024, micro_batch_size=args.micro,
-                                  remat=args.remat, compute_dtype=args.dtype, donate_state=True)
-    for name, cls in (("per-row reference", RowTrainer), ("packed tree (Trainer)", Trainer)):
-        trainer = cls(model, cfg)
+    for packed in (False, True):
+        cfg = TrainConfig.from_config(c, mini_batch_size=1024, micro_batch_size=args.micro,
+                                      remat=args.remat, compute_dtype=args.dtype,
+                                      donate_state=True, pack_prefixes=packed)
+        trainer = Trainer(model, cfg)
         state = trainer.init_state(params, jax.random.PRNGKey(1))
         marks = []
         state, warm, runs, m = time_updates(trainer, state, batch, params, args.repeats,
                                             lambda: marks.append(compiles.count))
+        name = "packed tree" if packed else "per-row (length-grouped)"
         print(f"{name:25s}: update {statistics.median(runs):7.2f} s (warm-up {warm:.1f} s), "
               f"{compiles.count - marks[0]} compilations after warm-up, token fill "
               f"{m['perf/update_token_fill']:.2f}, load {os.getloadavg()[0]:.1f}")

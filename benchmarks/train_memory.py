@@ -5,14 +5,12 @@ Usage:
     python -m benchmarks.train_memory --model /path/to/hf_dir --rows 16 --prompt 768 --response 64
     python -m benchmarks.train_memory --modes lora --remat none full dots
 
-Lowers and compiles the two programs of the trainer's optimizer step on abstract shapes
-(``jax.ShapeDtypeStruct``: the params are never materialised): `accumulate_micro` (forward +
-backward of one prefix-tree packed micro-batch, its gradients added to the donated
-accumulator) and `apply_step` (AdamW; the state donated, train.donate_state), and prints each
-one's ``compiled.memory_analysis()``: argument, output, temporary (activations, gradients,
-merged weights ...) and generated-code bytes (outputs "aliased" to donated arguments need no
-memory of their own), and the gradient program's temporaries per token of its packed row
-(MB / token). `--model` is an HF checkpoint
+Lowers and compiles the trainer's `minibatch_step` (one optimizer step: forward + backward
+over the mini-batch's micro-batches, then AdamW) on abstract shapes
+(``jax.ShapeDtypeStruct``: the params are never materialised) and prints ``compiled.memory_analysis()``: argument, output,
+temporary (activations, gradients, merged weights ...) and generated-code bytes (outputs
+"aliased" to donated arguments need no memory of their own: train.donate_state), and the
+temporaries per sequence token of one micro-batch (MB / token). `--model` is an HF checkpoint
 directory (only its config.json is read) or a `strata_jax.models.PRESETS` name. Figures are
 the compiler's, so they do not depend on the machine's load; compile time is printed too.
 """
@@ -30,8 +28,7 @@ import configs.base as base  # noqa: E402
 from strata_jax.algos import KIND_ACTION, make_sample_batch  # noqa: E402
 from strata_jax.models import PRESETS, Qwen2Config, init_params  # noqa: E402
 from strata_jax.training import TrainConfig, Trainer  # noqa: E402
-from strata_jax.training.steps import (accumulate_micro, apply_step, gather_micro,  # noqa: E402
-                                       minibatch_counts, zero_carry)
+from strata_jax.training.steps import minibatch_step  # noqa: E402
 
 
 def model_config(spec: str) -> Qwen2Config:
@@ -68,40 +65,26 @@ def analyse(model: Qwen2Config, mode: str, remat: str, args) -> dict:
     mb = jax.tree.map(sd, batch)
     vec = jax.ShapeDtypeStruct((batch.num_rows,), jnp.float32)
     basep = params_like if mode == "lora" else None
-    # the first packed micro-batch of the mini-batch, as train_on_batch plans it
-    ids = tuple(np.asarray(getattr(batch, f)) for f in
-                ("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
-    rows, real = np.arange(batch.num_rows), np.asarray(batch.valid)
-    plan, _ = trainer._plan(ids, rows, real, args.micro)
-    i, r, widths, packed = plan[0]
-    packed = jax.tree.map(sd, packed)
-    b, a, w, t = jax.eval_shape(lambda *x: gather_micro(*x, widths=widths), mb, vec, vec, vec,
-                                sd(i), sd(r))
-    norms, n_values = jax.eval_shape(minibatch_counts, mb, sd(rows.astype(np.int32)), sd(real))
-    carry = jax.eval_shape(lambda s: zero_carry(s.params, s.critic_params, cfg=cfg), state)
-    out = {}
     t0 = time.perf_counter()
-    grad = accumulate_micro.lower(carry, state.params, state.critic_params, b, a, w, t, norms,
-                                  n_values, basep, packed, model=model, cfg=cfg).compile()
     # the step train.py runs: the state donated (train.donate_state, on in the configs), so the
     # new state reuses the old one's buffers ("aliased")
-    opt = apply_step(cfg).lower(state, carry, cfg=cfg).compile()
+    compiled = minibatch_step(cfg).lower(state, mb, vec, vec, vec, basep, model=model,
+                                         cfg=cfg).compile()
     secs = time.perf_counter() - t0
-    for name, compiled in (("grad", grad), ("optimizer", opt)):
-        ma = compiled.memory_analysis()
-        out[name] = dict(arg=ma.argument_size_in_bytes, out=ma.output_size_in_bytes,
-                         temp=ma.temp_size_in_bytes, code=ma.generated_code_size_in_bytes,
-                         alias=ma.alias_size_in_bytes)
-    out["compile_s"] = secs
-    out["grad"]["mb_per_token"] = out["grad"]["temp"] / packed.tokens.shape[1] / 2**20
+    ma = compiled.memory_analysis()
+    tokens = args.micro * (args.prompt + args.response)
+    out = dict(arg=ma.argument_size_in_bytes, out=ma.output_size_in_bytes,
+               temp=ma.temp_size_in_bytes, code=ma.generated_code_size_in_bytes,
+               alias=ma.alias_size_in_bytes, compile_s=secs)
+    out["mb_per_token"] = out["temp"] / tokens / 2**20
     return out
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-0.5b", help="HF dir, .gguf or PRESETS name")
     ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--micro", type=int, default=16,
-                    help="micro_batch_size (token budget of a packed micro-batch, in rows)")
+    ap.add_argument("--micro", type=int, default=16, help="micro_batch_size (rows per backward)")
     ap.add_argument("--prompt", type=int, default=768)
     ap.add_argument("--response", type=int, default=64)
     ap.add_argument("--rank", type=int, default=64, help="LoRA rank (all linear layers)")
@@ -118,15 +101,11 @@ def main() -> None:
     gb = lambda b: b / 2**30  # noqa: E731
     for mode in args.modes:
         for remat in args.remat:
-            res = analyse(model, mode, remat, args)
-            for name in ("grad", "optimizer"):
-                r = res[name]
-                per_token = (f" = {r['mb_per_token']:.3f} MB/token" if "mb_per_token" in r
-                             else "")
-                print(f"{mode:4s} remat {remat:4s} {name:9s}: args {gb(r['arg']):6.2f} GB  out "
-                      f"{gb(r['out']):6.2f} GB (aliased {gb(r['alias']):.2f})  temp "
-                      f"{gb(r['temp']):6.2f} GB{per_token}", flush=True)
-            print(f"  (compile {res['compile_s']:.0f} s)", flush=True)
+            r = analyse(model, mode, remat, args)
+            print(f"{mode:4s} remat {remat:4s}: args {gb(r['arg']):6.2f} GB  out "
+                  f"{gb(r['out']):6.2f} GB (aliased {gb(r['alias']):.2f})  temp "
+                  f"{gb(r['temp']):6.2f} GB = {r['mb_per_token']:.3f} MB/token  "
+                  f"(compile {r['compile_s']:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":
