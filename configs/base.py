@@ -175,10 +175,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.optim.warmup_steps = 0
     c.optim.ppo_epochs = 1
     c.optim.mini_batch_size = 256  # step samples per optimizer step
-    c.optim.micro_batch_size = 8   # gradient accumulation unit, a token budget: a micro-batch is
-                                   # one prefix-tree packed row of at most micro_batch_size x
-                                   # (the batch's prompt + response columns) tokens, the memory
-                                   # of that many unpacked rows (docs/design.md §12.1)
+    c.optim.micro_batch_size = 8   # gradient accumulation unit
 
     # --- Trainer execution (strata_jax.training.TrainConfig; c.optim / c.loss hold the math) --
     c.train = ml_collections.ConfigDict()
@@ -188,11 +185,14 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.train.lr_schedule = "constant"  # constant | cosine (to 0 at decay_steps optimizer steps)
     c.train.decay_steps = 0
     c.train.logprob_chunk = 64     # response positions per LM-head chunk (peak B x chunk x V)
-    c.train.score_rows = 0         # token budget of a no-grad scoring chunk, in rows at the
-                                   # batch's width (0 = optim.micro_batch_size)
+    c.train.score_rows = 0         # rows per chunk of the no-grad scoring passes (0 = micro batch)
     c.train.adam_eps = 1e-8        # AdamW epsilon (torch's default)
     c.train.recompute_old = False  # run the old-logprob pass even on-policy (a check: same result)
     c.train.trim_padding = True    # drop all-padding columns before scoring / training (same out)
+    c.train.group_by_length = True  # micro-batches of rows of similar length, each at its own
+                                   # width (fewer padded tokens; one compile per width bucket)
+    c.train.pack_prefixes = False  # prefix-tree packed update: each shared prompt prefix once
+                                   # (same result; micro_batch_size = budget of that many rows)
     c.train.donate_state = True    # the optimizer step reuses the state's buffers (one copy of
                                    # params + AdamW moments less at the peak; same results)
     c.train.scan_layers = False    # remat'd layers as a lax.scan: fast compile, one stacked weight copy

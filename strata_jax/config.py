@@ -41,22 +41,6 @@ FIELD_TYPES = {
     "rollout.response_buckets": "tuple[int]|None",
 }
 REMAT_POLICIES = ("none", "full", "dots")
-# Fields that were removed, with what to do instead: a config file or an override that still
-# sets one is refused with this line rather than a bare "unknown field". A checkpoint's stored
-# config that holds one still resumes (`validation.check_resume` skips fields the current
-# config lacks).
-_PACKED = ("the update always runs the prefix-tree packed path (docs/design.md §12.1; "
-           "optim.micro_batch_size is its token budget); drop the flag")
-REMOVED_FIELDS = {
-    "train.group_by_length": _PACKED,
-    "train.pack_prefixes": _PACKED,
-}
-
-
-def removed_field(key: str) -> str | None:
-    """The refusal line of a removed dotted field `key` (`REMOVED_FIELDS`), or None."""
-    why = REMOVED_FIELDS.get(key)
-    return f"{key} was removed: {why}" if why else None
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -71,9 +55,6 @@ def nearest(name: str, names: Iterable[str]) -> str:
 
 
 def _unknown(node: Any, key: str, leaf: str) -> str:
-    gone = removed_field(key)
-    if gone:
-        return gone
     names = list(node.keys()) if _is_dict(node) else []
     return f"unknown config field {key!r}" + nearest(leaf, names)
 
@@ -198,7 +179,7 @@ def read_fields(cls: type, c: Any, sources: Mapping[str, str],
       owned: optional {section of `c` ("" = `c` itself): extra key names}: every key of that
         section must be the source of a field here or one of the extra names (read elsewhere);
         any other key is a ConfigError naming the closest valid key (a typo such as
-        ``loss.kl_coeff``) or, for a removed field (`REMOVED_FIELDS`), what to do instead.
+        ``loss.kl_coeff``).
     Returns {field: value}. Raises ConfigError.
     """
     convert = convert or {}
@@ -209,8 +190,6 @@ def read_fields(cls: type, c: Any, sources: Mapping[str, str],
         for k in node.keys():
             if k not in valid:
                 where = prefix + (f"{section}.{k}" if section else k)
-                if removed_field(where):
-                    raise ConfigError(removed_field(where))
                 raise ConfigError(f"unknown config field {where!r}{nearest(k, valid)}: no "
                                   f"{cls.__name__} field reads it (the fields and their "
                                   "defaults are in configs/base.py)")

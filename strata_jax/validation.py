@@ -71,16 +71,12 @@ def config_keys() -> tuple[set[str], set[str]]:
 
 def check_keys(c: Any) -> None:
     """Refuse a config with a key nothing reads (a typo such as ``loss.kl_coeff``: the message
-    names the closest valid key; a removed field, `config.REMOVED_FIELDS`: what to do instead)
-    or without a required one (`config_keys`). Raises ConfigError."""
-    from strata_jax.config import nearest, removed_field
+    names the closest valid key) or without a required one (`config_keys`). Raises ConfigError."""
+    from strata_jax.config import nearest
     required, optional = config_keys()
     have = set(_leaves(c.to_dict() if hasattr(c, "to_dict") else c))
     known = required | optional
     for key in sorted(have - known):
-        gone = removed_field(key)
-        if gone:
-            raise ConfigError(gone)
         section, _, leaf = key.rpartition(".")
         elsewhere = sorted(k for k in known if k.rpartition(".")[2] == leaf)  # train.lr: optim.lr
         same = [k for k in known if k.rpartition(".")[0] == section]
@@ -218,6 +214,8 @@ RESUME_MAY_CHANGE = (
     "sft.cache_dir",                  # where the warm start is cached (its content is fingerprinted)
     "train.donate_state",             # buffer reuse in the optimizer step: memory, same results
     "train.scan_layers",              # layers as a scan or unrolled: compile time, same math
+    "train.group_by_length",          # micro-batch widths: speed, same sums (float order aside)
+    "train.pack_prefixes",            # prefix-tree packed update: same sums (float order aside)
 )
 
 

@@ -125,31 +125,6 @@ def test_an_unknown_key_is_refused_naming_the_nearest():
         ex.validate(c)
 
 
-@pytest.mark.parametrize("key", ["train.group_by_length", "train.pack_prefixes"])
-def test_a_removed_field_is_refused_saying_what_to_do(key):
-    """The update always runs the packed prefix-tree path: a config file, the dataclass or a
-    command-line override (both forms) that still sets a removed flag gets one line saying so
-    and to drop the flag, not a bare "unknown field"."""
-    from configs import sciworld
-    want = (f"{key} was removed: the update always runs the prefix-tree packed path "
-            "(docs/design.md §12.1; optim.micro_batch_size is its token budget); drop the flag")
-    c = base.get_base_config()
-    section, leaf = key.split(".")
-    c[section][leaf] = True        # an experiment file that still sets it
-    with pytest.raises(ConfigError) as e:
-        ex.validate(c)
-    assert str(e.value) == want
-    with pytest.raises(ConfigError) as e:
-        TrainConfig.from_config(c)
-    assert str(e.value) == want
-    with pytest.raises(ConfigError) as e:
-        set_override(base.get_base_config(), key, "false")    # --config.train.<flag>=false
-    assert str(e.value) == want
-    with pytest.raises(ConfigError) as e:
-        sciworld.get_config(f"tiny,{key}=true")                # the colon form
-    assert str(e.value) == want
-
-
 def test_a_missing_key_is_refused_not_defaulted():
     c = base.get_base_config()
     del c.lora["lr"]

@@ -1,5 +1,5 @@
-"""The Trainer's prefix-tree packed update against the per-row reference update
-(`reference.RowTrainer`): same scores, same optimizer steps, fewer computed tokens."""
+"""The prefix-tree packed update (train.pack_prefixes) against the per-row update
+(train.group_by_length): same scores, same optimizer steps, fewer computed tokens."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,6 @@ import pytest
 from strata_jax.algos import KIND_ACTION, KIND_STRATEGY
 from strata_jax.models import init_params
 from strata_jax.training import Trainer, tree_to_numpy
-from strata_jax.training.reference import RowTrainer
 from tests.trainer_fixtures import TINY, make_batch, train_config
 
 
@@ -55,8 +54,8 @@ def _moved(trainer, params, key):
 def test_packed_scoring_equals_per_row_scoring(params, algo):
     batch = make_batch(shared_records(seed=1))
     cfg = train_config(algo, dropout=0.0, score_rows=4)
-    packed = Trainer(TINY, cfg)
-    rows = RowTrainer(TINY, cfg)
+    packed = Trainer(TINY, dataclasses.replace(cfg, pack_prefixes=True))
+    rows = Trainer(TINY, cfg)
     state = _moved(rows, params, jax.random.PRNGKey(2))
     a = packed.score(state, batch, params, jax.random.PRNGKey(0))
     b = rows.score(state, batch, params, jax.random.PRNGKey(0))
@@ -84,15 +83,15 @@ def test_packed_update_equals_per_row_update(params, algo, epochs, lora, mini):
     extra = dict(lora=LoraConfig(rank=4, alpha=8.0)) if lora else {}
     cfg = train_config(algo, ppo_epochs=epochs, dropout=0.0, mini_batch_size=mini,
                        micro_batch_size=4, **extra)
-    packed = Trainer(TINY, cfg)
-    rows = RowTrainer(TINY, cfg)
+    packed = Trainer(TINY, dataclasses.replace(cfg, pack_prefixes=True))
+    rows = Trainer(TINY, cfg)
     state = _moved(rows, params, jax.random.PRNGKey(4))
     a, ma = packed.update(jax.tree.map(jnp.copy, state), batch, params)
     b, mb = rows.update(jax.tree.map(jnp.copy, state), batch, params)
     assert ma["optimizer_steps"] == mb["optimizer_steps"] == (3 if mini == 4 else 1) * epochs
     assert packed.on_policy(batch) == (mini == 64)
-    # AdamW's first step is ~lr * sign(g) per weight: the tolerance of test_train's packed
-    # vs per-row comparison (1% of a 1e-3 step), the gradients compared through grad_norm below.
+    # AdamW's first step is ~lr * sign(g) per weight: the tolerance of test_train's grouped
+    # vs scan comparison (1% of a 1e-3 step), the gradients compared through grad_norm below.
     # k_bias is the exception: its exact gradient is 0 (softmax is invariant to the per-query
     # constant q . b_k), so both paths' k_bias gradients are round-off (~1e-9) and AdamW (eps
     # 1e-8) turns them into steps up to ~lr * |g| / eps: compared to a tenth of lr per step.
@@ -157,7 +156,7 @@ def test_packed_update_on_a_mesh_equals_single_device(params):
     replicated over the data axis) gives the single-device packed update."""
     from strata_jax.sharding import make_mesh
     batch = make_batch(shared_records(seed=5))
-    cfg = train_config("grpo", dropout=0.0)
+    cfg = train_config("grpo", dropout=0.0, pack_prefixes=True)
     single_trainer = Trainer(TINY, cfg)
     state = single_trainer.init_state(params, jax.random.PRNGKey(1))
     single, m1 = single_trainer.update(state, batch, ref_params=params)

@@ -3,11 +3,9 @@
 One job per module: state.py (the TrainState and its optimisers), scoring.py (the forward and
 the chunked LM-head logprobs), critic.py, batching.py (host-side batch helpers), prefix_tree.py
 (the prefix-tree packed layout of a batch's rows, host numpy), steps.py (the
-pure jitted scoring / advantage / gradient-accumulation / optimizer steps), trainer.py
-(`Trainer`: the update flow of docs/method.md §9 around those steps, always over prefix-tree
-packed rows), reference.py (`RowTrainer`: the per-row reference the tests compare with),
-checkpoint.py (the orbax layout and resume rules), sft/ (the behaviour-cloning warm start's
-data and trainer).
+pure jitted scoring / advantage / mini-batch steps), trainer.py (`Trainer`: the update flow of
+docs/method.md §9 around those steps), checkpoint.py (the orbax layout and resume rules), sft/
+(the behaviour-cloning warm start's data and trainer).
 """
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import (dropout_values, init_critic, init_value_head,
@@ -18,14 +16,15 @@ from strata_jax.training.prefix_tree import PackedLayout, pack_rows
 from strata_jax.training.state import TrainState, create_train_state, lr_schedule, make_optimizer
 from strata_jax.algos.batch import pad_rows
 from strata_jax.training.batching import minibatch_plan, num_minibatches, trim_padding
-from strata_jax.training.steps import advantages, effective_params, micro_loss
+from strata_jax.training.steps import (accumulate_grads, advantages, effective_params, micro_loss,
+                                       score_batch, train_minibatch)
 from strata_jax.training.trainer import Trainer
 
 __all__ = [
     "TrainConfig", "TrainState", "Trainer", "create_train_state", "make_optimizer",
     "lr_schedule", "init_critic", "init_value_head", "value_from_hidden", "dropout_values",
-    "response_states", "response_logprobs", "sequence_inputs", "advantages", "micro_loss",
-    "minibatch_plan", "pad_rows",
+    "response_states", "response_logprobs", "sequence_inputs", "score_batch", "advantages",
+    "train_minibatch", "accumulate_grads", "micro_loss", "minibatch_plan", "pad_rows",
     "num_minibatches", "trim_padding", "effective_params", "PackedInputs",
     "packed_response_states", "PackedLayout", "pack_rows",
 ]

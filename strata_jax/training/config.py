@@ -25,7 +25,9 @@ LR_SCHEDULES = ("constant", "cosine")
 _OPTIM_FIELDS = ("lr", "critic_lr", "weight_decay", "grad_clip", "warmup_steps", "ppo_epochs",
                  "mini_batch_size", "micro_batch_size")
 _TRAIN_FIELDS = ("adam_eps", "lr_schedule", "decay_steps", "compute_dtype", "logprob_chunk",
-                 "score_rows", "recompute_old", "trim_padding", "donate_state", "scan_layers",
+                 "score_rows", "recompute_old", "trim_padding", "group_by_length", "pack_prefixes",
+                 "donate_state",
+                 "scan_layers",
                  "critic", "value_trunk_coef", "value_head_init_std")
 
 
@@ -57,21 +59,26 @@ class TrainConfig:
     Optimiser (c.optim): lr, critic_lr, weight_decay, grad_clip, warmup_steps (linear warmup in
       optimizer steps), lr_schedule ("constant" | "cosine" to 0 at `decay_steps` optimizer steps),
       ppo_epochs, mini_batch_size (step samples per optimizer step; strategy samples are spread
-      evenly over the mini-batches on top), micro_batch_size (the gradient-accumulation unit, a
-      token budget: the update packs each mini-batch's rows into prefix trees, training/
-      prefix_tree.py, and a packed micro-batch holds at most micro_batch_size x the batch's
-      prompt + response columns tokens, the memory of that many unpacked rows).
+      evenly over the mini-batches on top), micro_batch_size (rows per gradient-accumulation unit).
       adam_eps: AdamW epsilon (torch's default 1e-8).
     Model execution: remat ("none" | "full" | "dots": jax.checkpoint policy over the forward),
       compute_dtype ("float32" | "bfloat16": params are cast for the forward, the optimizer keeps
       the stored dtype), logprob_chunk (positions per LM-head chunk), temperature (train
-      temperature of pi_old / pi_theta, docs/method.md §9.1), score_rows (the token budget of a
-      chunk of the no-grad scoring passes, in rows at the batch's width like micro_batch_size;
-      0 = micro_batch_size), recompute_old (run the old-logprob pass
+      temperature of pi_old / pi_theta, docs/method.md §9.1), score_rows (rows per chunk of the
+      no-grad scoring passes; 0 = micro_batch_size), recompute_old (run the old-logprob pass
       even when the update is exactly on-policy, one epoch of one mini-batch, where pi_old is
       the step's own logprob under stop_gradient; same result, one forward more: a check),
       trim_padding (drop all-padding prompt / response columns before scoring and training,
-      widths bucketed; same result),
+      widths bucketed; same result), group_by_length (the rows of a mini-batch sorted by length
+      into micro-batches, each run at its own width bucket: padded columns are not computed;
+      same gradient up to float summation order, one compiled gradient step per (prompt,
+      response) width-bucket pair; False = one scan over micro-batches at the batch's width),
+      pack_prefixes (the prefix-tree packed update, training/prefix_tree.py: the scoring
+      passes and the gradient step run each shared prompt prefix once, over packed rows with
+      the tree attention rule; same scores and gradient up to float summation order;
+      replaces group_by_length and the scan when on. micro_batch_size is then a token budget:
+      a packed micro-batch holds at most micro_batch_size x the batch's prompt + response
+      columns tokens, the memory of a per-row micro-batch; score_rows likewise),
       donate_state (the optimizer step reuses the buffers of the state passed to `Trainer.update` / `train_on_batch`: one copy of params + moments less at
       the peak, but the caller's state object is dead after the call; on by default, False for
       a caller that updates one state more than once), scan_layers (with remat, the decoder
@@ -108,6 +115,8 @@ class TrainConfig:
     score_rows: int = 0
     recompute_old: bool = False
     trim_padding: bool = True
+    group_by_length: bool = True
+    pack_prefixes: bool = False
     donate_state: bool = True
     scan_layers: bool = False
     critic: str = "auto"

@@ -1,24 +1,19 @@
 """The update's pure jitted functions of (state, arrays), model and train configs static
-(docs/method.md §9, docs/design.md §12.1); `Trainer` (trainer.py) holds the static pieces, plans
-the prefix-tree packed micro-batches on the host and calls these.
+(docs/method.md §9); `Trainer` (trainer.py) holds the static pieces and calls them.
 
-* Scoring (no grad): `gather_chunk` cuts a packed chunk's rows out of the batch, `score_rows`
-  runs pi_old logprobs = the trainer's own recomputation at the train temperature
-  (docs/method.md §9.1), reference logprobs from the frozen initial params (when kl_coef != 0),
-  critic values V(h_t) and their dropout std (PPO: separate critic; STAPO: value head on the
-  policy trunk) over the chunk's packed row, and `scatter_scores` puts them back into the
-  SampleBatch slots old_logprobs / ref_logprobs / values / value_std BEFORE the estimator runs.
-* `advantages`: the estimator registry (`compute_advantages(cfg.estimator_name, ...)`); value
-  targets are the estimator's ``row/value_targets``.
-* One optimizer step per mini-batch: `minibatch_counts` (the whole mini-batch's loss
-  normalisers), then per packed micro-batch `gather_micro` + `accumulate_micro` (adds its
-  loss, gradients and metric sums to a donated `GradCarry`), then `apply_step` (AdamW). Every
-  level's token-mean is normalised by that level's count over the WHOLE mini-batch
-  (`loss_normalizers`), so the summed micro-batch gradients equal the mini-batch gradient. A
-  step with a non-finite loss or gradient is skipped: params, critic and both optimizer states
-  are kept bit-identical and the step is counted in metrics["skipped"].
-* `micro_loss` with packed=None runs the plain per-row forward: the reference the packed path
-  is tested against (training/reference.py), not a production path.
+* `score_batch` (no grad, chunks of rows via ``lax.map``): pi_old logprobs = the trainer's own
+  recomputation at the train temperature (docs/method.md §9.1), reference logprobs from the
+  frozen initial params (when kl_coef != 0), critic values V(h_t) and their dropout std (PPO:
+  separate critic; STAPO: value head on the policy trunk). They fill the SampleBatch slots
+  old_logprobs / ref_logprobs / values / value_std BEFORE the estimator runs.
+* `advantages`: the estimator registry (`compute_advantages(cfg.estimator_name, ...)`, the algo's estimator); value targets are
+  the estimator's ``row/value_targets``.
+* `train_minibatch`: micro-batches of `micro_batch_size` rows in a ``lax.scan``
+  (`accumulate_grads`); every level's token-mean is normalised by that level's count over the
+  WHOLE mini-batch (`loss_normalizers`), so the summed micro-batch gradients equal the
+  mini-batch gradient. Micro-batches holding only padding rows are skipped at run time
+  (``lax.cond``). A step with a non-finite loss or gradient is skipped: params, critic and both
+  optimizer states are kept bit-identical and the step is counted in metrics["skipped"].
 
 LoRA (cfg.lora.rank > 0, strata_jax/models/lora.py): ``state.params`` holds only the adapters;
 the frozen base params ride along as ``base`` / ``ref_params``, and every forward runs
@@ -27,7 +22,7 @@ the frozen base params ride along as ``base`` / ``ref_params``, and every forwar
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +104,59 @@ def _score_chunk(params, critic_params, ref_params, pi, pm, ri, rm, key, *, mode
     return old, ref, v, s
 
 
+def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
+                 model: Qwen2Config, cfg: TrainConfig, use_ref: bool, chunk_rows: int,
+                 use_old: bool = True):
+    r = batch.num_rows
+    n = r // chunk_rows
+    params, critic_params = _scoring_params(params, critic_params, ref_params, cfg)
+
+    def split(x):
+        return x.reshape((n, chunk_rows) + x.shape[1:])
+
+    xs = (split(batch.prompt_ids), split(batch.prompt_mask), split(batch.response_ids),
+          split(batch.response_mask), jnp.arange(n), split(batch.valid))
+
+    def one(x):
+        # A chunk of padding rows only (bucketing pads up to 1.5x) costs nothing: same rule as
+        # the training micro-batches.
+        *x, ok = x
+        return jax.lax.cond(jnp.any(ok), compute, skip, tuple(x))
+
+    def skip(x):
+        b, t = x[2].shape
+        z = jnp.zeros((b, t), jnp.float32)
+        return z, z, jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.float32)
+
+    def compute(x):
+        pi, pm, ri, rm, i = x
+        return _score_chunk(params, critic_params, ref_params, pi, pm, ri, rm,
+                            jax.random.fold_in(key, i), model=model, cfg=cfg, use_ref=use_ref,
+                            use_old=use_old)
+
+    old, ref, v, s = jax.lax.map(one, xs)
+    merge = lambda x: x.reshape((r,) + x.shape[2:])  # noqa: E731
+    valid = batch.valid
+    return batch.replace(old_logprobs=merge(old), ref_logprobs=merge(ref),
+                         values=jnp.where(valid, merge(v), 0.0),
+                         value_std=jnp.where(valid, merge(s), 0.0))
+
+
+score_batch = jax.jit(_score_batch, static_argnames=("model", "cfg", "use_ref", "chunk_rows",
+                                                     "use_old"))
+score_batch.__doc__ = """Fill old_logprobs, ref_logprobs, values, value_std of a SampleBatch.
+
+Args: params (policy; LoRA: the adapters), critic_params (`init_critic` tree), ref_params
+(frozen initial policy; ignored unless use_ref or LoRA, where it is the base), batch (R rows,
+R a multiple of chunk_rows), key (dropout PRNGKey);
+static: model, cfg, use_ref, chunk_rows (rows per lax.map step: peak activation memory),
+use_old (False: no old-logprob pass, old_logprobs left 0; the on-policy update does not read
+them). Returns the batch with old/ref logprobs [R, Tr] f32 (0 off response_mask; ref 0 without
+use_ref), values [R] f32 = V(h_t) without dropout, value_std [R] f32 = std over
+cfg.dropout_passes dropout passes (0 with no critic / dropout 0; 0 on invalid rows).
+"""
+
+
 def _take_rows(batch: SampleBatch, idx, real) -> SampleBatch:
     """Rows idx of every field; padding entries (real False) become invalid rows."""
     mb = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch)
@@ -147,25 +195,18 @@ gather_chunk = jax.jit(_gather_chunk, static_argnames=("widths",))
 gather_chunk.__doc__ = """The rows idx [m] int32 of a SampleBatch, trimmed to static widths =
 (prompt columns, response columns) (`batching.trim_columns`; every row must fit), with valid
 &= real [m] bool (False = padding entry). A cheap program per batch shape; the programs that
-run the model (`score_rows`, `accumulate_micro`) then see only the chunk's shapes. The packed
-update keeps one prompt column (the packed row carries the prompts) and the chunk's bucketed
-response columns."""
+run the model (`score_rows`, `accumulate_micro`) then see only [m, widths] shapes."""
 
 score_rows = jax.jit(_score_rows, static_argnames=("model", "cfg", "use_ref", "use_old"))
-score_rows.__doc__ = """The no-grad scoring passes of one chunk of rows.
+score_rows.__doc__ = """`score_batch`'s passes on one chunk of rows at its own width.
 
-Args: params (policy; LoRA: the adapters), critic_params (`init_critic` tree), ref_params
-(frozen initial policy; ignored unless use_ref or LoRA, where it is the base); b: the chunk
-(`gather_chunk`: [m, wp] prompt, [m, wr] response); key: the dropout PRNGKey of this chunk;
-packed: the chunk's `PackedInputs` (the forward runs over the prefix-tree packed row: each
-shared prefix once; b's prompt columns are then not read), or None for the plain per-row
-forward over b's own prompt columns (the reference, training/reference.py); static model,
-cfg, use_ref, use_old (False: no old-logprob pass, old logprobs left 0; the on-policy update
-does not read them).
-Returns (old [m, wr], ref [m, wr], values [m], value_std [m]) f32: old / ref logprobs 0 off
-response_mask (ref 0 without use_ref), values = V(h_t) without dropout, value_std = std over
-cfg.dropout_passes dropout passes (0 with no critic / dropout 0; values and value_std 0 on
-invalid rows); `scatter_scores` puts them back. One compiled program per chunk shape.
+Args: params, critic_params, ref_params as `score_batch`; b: the chunk (`gather_chunk`: [m, wp]
+prompt, [m, wr] response); key: the dropout PRNGKey of this chunk; packed: None, or the
+chunk's `PackedInputs` (the forward runs over the prefix-tree packed row instead of the rows'
+prompts: same scores; b's prompt columns are then not read); static model, cfg, use_ref,
+use_old. Returns (old [m, wr], ref [m, wr], values [m], value_std [m]) f32: what `score_batch`
+computes for these rows (values / value_std 0 on invalid rows); `scatter_scores` puts them back.
+One compiled program per (m, wp, wr) (packed: per (m, w, wr)).
 """
 
 scatter_scores = jax.jit(_scatter_scores, donate_argnames=("scores",))
@@ -184,6 +225,9 @@ advantages = jax.jit(_advantages, static_argnames=("algo", "est"))
 def _gather(batch, adv, w, targets, idx, real):
     take = lambda x: jnp.take(x, idx, axis=0)  # noqa: E731
     return _take_rows(batch, idx, real), take(adv), take(w), take(targets)
+
+
+gather_rows = jax.jit(_gather)
 
 
 def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normalizers, n_values,
@@ -265,44 +309,21 @@ def _minibatch_counts(mb: SampleBatch):
     return norms, n_values
 
 
-class GradCarry(NamedTuple):
-    """The gradient accumulator of one mini-batch (`zero_carry`, `accumulate_micro`,
-    `finish_carry`); every leaf is its own buffer, so the carry can be donated.
-
-    Attributes:
-      grads: gradients of the params (LoRA: of the adapters), summed over micro-batches, f32.
-      critic_grads: gradients of the critic params ({} without a critic).
-      loss_sum: f32 scalar, the micro-batch losses summed (each already normalised by the whole
-        mini-batch's counts, so the sum is the mini-batch loss).
-      metric_sums: {metric: f32 scalar}, each micro-batch's metric times what it averages over
-        (token means x loss tokens, value metrics x step samples; the already-normalised
-        losses x 1).
-      loss_tokens: f32 scalar, loss tokens seen (`loss_mask`).
-      value_samples: f32 scalar, valid step samples seen (the value loss's count).
-    """
-
-    grads: Params
-    critic_grads: Params
-    loss_sum: jax.Array
-    metric_sums: dict[str, jax.Array]
-    loss_tokens: jax.Array
-    value_samples: jax.Array
-
-
-def _zero_carry(params, critic_params, keys) -> GradCarry:
+def _zero_carry(params, critic_params, keys):
+    """Accumulator of `_accumulate_micro`: (grads of params, of critic_params, loss sum,
+    metric sums, loss tokens, valid step samples); every leaf its own buffer (donatable)."""
     z = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
-    return GradCarry(grads=jax.tree.map(jnp.zeros_like, params),
-                     critic_grads=jax.tree.map(jnp.zeros_like, critic_params),
-                     loss_sum=z(), metric_sums={k: z() for k in keys}, loss_tokens=z(),
-                     value_samples=z())
+    return (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, critic_params),
+            z(), {k: z() for k in keys}, z(), z())
 
 
-def _accumulate_micro(carry: GradCarry, params, critic_params, b: SampleBatch, a, ww, tt, norms,
-                      n_values, base, *, model: Qwen2Config, cfg: TrainConfig, on_policy: bool,
-                      keys, packed: PackedInputs | None = None) -> GradCarry:
+def _accumulate_micro(carry, params, critic_params, b: SampleBatch, a, ww, tt, norms, n_values,
+                      base, *, model: Qwen2Config, cfg: TrainConfig, on_policy: bool, keys,
+                      packed: PackedInputs | None = None):
     """carry + one micro-batch's loss, gradients and metric sums (`micro_loss`; metrics scaled
-    by what they average over, so `finish_carry` returns whole-mini-batch means). A micro-batch
-    of padding rows only costs nothing (``lax.cond``)."""
+    by what they average over, so `_finish_carry` returns whole-mini-batch means). A micro-batch
+    of padding rows only (the tail of a short mini-batch) costs nothing (``lax.cond``)."""
+    gp, gc, loss_sum, msum, tok, val = carry
     grad_fn = jax.value_and_grad(micro_loss, argnums=(0, 1), has_aux=True)
 
     def compute(_):
@@ -321,27 +342,54 @@ def _accumulate_micro(carry: GradCarry, params, critic_params, b: SampleBatch, a
     new_m = {}
     for k in keys:
         scale = 1.0 if k in _SUM_METRICS else (n_val if k in _VALUE_METRICS else n_tok)
-        new_m[k] = carry.metric_sums[k] + met[k] * scale
+        new_m[k] = msum[k] + met[k] * scale
     add = lambda x, y: x + y  # noqa: E731
-    return GradCarry(grads=jax.tree.map(add, carry.grads, g1),
-                     critic_grads=jax.tree.map(add, carry.critic_grads, g2),
-                     loss_sum=carry.loss_sum + loss, metric_sums=new_m,
-                     loss_tokens=carry.loss_tokens + n_tok,
-                     value_samples=carry.value_samples + n_val)
+    return (jax.tree.map(add, gp, g1), jax.tree.map(add, gc, g2), loss_sum + loss, new_m,
+            tok + n_tok, val + n_val)
 
 
-def finish_carry(carry: GradCarry, *, cfg: TrainConfig, on_policy: bool = False):
-    """(loss f32, grads of params, grads of critic_params, metrics) of an accumulated
-    mini-batch: the metric sums divided by what they were scaled with (loss tokens, step
-    samples; the already-normalised losses as they are), plus metrics["tokens"] = loss tokens.
-    Eager or under jit; the metrics are those of cfg and on_policy (`zero_carry`)."""
+def _finish_carry(carry, keys):
+    """(loss f32, grads of params, grads of critic_params, metrics) from the accumulator."""
+    gp, gc, loss, msum, tok, val = carry
     metrics = {}
-    for k in _metric_keys(cfg, on_policy):
-        denom = 1.0 if k in _SUM_METRICS else jnp.maximum(
-            carry.value_samples if k in _VALUE_METRICS else carry.loss_tokens, 1.0)
-        metrics[k] = carry.metric_sums[k] / denom
-    metrics["tokens"] = carry.loss_tokens
-    return carry.loss_sum, carry.grads, carry.critic_grads, metrics
+    for k in keys:
+        denom = 1.0 if k in _SUM_METRICS else jnp.maximum(val if k in _VALUE_METRICS else tok, 1.0)
+        metrics[k] = msum[k] / denom
+    metrics["tokens"] = tok
+    return loss, gp, gc, metrics
+
+
+def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, base=None, *,
+                      model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
+    rows = mb.num_rows
+    m = cfg.micro_batch_size
+    if rows % m:
+        raise ValueError(f"mini-batch rows {rows} must be a multiple of micro_batch_size {m}")
+    adv, w, targets = _masked_targets(mb.valid, adv, w, targets)
+    norms, n_values = _minibatch_counts(mb)
+    split = lambda x: x.reshape((rows // m, m) + x.shape[1:])  # noqa: E731
+    micro = jax.tree.map(split, (mb, adv, w, targets))
+    keys = _metric_keys(cfg, on_policy)
+
+    def body(carry, xs):
+        b, a, ww, tt = xs
+        return _accumulate_micro(carry, params, critic_params, b, a, ww, tt, norms, n_values,
+                                 base, model=model, cfg=cfg, on_policy=on_policy,
+                                 keys=keys), None
+
+    carry, _ = jax.lax.scan(body, _zero_carry(params, critic_params, keys), micro)
+    return _finish_carry(carry, keys)
+
+
+accumulate_grads = jax.jit(_accumulate_grads, static_argnames=("model", "cfg", "on_policy"))
+accumulate_grads.__doc__ = """Mini-batch loss and gradients summed over micro-batches.
+
+Args: params, critic_params; mb: SampleBatch (rows a multiple of cfg.micro_batch_size); adv,
+w, targets [rows] f32; base: the frozen base params when LoRA is on (params = adapters;
+gradients are the adapters'), else None; static model, cfg, on_policy (see `micro_loss`).
+Every micro-batch loss is normalised by the WHOLE mini-batch's per-level counts
+(`loss_normalizers`), so the result does not depend on micro_batch_size. Returns (loss f32, grads of params, grads of critic_params, metrics).
+"""
 
 
 def _apply_grads(state: TrainState, loss, gp, gc, metrics, *, cfg: TrainConfig):
@@ -372,11 +420,44 @@ def _apply_grads(state: TrainState, loss, gp, gc, metrics, *, cfg: TrainConfig):
     return state, metrics
 
 
-def _minibatch_counts_of(batch: SampleBatch, idx, real):
+def _train_minibatch(state: TrainState, mb: SampleBatch, adv, w, targets, base=None, *,
+                     model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
+    loss, gp, gc, metrics = _accumulate_grads(state.params, state.critic_params, mb, adv, w,
+                                              targets, base, model=model, cfg=cfg,
+                                              on_policy=on_policy)
+    return _apply_grads(state, loss, gp, gc, metrics, cfg=cfg)
+
+
+train_minibatch = jax.jit(_train_minibatch, static_argnames=("model", "cfg", "on_policy"))
+_train_minibatch_donated = jax.jit(_train_minibatch, static_argnames=("model", "cfg", "on_policy"),
+                                   donate_argnames=("state",))
+train_minibatch.__doc__ = """One optimizer step on one mini-batch (see the module docstring).
+
+Args: state; mb: SampleBatch of the mini-batch rows (old/ref logprobs and values filled;
+rows a multiple of cfg.micro_batch_size); adv, w, targets: [rows] f32 advantages, sample
+weights, value targets; base: frozen base params when LoRA is on (state.params = adapters, the
+only leaves that change), else None; static: model, cfg, on_policy (the only step of an
+exactly on-policy update: pi_old = stop_gradient of the current logprobs, see `micro_loss`).
+Returns (new state, metrics: loss, grad_norm, critic_grad_norm, skipped (1.0 when the
+non-finite step was skipped), tokens, and the token-mean loss metrics of `ppo_loss` /
+`value_loss`). The step counter `state.step` is NOT advanced here (it counts iterations).
+"""
+
+
+# ----------------------------------------------------------------------------- length-grouped
+# The same mini-batch step as `train_minibatch`, run from the host one micro-batch at a time so
+# each micro-batch can have its own width (`Trainer`, cfg.group_by_length): rows sorted by
+# length share micro-batches, and a micro-batch of short rows does not pay for the longest
+# prompt of the mini-batch. The model runs only in programs that see one micro-batch
+# (`accumulate_micro`: one compilation per (prompt, response) width pair, whatever the batch's
+# row count or width); the gathers that cut micro-batches out of the batch are cheap programs.
+
+
+def _grouped_counts(batch: SampleBatch, idx, real):
     return _minibatch_counts(_take_rows(batch, idx, real))
 
 
-minibatch_counts = jax.jit(_minibatch_counts_of)
+minibatch_counts = jax.jit(_grouped_counts)
 minibatch_counts.__doc__ = """(normalizers, n_values) of the mini-batch of rows idx [rows] int32
 (real [rows] bool marks the padding entries) of `batch`: the per-level loss token / sequence
 counts (`loss_normalizers`) and the valid step-sample count (f32), shared by its micro-batches."""
@@ -395,15 +476,14 @@ accumulate_micro = jax.jit(_micro_step, static_argnames=("model", "cfg", "on_pol
                            donate_argnames=("carry",))
 accumulate_micro.__doc__ = """carry + one micro-batch's loss, gradients and metric sums.
 
-Args: carry (`GradCarry`: `zero_carry(params, critic_params, cfg=, on_policy=)` or a previous
-result; donated); params, critic_params; b: the micro-batch (`gather_micro`); a, ww, tt [m] f32
-advantages, sample weights, value targets (NaN on invalid rows is masked out); norms,
-n_values: the WHOLE mini-batch's counts (`minibatch_counts`), so the micro-batch sums add up
-to the mini-batch loss and gradient whatever the micro-batching; base: the frozen LoRA base
-(params = adapters) or None; packed: b's `PackedInputs` (the prefix-tree packed forward, the
-Trainer's path), or None for the per-row reference forward (`micro_loss`); static model, cfg,
-on_policy (see `micro_loss`). Returns the new GradCarry. A micro-batch of padding rows only
-is skipped at run time. One compiled program per micro-batch shape.
+Args: carry (`zero_carry(params, critic_params, cfg=, on_policy=)` or a previous result;
+donated); params, critic_params; b: the micro-batch (`gather_micro`: [m, wp] prompt, [m, wr]
+response, its own widths); a, ww, tt [m] f32 advantages, sample weights, value targets; norms,
+n_values: the WHOLE mini-batch's counts (`minibatch_counts`); base: the frozen LoRA base or
+None; packed: None, or b's `PackedInputs` (the prefix-tree packed forward, `micro_loss`);
+static model, cfg, on_policy (see `micro_loss`). Summing every micro-batch of a
+mini-batch gives the `accumulate_grads` result up to float summation order. One compiled
+program per micro-batch shape (m, wp, wr).
 """
 
 
@@ -413,23 +493,21 @@ def _gather_micro(batch: SampleBatch, adv, w, targets, idx, real, *, widths):
 
 
 gather_micro = jax.jit(_gather_micro, static_argnames=("widths",))
-gather_micro.__doc__ = """The micro-batch rows idx [m] int32 of a SampleBatch and its adv, w,
-targets [R] f32 (real [m] bool, False = padding entry: an invalid row), trimmed to static
-widths = (prompt columns, response columns) kept (`batching.trim_columns`; every row must
-fit). Returns (micro-batch, adv, w, targets [m])."""
+gather_micro.__doc__ = """`gather_rows` of the micro-batch rows idx [m] int32 (real [m] bool,
+False = padding entry), trimmed to static widths = (prompt columns, response columns) kept
+(`batching.trim_columns`; every row must fit). Returns (micro-batch, adv, w, targets [m])."""
 
 
-def zero_carry(params, critic_params, *, cfg: TrainConfig, on_policy: bool = False) -> GradCarry:
-    """The empty `GradCarry` `accumulate_micro` adds to: zero gradients like params and
+def zero_carry(params, critic_params, *, cfg: TrainConfig, on_policy: bool = False):
+    """The empty accumulator `accumulate_micro` adds to: zero gradients like params and
     critic_params (created eagerly, so each keeps its param's sharding on a mesh; under jit they
     would come out replicated), zero loss / metric sums / counts (the metrics of cfg,
     on_policy)."""
     return _zero_carry(params, critic_params, _metric_keys(cfg, on_policy))
 
 
-def _apply_carry(state: TrainState, carry: GradCarry, *, cfg: TrainConfig,
-                 on_policy: bool = False):
-    loss, gp, gc, metrics = finish_carry(carry, cfg=cfg, on_policy=on_policy)
+def _apply_carry(state: TrainState, carry, *, cfg: TrainConfig, on_policy: bool = False):
+    loss, gp, gc, metrics = _finish_carry(carry, _metric_keys(cfg, on_policy))
     return _apply_grads(state, loss, gp, gc, metrics, cfg=cfg)
 
 
@@ -443,15 +521,20 @@ _apply_accumulated_donated = jax.jit(_apply_carry, static_argnames=_apply_static
 
 
 def apply_step(cfg: TrainConfig):
-    """The jitted optimizer step on an accumulated mini-batch (`accumulate_micro`):
-    (state, carry, *, cfg, on_policy) -> (new state, metrics: loss, grad_norm,
-    critic_grad_norm, skipped (1.0 when the non-finite step was skipped: params, critic and
-    both optimizer states bit-identical), tokens, and the mini-batch means of `ppo_loss` /
-    `value_loss` metrics). The state is donated when cfg.donate_state, else the carry is. The
-    step counter `state.step` is NOT advanced (it counts iterations)."""
+    """The jitted optimizer step on accumulated micro-batches (`accumulate_micro`):
+    (state, carry, *, cfg, on_policy) -> (new state, metrics as `train_minibatch` returns them);
+    the state is donated when cfg.donate_state, else the carry is."""
     return _apply_accumulated_donated if cfg.donate_state else _apply_accumulated
 
 
-__all__ = ["effective_params", "advantages", "micro_loss", "gather_chunk", "score_rows",
-           "scatter_scores", "minibatch_counts", "GradCarry", "zero_carry", "gather_micro",
-           "accumulate_micro", "finish_carry", "apply_step"]
+def minibatch_step(cfg: TrainConfig):
+    """The jitted optimizer step `Trainer.train_on_batch` runs for `cfg`: `train_minibatch`,
+    with the state's buffers donated when cfg.donate_state (same arguments and results; the
+    input state is deleted by the call)."""
+    return _train_minibatch_donated if cfg.donate_state else train_minibatch
+
+
+__all__ = ["effective_params", "score_batch", "advantages", "gather_rows", "micro_loss",
+           "accumulate_grads", "train_minibatch", "minibatch_step", "minibatch_counts",
+           "zero_carry", "gather_micro", "accumulate_micro", "apply_step", "gather_chunk",
+           "score_rows", "scatter_scores"]

@@ -2,22 +2,17 @@
 
 Flow of `Trainer.update(state, batch, ref_params)` (docs/method.md §9):
 
-1. `score`: the valid rows packed into prefix trees (`prefix_tree.packed_micro_batches`,
-   docs/design.md §12.1: each shared prompt prefix computed once), then per packed chunk
-   `score_rows` (steps.py; no grad): pi_old logprobs recomputed by the trainer (docs/method.md
+1. `score_batch` (steps.py; no grad): pi_old logprobs recomputed by the trainer (docs/method.md
    §9.1), reference logprobs (when kl_coef != 0), critic values and their dropout std, filled
    into the SampleBatch BEFORE the estimator runs.
 2. `advantages` (steps.py): the estimator registry; value targets from ``row/value_targets``.
 3. `ppo_epochs` passes; each shuffles the valid rows into mini-batches of `mini_batch_size`
    step samples (evenly split), with the strategy samples spread evenly over the mini-batches
    (`minibatch_plan`, batching.py).
-4. `train_on_batch`: one optimizer step per mini-batch, its rows packed into prefix-tree
-   micro-batches whose gradients are accumulated (`accumulate_micro`, then `apply_step`); a
-   non-finite step is skipped and counted in metrics["skipped_steps"].
-
-`micro_batch_size` (and `score_rows`) is a token budget: a packed micro-batch holds at most
-micro_batch_size x (the batch's prompt + response columns) tokens, the memory of that many
-unpacked rows. The per-row forward the packed one is tested against is in reference.py.
+4. `train_minibatch` (steps.py): one optimizer step per mini-batch, gradients accumulated over
+   micro-batches; a non-finite step is skipped and counted in metrics["skipped_steps"].
+   With train.pack_prefixes the scoring passes and the micro-batches run over prefix-tree packed
+   rows instead (training/prefix_tree.py, docs/design.md §12.1): each shared prompt prefix once.
 
 Everything jitted is a pure function of (state, arrays) with the model / train configs static
 (steps.py); `Trainer` only holds the static pieces and the mesh, places batches and states on
@@ -48,15 +43,17 @@ from strata_jax.distributed import host_values
 from strata_jax.models import Qwen2Config, init_params, param_shardings
 from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
 from strata_jax.sharding import logical_to_spec
-from strata_jax.training.batching import minibatch_plan, num_minibatches, trim_padding
+from strata_jax.training.batching import (length_grouped_micro_batches, minibatch_plan,
+                                          num_minibatches, row_widths, trim_padding)
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
 from strata_jax.training.prefix_tree import PackedMicroBatch, packed_micro_batches
 from strata_jax.training.scoring import PackedInputs
 from strata_jax.training.state import TrainState, create_train_state, make_optimizer
-from strata_jax.training.steps import (accumulate_micro, advantages, apply_step, finish_carry,
-                                       gather_chunk, gather_micro, minibatch_counts,
-                                       scatter_scores, score_rows, zero_carry)
+from strata_jax.training.steps import (accumulate_micro, advantages, apply_step, gather_chunk,
+                                       gather_micro, gather_rows, minibatch_counts,
+                                       minibatch_step, scatter_scores, score_batch, score_rows,
+                                       zero_carry)
 
 Params = dict[str, Any]
 log = logging.getLogger(__name__)
@@ -206,24 +203,16 @@ class Trainer:
 
     def score(self, state: TrainState, batch: SampleBatch, ref_params: Params | None,
               key: jax.Array, use_old: bool = True) -> SampleBatch:
-        """Pad rows, place the batch, and fill old/ref logprobs and values.
+        """Pad rows, place the batch, and fill old/ref logprobs and values (`score_batch`).
 
         Only the passes something reads run: the old-logprob pass when use_old, the reference
         pass when loss.kl_coef != 0, the critic when there is one; with none of them the batch
-        is only padded and placed (no forward). The valid rows are packed into prefix-tree
-        chunks of a token budget of cfg.score_rows (0: micro_batch_size) rows at the batch's
-        width (`_plan`), each scored by `score_rows` and put back by `scatter_scores`: the
-        scores of the per-row forward up to float summation order, each shared prefix
-        computed once. Invalid rows (nothing reads them) keep 0 logprobs and values; the
-        dropout masks of the value-std passes are drawn per chunk.
-
-        Args: state; batch (numpy or jax, any row count: padded to a multiple of the chunk);
-        ref_params: the frozen initial params (needed when kl_coef != 0 and with LoRA, where
-        they are the base); key: dropout PRNGKey; use_old: run the old-logprob pass.
-        Returns the placed, padded batch with old_logprobs / ref_logprobs [R, Tr] f32 and
-        values / value_std [R] f32 filled. Raises ValueError when LoRA is on or kl_coef != 0
-        and ref_params is None.
-        """
+        is only padded and placed (no forward). With cfg.group_by_length the rows run in
+        chunks of similar length, each at its own width (`gather_chunk`, `score_rows`,
+        `scatter_scores`): the same scores for valid rows (invalid rows, which nothing reads,
+        keep 0 logprobs), the dropout masks of the value-std passes drawn per chunk. With
+        cfg.pack_prefixes (takes precedence) the chunks are prefix-tree packed rows
+        (`_packed_score`): the same scores."""
         cfg = self.cfg
         chunk = cfg.score_rows or cfg.micro_batch_size
         use_ref = bool(cfg.loss.kl_coef)
@@ -238,113 +227,142 @@ class Trainer:
             return batch
         ref = ref_params if use_ref or self.lora else None
         static = dict(model=self.model, cfg=cfg, use_ref=use_ref, use_old=use_old)
-        ids, valid = _host_ids(batch), host_values(batch.valid)
         with self._ctx():
-            plan, _ = self._plan(ids, np.arange(batch.num_rows), valid, chunk)
+            if cfg.pack_prefixes:
+                return self._packed_score(state, batch, ref, key, chunk, static)
+            if not cfg.group_by_length:
+                return score_batch(state.params, state.critic_params, ref, batch, key,
+                                   chunk_rows=chunk, **static)
+            # chunks of rows of similar length, each at its own width (as the training steps)
+            need_p, need_r = row_widths(host_values(batch.prompt_mask),
+                                        host_values(batch.response_mask))
+            rows = np.arange(batch.num_rows)
+            plan = length_grouped_micro_batches(rows, host_values(batch.valid), need_p, need_r,
+                                                chunk, batch.prompt_ids.shape[1],
+                                                batch.response_ids.shape[1])
             scores = (jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
                       jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
-            for j, (i, r, widths, packed) in enumerate(plan):
+            for j, (i, r, widths) in enumerate(plan):
                 i, r = jnp.asarray(i), jnp.asarray(r)
-                rows = gather_chunk(batch, i, r, widths=widths)
-                new = score_rows(state.params, state.critic_params, ref, rows,
-                                 jax.random.fold_in(key, j), packed, **static)
+                chunk_rows = gather_chunk(batch, i, r, widths=widths)
+                new = score_rows(state.params, state.critic_params, ref, chunk_rows,
+                                 jax.random.fold_in(key, j), **static)
                 scores = scatter_scores(scores, i, r, new)
+            old, ref_lp, values, value_std = scores
+            return batch.replace(old_logprobs=old, ref_logprobs=ref_lp, values=values,
+                                 value_std=value_std)
+
+    def _packed_score(self, state, batch, ref, key, chunk, static):
+        """`score` over prefix-tree packed micro-batches of all valid rows (a token budget of
+        `chunk` rows at the batch's width each): the same scores, each shared prefix computed
+        once; the value-std dropout masks are drawn per packed chunk."""
+        host = [host_values(getattr(batch, f)) for f in
+                ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+        budget = chunk * (batch.prompt_ids.shape[1] + batch.response_ids.shape[1])
+        rows = np.arange(batch.num_rows)
+        plan = packed_micro_batches(*host, rows, host_values(batch.valid), max_width=budget)
+        scores = (jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
+                  jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
+        for j, mb in enumerate(plan):
+            i, r = jnp.asarray(mb.idx), jnp.asarray(mb.real)
+            chunk_rows = gather_chunk(batch, i, r, widths=(1, mb.response_width))
+            new = score_rows(state.params, state.critic_params, ref, chunk_rows,
+                             jax.random.fold_in(key, j), _packed_inputs(mb), **static)
+            scores = scatter_scores(scores, i, r, new)
         old, ref_lp, values, value_std = scores
         return batch.replace(old_logprobs=old, ref_logprobs=ref_lp, values=values,
                              value_std=value_std)
-
-    def _plan(self, ids, idx, real, rows_budget: int):
-        """The micro-batches (or scoring chunks) of the rows idx[real] of a batch: prefix-tree
-        packed rows of at most rows_budget x (the batch's prompt + response columns) tokens
-        (`prefix_tree.packed_micro_batches`).
-
-        Args: ids: the batch's (prompt_ids, prompt_mask, response_ids, response_mask) on the
-        host (`_host_ids`); idx [n] int, real [n] bool; rows_budget: micro_batch_size (or
-        score_rows). Returns ([(idx [m] int32, real [m] bool, widths = (prompt columns,
-        response columns) to keep, PackedInputs)], computed tokens = the packed rows' columns).
-        The per-row reference (reference.py) overrides this with unpacked micro-batches.
-        """
-        tp, tr = ids[0].shape[1], ids[2].shape[1]
-        packed = packed_micro_batches(*ids, idx, real, max_width=rows_budget * (tp + tr))
-        # the packed row carries the prompts: one prompt column is kept (it is not read)
-        plan = [(mb.idx, mb.real, (1, mb.response_width), _packed_inputs(mb)) for mb in packed]
-        return plan, sum(mb.width for mb in packed)
 
     def train_on_batch(self, state: TrainState, batch: SampleBatch, adv: jax.Array,
                        weights: jax.Array, targets: jax.Array, key: jax.Array,
                        base: Params | None = None, on_policy: bool = False
                        ) -> tuple[TrainState, list[dict]]:
-        """Epochs x mini-batches of optimizer steps on a scored batch with given advantages.
+        """Epochs x mini-batches of `train_minibatch` on a scored batch with given advantages.
 
-        Each mini-batch's rows are packed into prefix trees (`_plan`: packed rows of a token
-        budget of micro_batch_size rows at the batch's width), each packed row one micro-batch:
-        `minibatch_counts`, then `gather_micro` + `accumulate_micro` per packed row, then
-        `apply_step` (the state donated when cfg.donate_state). The same optimizer step as the
-        per-row forward up to float summation order, each shared prefix computed once.
+        With cfg.group_by_length each mini-batch runs as length-grouped micro-batches, each at
+        its own width (`length_grouped_micro_batches`; `gather_micro` and `accumulate_micro`
+        per micro-batch, then `apply_step`): the same optimizer step up to float summation order.
+        With cfg.pack_prefixes (takes precedence) each mini-batch's rows are packed into a
+        prefix tree (`prefix_tree.packed_micro_batches`, a token budget of micro_batch_size
+        rows at the batch's width per packed row) and each packed row is one micro-batch: the
+        same optimizer step up to float summation order, each shared prefix computed once.
 
         Args: batch scored (`score`); adv, weights, targets [R] f32; key: shuffling PRNGKey;
         base: the frozen base params when LoRA is on (else ignored); on_policy: the batch was
         scored without the old-logprob pass (`Trainer.on_policy`; must plan one mini-batch).
         Returns (state, per-step metric dicts of device scalars, each with host ints
-        "computed_tokens" (the columns of the packed rows the forward ran over) and
-        "real_tokens" (prompt + response tokens of its real rows)). Does not advance
-        state.step. Raises ValueError (`prefix_tree.pack_rows`) on malformed masks.
+        "computed_tokens" (rows x columns the forward ran over; packed: the packed rows'
+        columns) and "real_tokens" (prompt + response tokens of its real rows)). Does not
+        advance state.step.
         """
         cfg = self.cfg
-        # host values: a multi-host global batch is gathered (every process plans the same steps)
+        m = cfg.micro_batch_size
+        # host_values: a multi-host global batch is gathered (every process plans the same steps).
         valid, kind = host_values(batch.valid), host_values(batch.kind)
-        ids = _host_ids(batch)
-        n_tokens = np.sum(ids[1], axis=1) + np.sum(ids[3], axis=1)
+        pm, rm = host_values(batch.prompt_mask), host_values(batch.response_mask)
+        need_p, need_r = row_widths(pm, rm)
+        n_tokens = np.sum(pm, axis=1) + np.sum(rm, axis=1)
+        tp, tr = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
         seed = int(jax.device_get(jax.random.randint(key, (), 0, 2 ** 31 - 1)))
         rng = np.random.default_rng(seed)
         base = base if self.lora else None
+        ids = None
+        if cfg.pack_prefixes:   # the token ids on the host once (every process: the same plan)
+            ids = (host_values(batch.prompt_ids), pm, host_values(batch.response_ids), rm)
         out = []
         with self._ctx():
             for _ in range(cfg.ppo_epochs):
-                for idx, real in minibatch_plan(valid, kind, cfg.mini_batch_size,
-                                                cfg.micro_batch_size, rng):
-                    plan, computed = self._plan(ids, idx, real, cfg.micro_batch_size)
-                    carry = self._accumulate(state.params, state.critic_params, batch, adv,
-                                             weights, targets, idx, real, plan, base, on_policy)
-                    state, met = apply_step(cfg)(state, carry, cfg=cfg, on_policy=on_policy)
-                    out.append(dict(met, computed_tokens=computed,
-                                    real_tokens=int(np.sum(n_tokens[idx[real]]))))
+                for idx, real in minibatch_plan(valid, kind, cfg.mini_batch_size, m, rng):
+                    real_tokens = int(np.sum(n_tokens[idx[real]]))
+                    if cfg.pack_prefixes:
+                        packed = packed_micro_batches(*ids, idx, real, max_width=m * (tp + tr))
+                        state, met = self._packed_step(state, batch, adv, weights, targets,
+                                                       idx, real, packed, base, on_policy)
+                        computed = sum(p.width for p in packed)
+                    elif cfg.group_by_length:
+                        micro = length_grouped_micro_batches(idx, real, need_p, need_r, m, tp, tr)
+                        state, met = self._grouped_step(state, batch, adv, weights, targets,
+                                                        idx, real, micro, base, on_policy)
+                        computed = sum(m * (wp + wr) for _, _, (wp, wr) in micro)
+                    else:
+                        mb, a, w, t = gather_rows(batch, adv, weights, targets, jnp.asarray(idx),
+                                                  jnp.asarray(real))
+                        step = minibatch_step(cfg)   # train_minibatch, state donated or not
+                        state, met = step(state, mb, a, w, t, base, model=self.model, cfg=cfg,
+                                          on_policy=on_policy)
+                        # micro-batches holding a real row run at the batch's width
+                        computed = int(real.reshape(-1, m).any(1).sum()) * m * (tp + tr)
+                    out.append(dict(met, computed_tokens=computed, real_tokens=real_tokens))
         return state, out
 
-    def _accumulate(self, params, critic_params, batch, adv, weights, targets, idx, real, plan,
-                    base, on_policy):
-        """The `GradCarry` of one mini-batch (rows idx[real]) over its micro-batches `plan`."""
+    def _grouped_step(self, state, batch, adv, weights, targets, idx, real, micro, base,
+                      on_policy):
+        """One optimizer step from micro-batches of their own widths (see `train_on_batch`)."""
         cfg, model = self.cfg, self.model
         norms, n_values = minibatch_counts(batch, jnp.asarray(idx), jnp.asarray(real))
-        carry = zero_carry(params, critic_params, cfg=cfg, on_policy=on_policy)
-        for i, r, widths, packed in plan:
+        carry = zero_carry(state.params, state.critic_params, cfg=cfg, on_policy=on_policy)
+        for i, r, widths in micro:
             b, a, w, t = gather_micro(batch, adv, weights, targets, jnp.asarray(i),
                                       jnp.asarray(r), widths=widths)
-            carry = accumulate_micro(carry, params, critic_params, b, a, w, t, norms, n_values,
-                                     base, packed, model=model, cfg=cfg, on_policy=on_policy)
-        return carry
+            carry = accumulate_micro(carry, state.params, state.critic_params, b, a, w, t, norms,
+                                     n_values, base, model=model, cfg=cfg, on_policy=on_policy)
+        return apply_step(cfg)(state, carry, cfg=cfg, on_policy=on_policy)
 
-    def gradients(self, params: Params, critic_params: Params, batch: SampleBatch,
-                  adv: jax.Array, weights: jax.Array, targets: jax.Array,
-                  base: Params | None = None, on_policy: bool = False):
-        """The loss and gradients of the whole (scored) batch as ONE mini-batch, accumulated
-        over the micro-batches `train_on_batch` would run (`_plan`), without an optimizer step:
-        what a step of `train_on_batch` applies, for checks and benchmarks.
-
-        Args: params (LoRA: the adapters), critic_params; batch: scored SampleBatch (R rows);
-        adv, weights, targets [R] f32; base: the frozen LoRA base (else ignored); on_policy:
-        pi_old = stop_gradient of the current logprobs (`micro_loss`).
-        Returns (loss f32, grads like params, grads like critic_params, metrics) as
-        `steps.finish_carry`. Raises ValueError as `train_on_batch`.
-        """
-        batch = self.put_batch(batch)
-        idx = np.arange(batch.num_rows)
-        real, ids = host_values(batch.valid), _host_ids(batch)
-        with self._ctx():
-            plan, _ = self._plan(ids, idx, real, self.cfg.micro_batch_size)
-            carry = self._accumulate(params, critic_params, batch, adv, weights, targets, idx,
-                                     real, plan, base if self.lora else None, on_policy)
-            return finish_carry(carry, cfg=self.cfg, on_policy=on_policy)
+    def _packed_step(self, state, batch, adv, weights, targets, idx, real,
+                     packed: list[PackedMicroBatch], base, on_policy):
+        """One optimizer step from prefix-tree packed micro-batches (`train_on_batch` with
+        cfg.pack_prefixes): the whole mini-batch's normalisers, one `accumulate_micro` per
+        packed row with the rows it carries, then `apply_step`."""
+        cfg, model = self.cfg, self.model
+        norms, n_values = minibatch_counts(batch, jnp.asarray(idx), jnp.asarray(real))
+        carry = zero_carry(state.params, state.critic_params, cfg=cfg, on_policy=on_policy)
+        for mb in packed:
+            b, a, w, t = gather_micro(batch, adv, weights, targets, jnp.asarray(mb.idx),
+                                      jnp.asarray(mb.real), widths=(1, mb.response_width))
+            carry = accumulate_micro(carry, state.params, state.critic_params, b, a, w, t, norms,
+                                     n_values, base, _packed_inputs(mb), model=model, cfg=cfg,
+                                     on_policy=on_policy)
+        return apply_step(cfg)(state, carry, cfg=cfg, on_policy=on_policy)
 
     def update(self, state: TrainState, batch: SampleBatch, ref_params: Params | None = None
                ) -> tuple[TrainState, dict[str, float]]:
@@ -399,13 +417,6 @@ class Trainer:
                         "gradient (params and optimizer state left unchanged)",
                         int(state.step), int(metrics["skipped_steps"]), len(host_steps))
         return state, metrics
-
-
-def _host_ids(batch: SampleBatch) -> tuple[np.ndarray, ...]:
-    """(prompt_ids, prompt_mask, response_ids, response_mask) of a batch on the host (a
-    multi-host global batch gathered: every process plans the same micro-batches)."""
-    return tuple(host_values(getattr(batch, f)) for f in
-                 ("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
 
 
 def _packed_inputs(mb: PackedMicroBatch) -> PackedInputs:
