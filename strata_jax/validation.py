@@ -132,6 +132,7 @@ def validate(c: Any) -> None:
     for name in ("mini_batch_size", "micro_batch_size", "ppo_epochs"):
         at_least(f"optim.{name}", 1)
     at_least("optim.warmup_steps", 0)
+    at_least("train.pack_width", 0)    # 0 = auto (Trainer.pack_shape)
     at_least("iterations", 0)
     at_least("ckpt.every", 1)
     at_least("eval.every", 0)
@@ -216,6 +217,7 @@ RESUME_MAY_CHANGE = (
     "train.scan_layers",              # layers as a scan or unrolled: compile time, same math
     "train.group_by_length",          # micro-batch widths: speed, same sums (float order aside)
     "train.pack_prefixes",            # prefix-tree packed update: same sums (float order aside)
+    "train.pack_width",               # its packed row width: speed, same sums (float order aside)
 )
 
 

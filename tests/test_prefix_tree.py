@@ -477,18 +477,43 @@ def test_block_sparse_block_mismatch_raises():
         packed_response_states(params, CFG, bad)
 
 
-def test_packed_micro_batches_partition_the_rows():
-    from strata_jax.training.prefix_tree import packed_micro_batches
+def test_micro_row_counts():
+    from strata_jax.training.prefix_tree import micro_row_counts
+    assert micro_row_counts(11, 4, 2) == [4, 4, 4]      # 3 left -> 2 x 2 (a power of two)
+    assert micro_row_counts(9, 4, 2) == [4, 4, 2]
+    assert micro_row_counts(5, 8, 2) == [8]             # 3 x 2 -> 2 x 4, capped at 8
+    assert micro_row_counts(3, 3, 2) == [4]             # rows_per_micro rounded up to 2 x 2
+    assert micro_row_counts(7, 1) == [1] * 7
+    assert micro_row_counts(0, 4, 2) == []
+    with pytest.raises(ValueError, match="must be >= 1"):
+        micro_row_counts(3, 0)
+
+
+@pytest.mark.parametrize("rows_per_micro, row_multiple", [(1, 1), (2, 1), (2, 2), (3, 4)])
+def test_packed_micro_batches_partition_the_rows(rows_per_micro, row_multiple):
+    from strata_jax.training.prefix_tree import micro_row_counts, packed_micro_batches
     rows = tree_rows(seed=2)
     pi, pm, ri, rm = make_rows(rows)
     idx = np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0], np.int32)   # two padding entries
     real = np.arange(idx.size) < 9
-    micro = packed_micro_batches(pi, pm, ri, rm, idx, real, max_width=40)
-    assert len(micro) > 1                      # the budget splits the tree
+    micro = packed_micro_batches(pi, pm, ri, rm, idx, real, max_width=40,
+                                 rows_per_micro=rows_per_micro, row_multiple=row_multiple)
+    one = packed_micro_batches(pi, pm, ri, rm, idx, real, max_width=40)
+    assert len(one) > 1                        # the budget splits the tree
+    # the same packed rows, grouped P at a time (P from micro_row_counts), padding rows added
+    assert [mb.tokens.shape[0] for mb in micro] == micro_row_counts(len(one), rows_per_micro,
+                                                                    row_multiple)
+    assert sum(int(mb.mask.any(1).sum()) for mb in micro) == len(one)
     seen = []
     for mb in micro:
-        assert mb.tokens.shape == (1, mb.width) and mb.width <= 40
+        n_p, w = mb.tokens.shape
+        assert n_p % row_multiple == 0 and w <= 40 and mb.num_slots == n_p * w
         assert mb.idx.size == mb.real.size == mb.score_index.shape[0] == mb.last_index.size
+        assert mb.key_index.shape[0] == n_p
+        empty = ~mb.mask.any(1)                # all-padding packed rows see only themselves
+        np.testing.assert_array_equal(mb.key_end[empty], np.broadcast_to(np.arange(1, w + 1),
+                                                                         (int(empty.sum()), w)))
+        tokens, positions = mb.tokens.reshape(-1), mb.positions.reshape(-1)
         for i, r in zip(mb.idx[mb.real], np.flatnonzero(mb.real)):
             p, resp = rows[i]
             seq = p + resp
@@ -497,10 +522,12 @@ def test_packed_micro_batches_partition_the_rows():
             seen.append(int(i))
             n_r = len(resp)
             # response column j is scored by the row's previous token; the last token is last
-            np.testing.assert_array_equal(mb.tokens[0, mb.score_index[r, :n_r]], seq[len(p) - 1:-1])
-            np.testing.assert_array_equal(mb.positions[0, mb.score_index[r, :n_r]],
+            np.testing.assert_array_equal(tokens[mb.score_index[r, :n_r]], seq[len(p) - 1:-1])
+            np.testing.assert_array_equal(positions[mb.score_index[r, :n_r]],
                                           np.arange(len(p) - 1, len(seq) - 1))
-            assert mb.tokens[0, mb.last_index[r]] == seq[-1]
+            assert tokens[mb.last_index[r]] == seq[-1]
+            # a row's tokens all sit in one packed row
+            assert len(set(mb.score_index[r, :n_r] // w) | {mb.last_index[r] // w}) == 1
         assert (mb.score_index[~mb.real] == 0).all() and (mb.last_index[~mb.real] == 0).all()
     # every real row with tokens in exactly one micro-batch (the empty padding row in none)
     assert sorted(seen) == [i for i in range(9) if rows[i][0] or rows[i][1]]

@@ -12,6 +12,7 @@ import pytest
 from strata_jax.algos import KIND_ACTION, KIND_STRATEGY
 from strata_jax.models import init_params
 from strata_jax.training import Trainer, tree_to_numpy
+from strata_jax.training.batching import trim_padding
 from tests.trainer_fixtures import TINY, make_batch, train_config
 
 
@@ -69,13 +70,15 @@ def test_packed_scoring_equals_per_row_scoring(params, algo):
                                    err_msg=f)
 
 
-@pytest.mark.parametrize("algo,epochs,lora,mini", [("grpo", 1, False, 4), ("stapo", 2, False, 4),
-                                                   ("ppo", 2, True, 4), ("grpo", 1, False, 64)])
-def test_packed_update_equals_per_row_update(params, algo, epochs, lora, mini):
+@pytest.mark.parametrize("algo,epochs,lora,mini,width", [
+    ("grpo", 1, False, 4, 0), ("stapo", 2, False, 4, 0), ("ppo", 2, True, 4, 0),
+    ("grpo", 1, False, 64, 0), ("stapo", 2, False, 4, 64)])
+def test_packed_update_equals_per_row_update(params, algo, epochs, lora, mini, width):
     """One iteration's update (scoring, several mini-batches of the same composition, epochs;
     mini 64: one exactly on-policy step without the old-logprob pass) with the packed path
     gives the per-row path's params and metrics; it computes fewer tokens; a second update of
-    the same shapes compiles nothing."""
+    the same shapes compiles nothing. width 64: packed rows of 64 slots, several per
+    micro-batch (P = 3 for the budget of 4 rows of 48 columns)."""
     from strata_jax.models.lora import LoraConfig
     from tests.sampler_fixtures import compile_counter
     counter = compile_counter()
@@ -83,11 +86,14 @@ def test_packed_update_equals_per_row_update(params, algo, epochs, lora, mini):
     extra = dict(lora=LoraConfig(rank=4, alpha=8.0)) if lora else {}
     cfg = train_config(algo, ppo_epochs=epochs, dropout=0.0, mini_batch_size=mini,
                        micro_batch_size=4, **extra)
-    packed = Trainer(TINY, dataclasses.replace(cfg, pack_prefixes=True))
+    packed = Trainer(TINY, dataclasses.replace(cfg, pack_prefixes=True, pack_width=width))
     rows = Trainer(TINY, cfg)
     state = _moved(rows, params, jax.random.PRNGKey(4))
     a, ma = packed.update(jax.tree.map(jnp.copy, state), batch, params)
     b, mb = rows.update(jax.tree.map(jnp.copy, state), batch, params)
+    trimmed = trim_padding(batch)
+    shape = packed.pack_shape(4, trimmed.prompt_ids.shape[1], trimmed.response_ids.shape[1])
+    assert shape == ((64, 3, 1) if width else (4 * 48, 1, 1))   # rows of 40 + 8 columns
     assert ma["optimizer_steps"] == mb["optimizer_steps"] == (3 if mini == 4 else 1) * epochs
     assert packed.on_policy(batch) == (mini == 64)
     # AdamW's first step is ~lr * sign(g) per weight: the tolerance of test_train's grouped
@@ -152,8 +158,8 @@ def test_packed_update_block_sparse_equals_per_row_update(params, monkeypatch):
 
 
 def test_packed_update_on_a_mesh_equals_single_device(params):
-    """The packed update on 8 fake devices (data 2 x fsdp 2 x tensor 2; a packed row is
-    replicated over the data axis) gives the single-device packed update."""
+    """The packed update on 8 fake devices (data 2 x fsdp 2 x tensor 2; a micro-batch's packed
+    rows shard over data x fsdp) gives the single-device packed update."""
     from strata_jax.sharding import make_mesh
     batch = make_batch(shared_records(seed=5))
     cfg = train_config("grpo", dropout=0.0, pack_prefixes=True)
@@ -169,4 +175,12 @@ def test_packed_update_on_a_mesh_equals_single_device(params):
                     jax.tree.leaves(tree_to_numpy(single.params))):
         np.testing.assert_allclose(a, b, atol=2e-5)
     np.testing.assert_allclose(m8["train/loss"], m1["train/loss"], rtol=1e-4, atol=1e-6)
-    assert m8["perf/update_token_fill"] == m1["perf/update_token_fill"] > 1.0
+    # the mesh packs narrower rows, P a multiple of its 4 batch shards (data x fsdp) so they
+    # shard over the data axes: more ancestor copies and all-padding rows, so a lower fill
+    trimmed = trim_padding(batch)
+    tp, tr = trimmed.prompt_ids.shape[1], trimmed.response_ids.shape[1]
+    w1, p1, _ = single_trainer.pack_shape(cfg.micro_batch_size, tp, tr)
+    w8, p8, shards = sharded_trainer.pack_shape(cfg.micro_batch_size, tp, tr)
+    assert (w1, p1, shards) == (4 * (tp + tr), 1, 4) and (w8, p8) == (tp + tr, 4)
+    assert 0 < m8["perf/update_token_fill"] < m1["perf/update_token_fill"]
+    assert m1["perf/update_token_fill"] > 1.0

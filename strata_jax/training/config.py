@@ -26,7 +26,7 @@ _OPTIM_FIELDS = ("lr", "critic_lr", "weight_decay", "grad_clip", "warmup_steps",
                  "mini_batch_size", "micro_batch_size")
 _TRAIN_FIELDS = ("adam_eps", "lr_schedule", "decay_steps", "compute_dtype", "logprob_chunk",
                  "score_rows", "recompute_old", "trim_padding", "group_by_length", "pack_prefixes",
-                 "donate_state",
+                 "pack_width", "donate_state",
                  "scan_layers",
                  "critic", "value_trunk_coef", "value_head_init_std")
 
@@ -77,8 +77,12 @@ class TrainConfig:
       passes and the gradient step run each shared prompt prefix once, over packed rows with
       the tree attention rule; same scores and gradient up to float summation order;
       replaces group_by_length and the scan when on. micro_batch_size is then a token budget:
-      a packed micro-batch holds at most micro_batch_size x the batch's prompt + response
-      columns tokens, the memory of a per-row micro-batch; score_rows likewise),
+      a packed micro-batch is P packed rows of W slots with P x W <= micro_batch_size x the
+      batch's prompt + response columns, the memory of a per-row micro-batch, and P a multiple
+      of the mesh's batch shards so the packed rows shard over the data axes; score_rows
+      likewise), pack_width (W, the slots of one packed row; 0 = auto: 2048, at least the
+      batch's row width, at most the budget over the batch shards; a wider row shares more
+      prefixes at a larger compiled program, `Trainer.pack_shape`),
       donate_state (the optimizer step reuses the buffers of the state passed to `Trainer.update` / `train_on_batch`: one copy of params + moments less at
       the peak, but the caller's state object is dead after the call; on by default, False for
       a caller that updates one state more than once), scan_layers (with remat, the decoder
@@ -117,6 +121,7 @@ class TrainConfig:
     trim_padding: bool = True
     group_by_length: bool = True
     pack_prefixes: bool = False
+    pack_width: int = 0
     donate_state: bool = True
     scan_layers: bool = False
     critic: str = "auto"

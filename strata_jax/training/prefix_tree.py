@@ -344,18 +344,18 @@ def pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, *, max_width
 
 @dataclasses.dataclass(frozen=True)
 class PackedMicroBatch:
-    """One micro-batch of the packed update: one packed row and the batch rows it scores.
+    """One micro-batch of the packed update: P packed rows and the batch rows they score.
 
     Attributes:
       idx: [m] int32 batch row of each micro-batch row (padding entries: row 0, real False).
       real: [m] bool.
       response_width: wr, the response columns the micro-batch keeps (bucketed).
-      tokens, positions, mask, key_end: [1, w] (`PackedLayout` fields of the packed row, its
-        width w bucketed).
-      score_index: [m, wr] int32 column of the state that scores response column j of row i
-        (0 for padding entries and columns).
-      last_index: [m] int32 column of row i's last real token (0 for padding entries).
-      key_index: [1, ceil(w / block), A] int32 `block_key_index` of the packed row (the
+      tokens, positions, mask, key_end: [P, w] (`PackedLayout` fields of its packed rows, the
+        width w bucketed; all-padding packed rows fill P up to its multiple).
+      score_index: [m, wr] int32 flat index p * w + c of the state that scores response column
+        j of row i (0 for padding entries and columns).
+      last_index: [m] int32 flat index of row i's last real token (0 for padding entries).
+      key_index: [P, ceil(w / block), A] int32 `block_key_index` of the packed rows (the
         block-sparse attention's keys per query block).
       block: the query block the index was built for (the forward's query_chunk).
     """
@@ -374,25 +374,63 @@ class PackedMicroBatch:
 
     @property
     def width(self) -> int:
-        """w, the packed row's columns (what the forward runs over)."""
+        """w, the packed rows' columns (what the forward runs over)."""
         return int(self.tokens.shape[1])
+
+    @property
+    def num_slots(self) -> int:
+        """P x w, the slots the forward computes (real tokens and padding)."""
+        return int(self.tokens.size)
+
+
+def micro_row_counts(n_packed: int, rows_per_micro: int, row_multiple: int = 1) -> list[int]:
+    """How many packed rows each micro-batch holds: `rows_per_micro` (rounded up to a multiple
+    of row_multiple) while at least that many are left, then one last micro-batch of the
+    remaining ones rounded up to row_multiple x a power of two (capped at rows_per_micro):
+    few distinct P, so few compiled programs, and little all-padding work.
+
+    Example: n_packed 11, rows_per_micro 4, row_multiple 2 -> [4, 4, 4] (the last: 3 left ->
+    2 x 2); n_packed 9 -> [4, 4, 2]. Raises ValueError when rows_per_micro or row_multiple < 1.
+    """
+    if rows_per_micro < 1 or row_multiple < 1:
+        raise ValueError(f"rows_per_micro and row_multiple must be >= 1; got {rows_per_micro}, "
+                         f"{row_multiple}")
+    full = -(-rows_per_micro // row_multiple) * row_multiple
+    out, left = [], int(n_packed)
+    while left > 0:
+        if left >= full:
+            out.append(full)
+            left -= full
+            continue
+        units = -(-left // row_multiple)
+        out.append(min(full, row_multiple * (1 << (units - 1).bit_length())))
+        left = 0
+    return out
 
 
 def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, idx, real, *,
-                         max_width: int, block: int = QUERY_CHUNK) -> list[PackedMicroBatch]:
-    """The rows idx[real] of a batch as packed micro-batches: `pack_rows` of those rows with
-    packed rows of at most max_width tokens, each packed row one micro-batch holding the rows
-    whose tokens it carries (every row lives in exactly one packed row).
+                         max_width: int, rows_per_micro: int = 1, row_multiple: int = 1,
+                         block: int = QUERY_CHUNK) -> list[PackedMicroBatch]:
+    """The rows idx[real] of a batch as packed micro-batches: `pack_rows` of those rows into
+    packed rows of at most max_width slots, grouped `rows_per_micro` packed rows per
+    micro-batch (`micro_row_counts`), each micro-batch holding the rows whose tokens its packed
+    rows carry (every row lives in exactly one packed row).
 
     Args: the batch's prompt_ids / prompt_mask [R, Tp], response_ids / response_mask [R, Tr]
     (numpy, `pack_rows`' contract); idx [n] int, real [n] bool (a `minibatch_plan` entry, or
-    every row with real = valid); max_width: the token budget of one micro-batch; block: the
-    query_chunk the forward will run (each micro-batch's `block_key_index` is built for it).
-    Returns: [`PackedMicroBatch`] in packed-row order; static shapes are bucketed
-    (`bucket_size`: the row count m two sizes per octave; the width w and response columns wr
-    two per octave, multiples of 8, capped at max_width / Tr), so few programs compile. Real
-    rows without any token (no prompt, no response) are left out: they hold nothing to score.
-    Raises ValueError as `pack_rows` (a row longer than max_width, malformed masks).
+    every row with real = valid); max_width: slots of one packed row (the longest row must
+    fit); rows_per_micro: packed rows per micro-batch (P x max_width is the micro-batch's
+    token budget); row_multiple: P is a multiple of it (the mesh's batch shards, so a
+    micro-batch's packed rows shard over the data axes instead of being replicated); block:
+    the query_chunk the forward will run (each micro-batch's `block_key_index` is built for
+    it).
+    Returns: [`PackedMicroBatch`] in packed-row order (first-fit decreasing: the fullest packed
+    rows first); static shapes are bucketed (`bucket_size`: the row count m two sizes per
+    octave; the width w and response columns wr two per octave, multiples of 8, capped at
+    max_width / Tr; P from `micro_row_counts`), so few programs compile. Real rows without any
+    token (no prompt, no response) are left out: they hold nothing to score.
+    Raises ValueError as `pack_rows` (a row longer than max_width, malformed masks) and
+    `micro_row_counts`.
     """
     idx, real = np.asarray(idx), np.asarray(real, bool)
     rows = idx[real]
@@ -402,16 +440,22 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     big_w, tp, tr = lay.width, lay.prompt_width, rm.shape[1]
     ti = lay.token_index.astype(np.int64)
     owner = np.where((ti >= 0).any(1), ti.max(1) // big_w, -1)
-    out = []
-    for p in range(lay.tokens.shape[0]):
-        sel = np.flatnonzero(owner == p)
-        if not sel.size:
-            continue
-        fill = int(np.flatnonzero(lay.mask[p])[-1]) + 1
+    filled = np.flatnonzero(lay.mask.any(1))      # packed rows holding a token
+    out, first = [], 0
+    for n_p in (micro_row_counts(filled.size, rows_per_micro, row_multiple)
+                if filled.size else []):
+        packed = filled[first:first + n_p]
+        first += n_p
+        sel = np.flatnonzero(np.isin(owner, packed))
+        fill = max(int(np.flatnonzero(lay.mask[p])[-1]) + 1 for p in packed)
         w = min(max_width, bucket_size(fill, None, 8))
         wr = min(tr, bucket_size(max(int(rm[rows[sel]].sum(1).max()), 1), None, 8))
         m = bucket_size(sel.size, None, 1)
-        local = np.where(ti[sel] >= 0, ti[sel] - p * big_w, -1)
+        # flat big-layout index -> flat index in this micro-batch's [n_p, w] rows
+        local_row = np.full(lay.tokens.shape[0], -1, np.int64)
+        local_row[packed] = np.arange(packed.size)
+        t = ti[sel]
+        local = np.where(t >= 0, local_row[np.maximum(t, 0) // big_w] * w + t % big_w, -1)
         score = np.zeros((m, wr), np.int32)
         score[:sel.size] = np.maximum(local[:, tp - 1:tp - 1 + wr], 0)
         last = np.zeros(m, np.int32)
@@ -419,16 +463,23 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         mb_idx = np.zeros(m, np.int32)
         mb_idx[:sel.size] = rows[sel]
         mb_real = np.arange(m) < sel.size
-        cut = lambda x: x[p:p + 1, :w].copy()  # noqa: E731
+
+        def cut(x, pad):
+            y = np.empty((n_p, w), x.dtype)
+            y[:] = pad
+            y[:packed.size] = x[packed, :w]
+            return y
+
+        tokens, positions, mask = cut(lay.tokens, 0), cut(lay.positions, 0), cut(lay.mask, False)
+        key_end = cut(lay.key_end, 0)
+        key_end[packed.size:] = np.arange(1, w + 1, dtype=key_end.dtype)  # padding: itself
         out.append(PackedMicroBatch(idx=mb_idx, real=mb_real, response_width=int(wr),
-                                    tokens=cut(lay.tokens), positions=cut(lay.positions),
-                                    mask=cut(lay.mask), key_end=cut(lay.key_end),
-                                    score_index=score, last_index=last,
-                                    key_index=block_key_index(cut(lay.mask), cut(lay.key_end),
-                                                              block),
+                                    tokens=tokens, positions=positions, mask=mask,
+                                    key_end=key_end, score_index=score, last_index=last,
+                                    key_index=block_key_index(mask, key_end, block),
                                     block=int(block)))
     return out
 
 
 __all__ = ["PackedLayout", "pack_rows", "PackedMicroBatch", "packed_micro_batches",
-           "block_key_index"]
+           "micro_row_counts", "block_key_index"]

@@ -189,6 +189,56 @@ class Trainer:
             return contextlib.nullcontext()
         return jax.set_mesh(self.mesh)
 
+    # -- prefix-tree packing ------------------------------------------------------------
+
+    def batch_shards(self) -> int:
+        """How many ways the mesh splits a batch dimension (the "batch" logical rule's mesh
+        axes, data x fsdp; 1 without a mesh)."""
+        if self.mesh is None:
+            return 1
+        from strata_jax.sharding import LOGICAL_RULES
+        sizes = dict(self.mesh.shape)
+        return int(np.prod([sizes.get(a, 1) for a in LOGICAL_RULES["batch"] or ()]))
+
+    def pack_shape(self, rows: int, tp: int, tr: int) -> tuple[int, int, int]:
+        """(W, P, shards) of the packed micro-batches for a budget of `rows` per-row rows of
+        tp + tr columns: W slots per packed row (cfg.pack_width, or 2048 when 0), never less
+        than tp + tr (the longest row must fit) and, when auto, never more than the budget
+        over the batch shards; P = budget // W packed rows per micro-batch, rounded up to a
+        multiple of the batch shards (so a micro-batch shards over the data axes instead of
+        being replicated, and holds about the tokens of a per-row micro-batch).
+
+        Why a fixed W: one packed row of the whole budget compiles a forward of budget / block
+        query blocks per layer and cannot shard over the data axes; a fixed W keeps the
+        compiled program the per-row one's size and P spreads the budget over devices.
+        """
+        row, budget = tp + tr, rows * (tp + tr)
+        shards = self.batch_shards()
+        want = int(self.cfg.pack_width) or min(2048, max(row, budget // shards))
+        width = -(-max(row, want) // 8) * 8
+        rows_per_micro = max(1, budget // width)
+        rows_per_micro = -(-rows_per_micro // shards) * shards
+        return width, rows_per_micro, shards
+
+    def _packed_inputs(self, mb: PackedMicroBatch) -> PackedInputs:
+        """The device `PackedInputs` of a host `PackedMicroBatch`: the [P, w] rows and the key
+        index sharded over the batch shards (P is a multiple of them), the gather indices
+        replicated."""
+        arrays = (mb.tokens, mb.positions, mb.mask, mb.key_end, mb.score_index, mb.last_index,
+                  mb.key_index)
+        if self.mesh is None:
+            return PackedInputs(*(jnp.asarray(x) for x in arrays), block=mb.block)
+        rep = NamedSharding(self.mesh, PartitionSpec())
+
+        def put(x, rowwise):
+            if not rowwise:
+                return jax.device_put(x, rep)
+            spec = logical_to_spec(("batch",) + (None,) * (x.ndim - 1), x.shape, self.mesh)
+            return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+        return PackedInputs(*(put(x, i not in (4, 5)) for i, x in enumerate(arrays)),
+                            block=mb.block)
+
     # -- the update ----------------------------------------------------------------------
 
     def on_policy(self, batch: SampleBatch) -> bool:
@@ -258,16 +308,18 @@ class Trainer:
         once; the value-std dropout masks are drawn per packed chunk."""
         host = [host_values(getattr(batch, f)) for f in
                 ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
-        budget = chunk * (batch.prompt_ids.shape[1] + batch.response_ids.shape[1])
+        width, rows_per_micro, shards = self.pack_shape(chunk, batch.prompt_ids.shape[1],
+                                                        batch.response_ids.shape[1])
         rows = np.arange(batch.num_rows)
-        plan = packed_micro_batches(*host, rows, host_values(batch.valid), max_width=budget)
+        plan = packed_micro_batches(*host, rows, host_values(batch.valid), max_width=width,
+                                    rows_per_micro=rows_per_micro, row_multiple=shards)
         scores = (jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
                   jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
         for j, mb in enumerate(plan):
             i, r = jnp.asarray(mb.idx), jnp.asarray(mb.real)
             chunk_rows = gather_chunk(batch, i, r, widths=(1, mb.response_width))
             new = score_rows(state.params, state.critic_params, ref, chunk_rows,
-                             jax.random.fold_in(key, j), _packed_inputs(mb), **static)
+                             jax.random.fold_in(key, j), self._packed_inputs(mb), **static)
             scores = scatter_scores(scores, i, r, new)
         old, ref_lp, values, value_std = scores
         return batch.replace(old_logprobs=old, ref_logprobs=ref_lp, values=values,
@@ -283,9 +335,10 @@ class Trainer:
         its own width (`length_grouped_micro_batches`; `gather_micro` and `accumulate_micro`
         per micro-batch, then `apply_step`): the same optimizer step up to float summation order.
         With cfg.pack_prefixes (takes precedence) each mini-batch's rows are packed into a
-        prefix tree (`prefix_tree.packed_micro_batches`, a token budget of micro_batch_size
-        rows at the batch's width per packed row) and each packed row is one micro-batch: the
-        same optimizer step up to float summation order, each shared prefix computed once.
+        prefix tree (`prefix_tree.packed_micro_batches`) and run as micro-batches of P packed
+        rows of W slots (`pack_shape`: the token budget of micro_batch_size rows at the
+        batch's width): the same optimizer step up to float summation order, each shared
+        prefix computed once.
 
         Args: batch scored (`score`); adv, weights, targets [R] f32; key: shuffling PRNGKey;
         base: the frozen base params when LoRA is on (else ignored); on_policy: the batch was
@@ -309,16 +362,19 @@ class Trainer:
         ids = None
         if cfg.pack_prefixes:   # the token ids on the host once (every process: the same plan)
             ids = (host_values(batch.prompt_ids), pm, host_values(batch.response_ids), rm)
+            width, rows_per_micro, shards = self.pack_shape(m, tp, tr)
         out = []
         with self._ctx():
             for _ in range(cfg.ppo_epochs):
                 for idx, real in minibatch_plan(valid, kind, cfg.mini_batch_size, m, rng):
                     real_tokens = int(np.sum(n_tokens[idx[real]]))
                     if cfg.pack_prefixes:
-                        packed = packed_micro_batches(*ids, idx, real, max_width=m * (tp + tr))
+                        packed = packed_micro_batches(*ids, idx, real, max_width=width,
+                                                      rows_per_micro=rows_per_micro,
+                                                      row_multiple=shards)
                         state, met = self._packed_step(state, batch, adv, weights, targets,
                                                        idx, real, packed, base, on_policy)
-                        computed = sum(p.width for p in packed)
+                        computed = sum(p.num_slots for p in packed)
                     elif cfg.group_by_length:
                         micro = length_grouped_micro_batches(idx, real, need_p, need_r, m, tp, tr)
                         state, met = self._grouped_step(state, batch, adv, weights, targets,
@@ -360,8 +416,8 @@ class Trainer:
             b, a, w, t = gather_micro(batch, adv, weights, targets, jnp.asarray(mb.idx),
                                       jnp.asarray(mb.real), widths=(1, mb.response_width))
             carry = accumulate_micro(carry, state.params, state.critic_params, b, a, w, t, norms,
-                                     n_values, base, _packed_inputs(mb), model=model, cfg=cfg,
-                                     on_policy=on_policy)
+                                     n_values, base, self._packed_inputs(mb), model=model,
+                                     cfg=cfg, on_policy=on_policy)
         return apply_step(cfg)(state, carry, cfg=cfg, on_policy=on_policy)
 
     def update(self, state: TrainState, batch: SampleBatch, ref_params: Params | None = None
@@ -417,13 +473,6 @@ class Trainer:
                         "gradient (params and optimizer state left unchanged)",
                         int(state.step), int(metrics["skipped_steps"]), len(host_steps))
         return state, metrics
-
-
-def _packed_inputs(mb: PackedMicroBatch) -> PackedInputs:
-    """The device `PackedInputs` of a host `PackedMicroBatch` (small arrays, replicated)."""
-    return PackedInputs(*(jnp.asarray(x) for x in (mb.tokens, mb.positions, mb.mask, mb.key_end,
-                                                   mb.score_index, mb.last_index, mb.key_index)),
-                        block=mb.block)
 
 
 __all__ = ["Trainer"]
