@@ -178,7 +178,9 @@ def jobs(args) -> list[dict]:
     q = []
     if args.warm_start in ("mask", "mask-actions"):
         wd = os.path.join(out, "warm_start")
-        q.append(dict(name="warm_start", done=os.path.join(wd, "DONE"), touch=True,
+        # its weights (runs/warm_start) are not kept: a fresh clone trains them again (cached
+        # by fingerprint, deterministic), so its kept meta never marks it done
+        q.append(dict(name="warm_start", done=os.path.join(wd, "DONE"), touch=True, local=True,
                       argv=[py, os.path.join(REPO, "sft.py"),
                             f"--config={cfg}:{variant(args, 'strata', wd)}"]))
     for prompting, algo in (("strata", "strata"), ("flat", "grpo")):
@@ -191,7 +193,10 @@ def jobs(args) -> list[dict]:
         for algo in args.algos:
             wd = os.path.join(out, f"run_{algo}_s{seed}")
             v = variant(args, algo, wd, train_extra(args, algo, seed))
+            # a kept run without its kept final eval is played again: its checkpoint, which
+            # the final eval reads, is not kept
             q.append(dict(name=f"run_{algo}_s{seed}", done=os.path.join(wd, "DONE"), touch=True,
+                          kept_with=f"final_{algo}_s{seed}",
                           argv=[py, os.path.join(REPO, "train.py"), f"--config={cfg}:{v}"]))
             q.append(dict(name=f"final_{algo}_s{seed}",
                           done=os.path.join(wd, f"eval_{split}_step{args.iterations}.json"),
@@ -200,33 +205,113 @@ def jobs(args) -> list[dict]:
     return q
 
 
+# What each finished job leaves in its workdir that the study reads, kept under --results
+# (committed) so that a later session's queue, on a fresh clone without runs/, skips it and the
+# report reads it. Checkpoints are not kept: an unfinished run starts again in a new session.
+KEEP = dict(sft=("sft_meta.json",), eval=("eval_*.json", "eval_*_trajectories.jsonl"),
+            train=("metrics.jsonl", "trajectories.jsonl"))
+
+
+def job_key(job: dict) -> list[str]:
+    """The job's argv with the checkout's paths made relative: what must match for a kept
+    result to stand for this job (another setting of the study is another job)."""
+    return [a.replace(REPO + os.sep, "").replace(REPO, ".") for a in job["argv"][1:]]
+
+
+def kept_dir(args, job: dict) -> str:
+    return os.path.join(args.results, job["name"])
+
+
+def is_kept(args, job: dict, queue: list[dict]) -> bool:
+    """Whether --results holds this job's outputs from the same argv (`job_key`), and, for a
+    train run, its final eval's too (`jobs`: kept_with); never for a `local` job."""
+    meta = os.path.join(kept_dir(args, job), "job.json")
+    if job.get("local") or not os.path.exists(meta):
+        return False
+    if json.load(open(meta)).get("argv") != job_key(job):
+        return False
+    partner = [j for j in queue if j["name"] == job.get("kept_with")]
+    return all(is_kept(args, j, queue) for j in partner)
+
+
+def keep(args, job: dict, finished: bool) -> None:
+    """Copy the job's outputs (`KEEP`, by the script it runs) from its workdir to --results/<job>; `finished` marks it
+    done there (a running train job's curve is kept as it grows, not marked done)."""
+    import glob
+    import shutil
+    wd, dst = os.path.dirname(job["done"]), kept_dir(args, job)
+    script = os.path.basename(job["argv"][1])[:-len(".py")]
+    if script == "sft":   # the export folder (and its meta) is the one the log names
+        log = os.path.join(args.out, job["name"] + ".log")
+        text = open(log).read() if os.path.exists(log) else ""
+        found = re.findall(r"^(?:trained|cached): (\S+)", text, re.MULTILINE)
+        wd = os.path.join(REPO, found[-1]) if found else wd
+    files = [f for pat in KEEP[script] for f in glob.glob(os.path.join(wd, pat))]
+    if not files:
+        return
+    os.makedirs(dst, exist_ok=True)
+    for f in files:
+        shutil.copy2(f, os.path.join(dst, os.path.basename(f)))
+    if finished:
+        with open(os.path.join(dst, "job.json"), "w") as f:
+            json.dump(dict(argv=job_key(job), finished=time.strftime("%Y-%m-%d %H:%M:%S")), f,
+                      indent=1)
+
+
+def restore(args, job: dict) -> None:
+    """A job kept under --results but missing from the workdir (a fresh clone): copy its kept
+    outputs back, so later jobs and the report find them where the run left them."""
+    import shutil
+    src, wd = kept_dir(args, job), os.path.dirname(job["done"])
+    os.makedirs(wd, exist_ok=True)
+    for f in os.listdir(src):
+        if f != "job.json" and not os.path.exists(os.path.join(wd, f)):
+            shutil.copy2(os.path.join(src, f), os.path.join(wd, f))
+
+
 def run_queue(args) -> None:
     os.makedirs(args.out, exist_ok=True)
-    for job in jobs(args):
+    queue = jobs(args)
+    for job in queue:
         if args.only and not job["name"].startswith(tuple(args.only)):
+            continue
+        if is_kept(args, job, queue):
+            print(f"[{job['name']}] done (kept in {kept_dir(args, job)})", flush=True)
+            restore(args, job)
             continue
         if os.path.exists(job["done"]):
             print(f"[{job['name']}] done", flush=True)
+            keep(args, job, finished=True)
             continue
         log = os.path.join(args.out, job["name"] + ".log")
         print(f"[{job['name']}] {' '.join(job['argv'][1:])}  (log {log})", flush=True)
         t0, load0 = time.time(), open("/proc/loadavg").read().split()[0]
         with open(log, "a") as f:
-            rc = subprocess.run(job["argv"], cwd=REPO, stdout=f,
-                                stderr=subprocess.STDOUT).returncode
+            proc = subprocess.Popen(job["argv"], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+            while True:   # keep a train run's curve as it grows (--results is committed)
+                try:
+                    rc = proc.wait(timeout=args.keep_every)
+                    break
+                except subprocess.TimeoutExpired:
+                    keep(args, job, finished=False)
         wall = time.time() - t0
         load1 = open("/proc/loadavg").read().split()[0]
-        with open(os.path.join(args.out, "jobs.jsonl"), "a") as f:
-            row = dict(job=job["name"], rc=rc, wall_s=round(wall, 1), load_start=load0,
-                       load_end=load1, finished=time.strftime("%Y-%m-%d %H:%M:%S"))
-            f.write(json.dumps(row) + "\n")
+        row = dict(job=job["name"], rc=rc, wall_s=round(wall, 1), load_start=load0,
+                   load_end=load1, finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+        for path in (os.path.join(args.out, "jobs.jsonl"), os.path.join(args.results,
+                                                                         "jobs.jsonl")):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
         if rc != 0:
+            keep(args, job, finished=False)
             print(f"[{job['name']}] exit {rc} after {wall:.0f} s; see {log}; stopping the queue",
                   flush=True)
             return
         if job.get("touch"):
             os.makedirs(os.path.dirname(job["done"]), exist_ok=True)
             open(job["done"], "w").close()
+        keep(args, job, finished=True)
         print(f"[{job['name']}] finished in {wall:.0f} s (load {load0} -> {load1})", flush=True)
 
 
@@ -253,6 +338,10 @@ def training_curve(workdir: str) -> dict:
 
 def report(args) -> dict:
     from benchmarks import _stats as st
+    queue = jobs(args)
+    for job in queue:   # a fresh clone: the kept outputs back where the report reads them
+        if is_kept(args, job, queue):
+            restore(args, job)
     out, split, e = args.out, "test", args.eval_episodes
     res: dict = dict(settings={k: v for k, v in vars(args).items() if k not in ("only",)},
                      policies={}, tests={}, curves={})
@@ -389,7 +478,12 @@ def main() -> int:
     ap.add_argument("--seed-base", type=int, default=0, help="seed of the start evals")
     ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides, every job")
     ap.add_argument("--only", nargs="*", default=[], help="job name prefixes to run")
-    ap.add_argument("--out", default="runs/learning_study")
+    ap.add_argument("--out", default="runs/learning_study", help="the jobs' workdirs")
+    ap.add_argument("--results", default="benchmarks/results/learning_study/queue",
+                    help="each finished job's outputs, committed: a later session's queue "
+                    "skips the jobs kept here (same argv) and the report reads them")
+    ap.add_argument("--keep-every", type=float, default=120.0,
+                    help="seconds between copies of a running job's outputs to --results")
     ap.add_argument("--report", action="store_true")
     args = ap.parse_args()
     if not args.report:

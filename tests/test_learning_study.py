@@ -107,3 +107,54 @@ def test_episode_rows_carrying_and_leaks():
     assert (s["k"], s["n"], s["leaked_successes"]) == (7, 8, 3)
     assert s["carries"] == pytest.approx(1 / 3)
     assert s["invalid_step_frac"] == pytest.approx(2 / sum(len(t["steps"]) for t in trajs))
+
+
+def test_queue_keeps_finished_jobs_for_a_fresh_clone(tmp_path):
+    """A finished job's outputs are copied to --results with its argv; a fresh clone (another
+    --out) skips it only for the same argv, gets the files back, and a train run counts as
+    kept only with its final eval (its checkpoint is not kept)."""
+    import argparse
+    import json
+    import os
+
+    import benchmarks.learning_study as ls
+    args = argparse.Namespace(out=str(tmp_path / "runs"), results=str(tmp_path / "kept"),
+                              keep_every=1.0)
+    wd = tmp_path / "runs" / "run_strata_s0"
+    wd.mkdir(parents=True)
+    py, repo = "/usr/bin/python", ls.REPO
+    run = dict(name="run_strata_s0", done=str(wd / "DONE"), kept_with="final_strata_s0",
+               argv=[py, os.path.join(repo, "train.py"), f"--config=x:workdir={wd}"])
+    final = dict(name="final_strata_s0", done=str(wd / "eval_test_step2.json"),
+                 argv=[py, os.path.join(repo, "eval.py"), f"--config=x:workdir={wd}"])
+    queue = [run, final]
+    (wd / "metrics.jsonl").write_text('{"step": 0}\n')
+    (wd / "trajectories.jsonl").write_text('{"step": 0, "success": true}\n')
+    (wd / "ckpt").mkdir()
+    ls.keep(args, run, finished=False)             # a running job: its curve, not done
+    assert sorted(os.listdir(tmp_path / "kept" / "run_strata_s0")) == ["metrics.jsonl",
+                                                                       "trajectories.jsonl"]
+    assert not ls.is_kept(args, run, queue)
+    ls.keep(args, run, finished=True)
+    assert ls.job_key(run) == ["train.py", f"--config=x:workdir={wd}"]
+    assert not ls.is_kept(args, run, queue)        # its final eval is not kept yet
+    (wd / "eval_test_step2.json").write_text('{"eval/success": 0.25}')
+    (wd / "eval_test_step2_trajectories.jsonl").write_text("{}\n")
+    ls.keep(args, final, finished=True)
+    assert sorted(os.listdir(tmp_path / "kept" / "final_strata_s0")) == [
+        "eval_test_step2.json", "eval_test_step2_trajectories.jsonl", "job.json"]
+    assert ls.is_kept(args, run, queue) and ls.is_kept(args, final, queue)
+    changed = dict(final, argv=final["argv"] + ["--episodes_per_family=8"])
+    assert not ls.is_kept(args, changed, [run, changed])     # another setting: another job
+    assert not ls.is_kept(args, run, [run, changed])
+    # a fresh clone: the workdir is gone; restoring brings back exactly the kept files
+    for f in os.listdir(wd):
+        if f != "ckpt":
+            os.remove(wd / f)
+    ls.restore(args, final)
+    ls.restore(args, run)
+    assert json.loads((wd / "eval_test_step2.json").read_text()) == {"eval/success": 0.25}
+    assert sorted(os.listdir(wd)) == ["ckpt", "eval_test_step2.json",
+                                      "eval_test_step2_trajectories.jsonl", "metrics.jsonl",
+                                      "trajectories.jsonl"]
+    assert ls.is_kept(args, dict(run, local=True), queue) is False   # the warm start: never
