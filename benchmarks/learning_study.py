@@ -8,7 +8,10 @@ GRPO, with significance tests: the study on memory_key with one code attempt (do
 The study is a queue of jobs, each a ``train.py`` / ``eval.py`` / ``sft.py`` subprocess on its
 own folder under ``--out``; a job whose result exists is skipped, and train.py resumes a run
 from its last checkpoint (``ckpt.every=1``), so the queue started again after a stop continues
-where it stopped. In order:
+where it stopped. Each finished job's outputs (eval JSON and trajectories, a run's metrics and
+trajectories; not checkpoints) are copied to ``--results`` with its command line, a running
+run's every ``--keep-every`` seconds; committed, they let a fresh clone's queue skip the same
+jobs and its report read them. In order:
 
 1. ``warm_start`` (with ``--warm-start mask`` or ``mask-actions``): behaviour cloning that
    teaches the walk and the keypad with plans that do NOT carry the code
