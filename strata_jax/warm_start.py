@@ -129,7 +129,8 @@ def stale_export_warning(out_dir: str) -> str | None:
 def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
     """A 12-hex id of everything the warm start depends on (data, prompts, model, init)."""
     sft = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"}
-    for k, default in (("plan_code", "keep"), ("train_strategies", True)):
+    for k, default in (("plan_code", "keep"), ("train_strategies", True),
+                       ("plan_code_keep", 0.0)):
         if sft[k] == default:   # the rendering before the option existed: existing
             del sft[k]          # fingerprints stay valid
     d = dict(format=EXAMPLE_FORMAT, sft=sft,

@@ -97,6 +97,27 @@ def test_masked_plan_names_the_keypad_not_the_code(builder, episodes):
         sft.SFTConfig(plan_code="hide")
 
 
+def test_plan_code_keep_keeps_the_code_in_a_seeded_share_of_plans(builder, episodes):
+    """sft.plan_code_keep: under "mask", the episodes `keeps_code` draws keep their code in the
+    cloned plan, the others are masked; the draw depends on the seed alone."""
+    import numpy as np
+    cfg = sft.SFTConfig(plan_code="mask", plan_code_keep=0.5, strategy_mode="strata", seed=3)
+    keep = sft.keeps_code(cfg, len(episodes))
+    np.testing.assert_array_equal(keep, np.random.default_rng([3, 0x9C0DE]).random(
+        len(episodes)) < 0.5)
+    assert 0 < keep.sum() < len(episodes)          # both kinds among these episodes
+    ex = sft.build_examples(builder, episodes, cfg)
+    plans = [e.response_text for e in ex if e.kind == "strategy"]
+    assert len(plans) == len(episodes)
+    for ep, k, plan in zip(episodes, keep, plans):
+        code = [a for a in ep.plan if a.startswith("enter ")][-1]
+        assert (code in plan) == bool(k) and (sft.MASKED_CODE in plan) == (not k)
+    assert sft.keeps_code(dataclasses.replace(cfg, plan_code="keep"), 4).all()
+    assert not sft.keeps_code(dataclasses.replace(cfg, plan_code_keep=0.0), 4).any()
+    with pytest.raises(ValueError, match="plan_code_keep must be in"):
+        sft.SFTConfig(plan_code_keep=1.5)
+
+
 def test_noisy_expert_never_types_a_code(episodes):
     """At memory_key's 1-digit vault the admissible actions list `enter 0` ... `enter 9`: noise
     picks moves / look only, so no wrong code is cloned and no attempt is spent."""
@@ -120,7 +141,10 @@ def test_fingerprint_keeps_old_caches_for_the_default_plan(tok):
     c.sft.plan_code = "mask"
     masked = warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))
     c.sft.train_strategies = False
-    assert len({keep, masked, warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))}) == 3
+    actions = warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))
+    c.sft.plan_code_keep = 0.25
+    assert len({keep, masked, actions,
+                warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))}) == 4
 
 
 @pytest.mark.parametrize("algo", ["strata", "flat"])

@@ -15,13 +15,14 @@ from strata_jax.training.sft.experts import (SCIWORLD_NOISE_ACTIONS, ExpertEpiso
                                              collect_expert_episodes, play_builtin_expert,
                                              play_gold)
 from strata_jax.training.sft.render import (KINDS, MASKED_CODE, SFTExample, action_response,
-                                            build_examples, judge_response, mask_codes, plan_text,
-                                            render_episode)
+                                            build_examples, judge_response, keeps_code,
+                                            mask_codes, plan_text, render_episode)
 
 __all__ = [
     "SFTConfig", "ExpertStep", "ExpertEpisode", "SFTExample", "SFTTrainer",
     "play_builtin_expert", "play_gold", "collect_expert_episodes", "plan_text", "mask_codes",
     "MASKED_CODE", "action_response", "judge_response", "render_episode", "build_examples",
+    "keeps_code",
     "make_sft_batch", "sft_loss", "batch_order", "train_sft", "sft_progress", "SFT_PROGRESS_S",
     "SCIWORLD_NOISE_ACTIONS", "STRATEGY_MODES", "PLAN_CODES", "KINDS",
 ]

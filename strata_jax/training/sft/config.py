@@ -28,6 +28,10 @@ class SFTConfig:
         ends with ``enter <code>``: the cloned strategies carry the code); "mask" writes every
         ``enter <code>`` item as ``enter the vault code``, so the warm start teaches the moves
         and the keypad but leaves carrying the code in the strategy for RL to discover.
+      plan_code_keep: with ``plan_code="mask"``, the fraction of expert episodes (a seeded
+        draw per episode, `keeps_code`) whose plan keeps its code: a start whose strategies
+        carry the code sometimes, so the strategy-level reward has something to raise (with
+        none carrying it, no group's strategies differ in what they carry). In [0, 1].
       train_strategies: train the strategy examples (StraTA form). False keeps the model's own
         way of writing strategies (the action rows still see the rendered plan as z): with
         ``plan_code="mask"`` the warm start then neither teaches nor unlearns putting the code
@@ -49,6 +53,7 @@ class SFTConfig:
     think: str = "I follow the plan."
     max_plan_items: int = 12
     plan_code: str = "keep"
+    plan_code_keep: float = 0.0
     train_strategies: bool = True
     max_gold_steps: int = 30
     steps: int = 300
@@ -68,6 +73,8 @@ class SFTConfig:
                              f"got {self.strategy_mode!r}")
         if self.plan_code not in PLAN_CODES:
             raise ValueError(f"sft.plan_code must be one of {PLAN_CODES}, got {self.plan_code!r}")
+        if not 0.0 <= self.plan_code_keep <= 1.0:
+            raise ValueError(f"sft.plan_code_keep must be in [0, 1], got {self.plan_code_keep}")
         if not 0.0 <= self.noise < 1.0:
             raise ValueError(f"sft.noise must be in [0, 1), got {self.noise}")
         for name in ("episodes", "steps", "batch_size", "max_plan_items"):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import numpy as np
+
 from strata_jax.models.tokenizer import IM_END_ID
 from strata_jax.rollout.prompts import (ACTION_STOP, JUDGE_STOP, STRATEGY_STOP, HistoryEntry,
                                         PromptBuilder, PromptIds)
@@ -138,16 +140,29 @@ def render_episode(builder: PromptBuilder, ep: ExpertEpisode, *, with_strategy: 
     return out
 
 
+def keeps_code(cfg: SFTConfig, n: int) -> np.ndarray:
+    """[n] bool: which of n expert episodes render their plan with its code under
+    ``plan_code="mask"`` (all of them under "keep"): a draw of probability
+    ``cfg.plan_code_keep`` per episode from ``cfg.seed`` alone, so the same episodes keep it
+    in every process and every rerun."""
+    if cfg.plan_code == "keep":
+        return np.ones(n, bool)
+    return np.random.default_rng([cfg.seed, 0x9C0DE]).random(n) < cfg.plan_code_keep
+
+
 def build_examples(builder: PromptBuilder, episodes: Sequence[ExpertEpisode],
                    cfg: SFTConfig) -> list[SFTExample]:
-    """Every example of `episodes` in the forms of ``cfg.strategy_mode``."""
+    """Every example of `episodes` in the forms of ``cfg.strategy_mode`` (the plan's code kept
+    or masked per episode: `keeps_code`)."""
     forms = {"both": (True, False), "strata": (True,), "flat": (False,)}[cfg.strategy_mode]
+    keep = keeps_code(cfg, len(episodes))
     out = []
-    for ep in episodes:
+    for ep, k in zip(episodes, keep):
         for strat in forms:
             out += render_episode(builder, ep, with_strategy=strat, think=cfg.think,
                                   judge=cfg.judge, max_plan_items=cfg.max_plan_items,
-                                  plan_code=cfg.plan_code, train_strategies=cfg.train_strategies)
+                                  plan_code="keep" if k else "mask",
+                                  train_strategies=cfg.train_strategies)
     return out
 
 
