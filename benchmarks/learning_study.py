@@ -145,6 +145,7 @@ def variant(args, algo: str, workdir: str, extra: tuple[str, ...] = ()) -> str:
             "log.dump_trajectories=1000"]
     if args.warm_start in ("mask", "mask-actions"):
         toks += ["model.warm_start=sft", "sft.plan_code=mask", f"sft.episodes={args.sft_episodes}",
+                 f"sft.plan_code_keep={args.plan_code_keep}",
                  f"sft.train_strategies={args.warm_start == 'mask'}",
                  f"sft.steps={args.sft_steps}", f"sft.batch_size={args.sft_batch}",
                  f"sft.lr={args.sft_lr}",
@@ -225,6 +226,19 @@ def kept_dir(args, job: dict) -> str:
     return os.path.join(args.results, job["name"])
 
 
+def marker(job: dict) -> str:
+    """The file in the job's workdir that records the argv it finished with (`job_key`)."""
+    return os.path.join(os.path.dirname(job["done"]), f".{job['name']}.argv.json")
+
+
+def finished_here(job: dict) -> bool:
+    """Whether the job finished in this checkout's workdir with this argv: its done file and a
+    matching `marker` (another setting of the study on the same --out is another job)."""
+    if not (os.path.exists(job["done"]) and os.path.exists(marker(job))):
+        return False
+    return json.load(open(marker(job))) == job_key(job)
+
+
 def is_kept(args, job: dict, queue: list[dict]) -> bool:
     """Whether --results holds this job's outputs from the same argv (`job_key`), and, for a
     train run, its final eval's too (`jobs`: kept_with); never for a `local` job."""
@@ -268,8 +282,10 @@ def restore(args, job: dict) -> None:
     src, wd = kept_dir(args, job), os.path.dirname(job["done"])
     os.makedirs(wd, exist_ok=True)
     for f in os.listdir(src):
-        if f != "job.json" and not os.path.exists(os.path.join(wd, f)):
+        if f != "job.json":
             shutil.copy2(os.path.join(src, f), os.path.join(wd, f))
+    with open(marker(job), "w") as f:
+        json.dump(job_key(job), f)
 
 
 def run_queue(args) -> None:
@@ -282,7 +298,7 @@ def run_queue(args) -> None:
             print(f"[{job['name']}] done (kept in {kept_dir(args, job)})", flush=True)
             restore(args, job)
             continue
-        if os.path.exists(job["done"]):
+        if finished_here(job):
             print(f"[{job['name']}] done", flush=True)
             keep(args, job, finished=True)
             continue
@@ -314,6 +330,8 @@ def run_queue(args) -> None:
         if job.get("touch"):
             os.makedirs(os.path.dirname(job["done"]), exist_ok=True)
             open(job["done"], "w").close()
+        with open(marker(job), "w") as f:
+            json.dump(job_key(job), f)
         keep(args, job, finished=True)
         print(f"[{job['name']}] finished in {wall:.0f} s (load {load0} -> {load1})", flush=True)
 
@@ -457,6 +475,9 @@ def main() -> int:
     ap.add_argument("--warm-start", default="", help="'' = zero-shot; mask = behaviour cloning "
                     "with plans that do not carry the code; mask-actions = the same without "
                     "strategy rows (the model keeps its own strategies); or an HF export dir")
+    ap.add_argument("--plan-code-keep", type=float, default=0.0,
+                    help="with --warm-start mask*: the share of cloned plans that keep the code "
+                    "(sft.plan_code_keep), so that some start strategies carry it")
     ap.add_argument("--digits", type=int, default=1)
     ap.add_argument("--max-steps", type=int, default=10)
     ap.add_argument("--eval-episodes", type=int, default=48)

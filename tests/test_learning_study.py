@@ -154,7 +154,11 @@ def test_queue_keeps_finished_jobs_for_a_fresh_clone(tmp_path):
     ls.restore(args, final)
     ls.restore(args, run)
     assert json.loads((wd / "eval_test_step2.json").read_text()) == {"eval/success": 0.25}
-    assert sorted(os.listdir(wd)) == ["ckpt", "eval_test_step2.json",
+    assert sorted(os.listdir(wd)) == [".final_strata_s0.argv.json", ".run_strata_s0.argv.json",
+                                      "ckpt", "eval_test_step2.json",
                                       "eval_test_step2_trajectories.jsonl", "metrics.jsonl",
                                       "trajectories.jsonl"]
+    # done here: the done file with this argv's marker; another setting's job is not
+    assert ls.finished_here(final) and not ls.finished_here(changed)
+    assert not ls.finished_here(run)               # its DONE file is not kept
     assert ls.is_kept(args, dict(run, local=True), queue) is False   # the warm start: never
