@@ -213,7 +213,7 @@ def jobs(args) -> list[dict]:
 # (committed) so that a later session's queue, on a fresh clone without runs/, skips it and the
 # report reads it. Checkpoints are not kept: an unfinished run starts again in a new session.
 KEEP = dict(sft=("sft_meta.json",), eval=("eval_*.json", "eval_*_trajectories.jsonl"),
-            train=("metrics.jsonl", "trajectories.jsonl"))
+            train=("metrics.jsonl", "trajectories.jsonl", "batches/*.npz"))
 
 
 def job_key(job: dict) -> list[str]:
@@ -252,8 +252,9 @@ def is_kept(args, job: dict, queue: list[dict]) -> bool:
 
 
 def keep(args, job: dict, finished: bool) -> None:
-    """Copy the job's outputs (`KEEP`, by the script it runs) from its workdir to --results/<job>; `finished` marks it
-    done there (a running train job's curve is kept as it grows, not marked done)."""
+    """Copy the job's outputs (`KEEP`, by the script it runs; relative paths kept) from its
+    workdir to --results/<job>; `finished` marks it done there (a running train job's curve is
+    kept as it grows, not marked done)."""
     import glob
     import shutil
     wd, dst = os.path.dirname(job["done"]), kept_dir(args, job)
@@ -266,9 +267,10 @@ def keep(args, job: dict, finished: bool) -> None:
     files = [f for pat in KEEP[script] for f in glob.glob(os.path.join(wd, pat))]
     if not files:
         return
-    os.makedirs(dst, exist_ok=True)
-    for f in files:
-        shutil.copy2(f, os.path.join(dst, os.path.basename(f)))
+    for f in files:   # the same relative path (a run's dumped update batches: batches/)
+        rel = os.path.relpath(f, wd)
+        os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
+        shutil.copy2(f, os.path.join(dst, rel))
     if finished:
         with open(os.path.join(dst, "job.json"), "w") as f:
             json.dump(dict(argv=job_key(job), finished=time.strftime("%Y-%m-%d %H:%M:%S")), f,
@@ -281,9 +283,12 @@ def restore(args, job: dict) -> None:
     import shutil
     src, wd = kept_dir(args, job), os.path.dirname(job["done"])
     os.makedirs(wd, exist_ok=True)
-    for f in os.listdir(src):
-        if f != "job.json":
-            shutil.copy2(os.path.join(src, f), os.path.join(wd, f))
+    for root, _, names in os.walk(src):
+        for f in names:
+            rel = os.path.relpath(os.path.join(root, f), src)
+            if rel != "job.json":
+                os.makedirs(os.path.dirname(os.path.join(wd, rel)), exist_ok=True)
+                shutil.copy2(os.path.join(src, rel), os.path.join(wd, rel))
     with open(marker(job), "w") as f:
         json.dump(job_key(job), f)
 

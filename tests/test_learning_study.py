@@ -131,8 +131,10 @@ def test_queue_keeps_finished_jobs_for_a_fresh_clone(tmp_path):
     (wd / "metrics.jsonl").write_text('{"step": 0}\n')
     (wd / "trajectories.jsonl").write_text('{"step": 0, "success": true}\n')
     (wd / "ckpt").mkdir()
+    (wd / "batches").mkdir()
+    (wd / "batches" / "iter_0.npz").write_bytes(b"ids")
     ls.keep(args, run, finished=False)             # a running job: its curve, not done
-    assert sorted(os.listdir(tmp_path / "kept" / "run_strata_s0")) == ["metrics.jsonl",
+    assert sorted(os.listdir(tmp_path / "kept" / "run_strata_s0")) == ["batches", "metrics.jsonl",
                                                                        "trajectories.jsonl"]
     assert not ls.is_kept(args, run, queue)
     ls.keep(args, run, finished=True)
@@ -149,13 +151,16 @@ def test_queue_keeps_finished_jobs_for_a_fresh_clone(tmp_path):
     assert not ls.is_kept(args, run, [run, changed])
     # a fresh clone: the workdir is gone; restoring brings back exactly the kept files
     for f in os.listdir(wd):
-        if f != "ckpt":
+        if f == "batches":
+            os.remove(wd / f / "iter_0.npz")
+        elif f != "ckpt":
             os.remove(wd / f)
     ls.restore(args, final)
     ls.restore(args, run)
     assert json.loads((wd / "eval_test_step2.json").read_text()) == {"eval/success": 0.25}
+    assert (wd / "batches" / "iter_0.npz").read_bytes() == b"ids"
     assert sorted(os.listdir(wd)) == [".final_strata_s0.argv.json", ".run_strata_s0.argv.json",
-                                      "ckpt", "eval_test_step2.json",
+                                      "batches", "ckpt", "eval_test_step2.json",
                                       "eval_test_step2_trajectories.jsonl", "metrics.jsonl",
                                       "trajectories.jsonl"]
     # done here: the done file with this argv's marker; another setting's job is not
