@@ -151,6 +151,8 @@ def variant(args, algo: str, workdir: str, extra: tuple[str, ...] = ()) -> str:
                  f"sft.lr={args.sft_lr}",
                  "sft.warmup_steps=5", "sft.noise=0.1", "sft.log_every=10",
                  "sft.strategy_mode=both"]
+        if args.no_guesses:   # only when set: the kept jobs' command lines stay the same
+            toks += ["sft.clone_guesses=false"]
     elif args.warm_start:
         toks += [f"model.warm_start={args.warm_start}"]
     toks += list(extra) + list(args.set)
@@ -483,6 +485,9 @@ def main() -> int:
     ap.add_argument("--plan-code-keep", type=float, default=0.0,
                     help="with --warm-start mask*: the share of cloned plans that keep the code "
                     "(sft.plan_code_keep), so that some start strategies carry it")
+    ap.add_argument("--no-guesses", action="store_true",
+                    help="with --warm-start mask*: clone no StraTA-form keypad row whose code the "
+                    "prompt hides (sft.clone_guesses=false), so code rows teach reading z")
     ap.add_argument("--digits", type=int, default=1)
     ap.add_argument("--max-steps", type=int, default=10)
     ap.add_argument("--eval-episodes", type=int, default=48)

@@ -130,7 +130,7 @@ def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
     """A 12-hex id of everything the warm start depends on (data, prompts, model, init)."""
     sft = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"}
     for k, default in (("plan_code", "keep"), ("train_strategies", True),
-                       ("plan_code_keep", 0.0)):
+                       ("plan_code_keep", 0.0), ("clone_guesses", True)):
         if sft[k] == default:   # the rendering before the option existed: existing
             del sft[k]          # fingerprints stay valid
     d = dict(format=EXAMPLE_FORMAT, sft=sft,

@@ -118,6 +118,26 @@ def test_plan_code_keep_keeps_the_code_in_a_seeded_share_of_plans(builder, episo
         sft.SFTConfig(plan_code_keep=1.5)
 
 
+def test_clone_guesses_false_drops_the_keypad_guess_under_a_masked_plan(builder, episodes):
+    """sft.clone_guesses=False: under a masked z the keypad row (step 4 of 5: the note left the
+    2-step window) is a guess and is left out; under a plan that keeps the code, and in the flat
+    form, it stays."""
+    ep = episodes[0]                          # code 660, 4 moves then `enter 660`
+    kw = dict(with_strategy=True, plan_code="mask")
+    full = sft.render_episode(builder, ep, **kw)
+    cut = sft.render_episode(builder, ep, clone_guesses=False, **kw)
+    acts = [e for e in full if e.kind == "action"]
+    assert acts[-1].response_text.endswith("<action>enter 660</action>")
+    assert acts[-1].prompt.history_used == 2 and acts[-1].step_index == 4
+    assert [e.response_text for e in cut] == [e.response_text for e in full if e is not acts[-1]]
+    keep = sft.render_episode(builder, ep, with_strategy=True, plan_code="keep",
+                              clone_guesses=False)
+    assert keep[-2].response_text.endswith("<action>enter 660</action>")   # z shows the code
+    flat = sft.render_episode(builder, ep, with_strategy=False, plan_code="mask",
+                              clone_guesses=False)
+    assert flat[-1].response_text.endswith("<action>enter 660</action>")
+
+
 def test_noisy_expert_never_types_a_code(episodes):
     """At memory_key's 1-digit vault the admissible actions list `enter 0` ... `enter 9`: noise
     picks moves / look only, so no wrong code is cloned and no attempt is spent."""
@@ -143,8 +163,10 @@ def test_fingerprint_keeps_old_caches_for_the_default_plan(tok):
     c.sft.train_strategies = False
     actions = warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))
     c.sft.plan_code_keep = 0.25
-    assert len({keep, masked, actions,
-                warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))}) == 4
+    some = warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))
+    c.sft.clone_guesses = False
+    assert len({keep, masked, actions, some,
+                warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))}) == 5
 
 
 @pytest.mark.parametrize("algo", ["strata", "flat"])

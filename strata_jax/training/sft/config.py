@@ -36,6 +36,10 @@ class SFTConfig:
         way of writing strategies (the action rows still see the rendered plan as z): with
         ``plan_code="mask"`` the warm start then neither teaches nor unlearns putting the code
         in the plan.
+      clone_guesses: False leaves out the StraTA-form action rows that type a code their prompt
+        cannot show (a masked plan as z, the note out of the history window; `render_episode`),
+        so that form's code rows all teach reading the code from z or the history, none
+        guessing it. The flat form keeps its guesses.
       max_gold_steps: ScienceWorld gold paths longer than this are skipped.
       steps, batch_size, lr, weight_decay, grad_clip, warmup_steps: optimisation (AdamW, linear
         warmup then cosine decay to 0 at ``steps``).
@@ -55,6 +59,7 @@ class SFTConfig:
     plan_code: str = "keep"
     plan_code_keep: float = 0.0
     train_strategies: bool = True
+    clone_guesses: bool = True
     max_gold_steps: int = 30
     steps: int = 300
     batch_size: int = 16

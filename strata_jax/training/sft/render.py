@@ -104,7 +104,8 @@ def _example(builder: PromptBuilder, prompt: PromptIds, text: str, kind: str, st
 def render_episode(builder: PromptBuilder, ep: ExpertEpisode, *, with_strategy: bool,
                    think: str = SFTConfig.think, judge: bool = True,
                    max_plan_items: int = 12, plan_code: str = "keep",
-                   train_strategies: bool = True) -> list[SFTExample]:
+                   train_strategies: bool = True,
+                   clone_guesses: bool = True) -> list[SFTExample]:
     """Examples of one expert episode, rendered exactly as the rollout renders its prompts.
 
     StraTA form (`with_strategy`): the strategy example (strategy prompt of the first
@@ -113,7 +114,11 @@ def render_episode(builder: PromptBuilder, ep: ExpertEpisode, *, with_strategy: 
     and (``judge``) the judge example listing the noisy steps. Flat form: action examples only.
     ``plan_code="mask"`` renders the plan through `mask_codes` (the action targets are the
     expert's own actions either way); ``train_strategies=False`` leaves the strategy example out
-    (z still goes into the step prompts).
+    (z still goes into the step prompts). ``clone_guesses=False`` (StraTA form) leaves out the
+    action rows that type a code their prompt cannot show: a masked z, and the first
+    observation (the note) out of the history window. Their target is a guess, and cloning it
+    teaches typing a code without reading z; left out, every code row of that form reads the
+    code from z or the history. The flat form keeps them: a flat policy can only guess.
     """
     out: list[SFTExample] = []
     z = None
@@ -130,8 +135,12 @@ def render_episode(builder: PromptBuilder, ep: ExpertEpisode, *, with_strategy: 
     history: list[HistoryEntry] = []
     for t, s in enumerate(ep.steps):
         prompt = builder.step_prompt(s.pieces, s.observation, history, z)
-        out.append(_example(builder, prompt, action_response(s.action, think), "action",
-                            with_strategy, t))
+        # the note (step 0's observation) is in view while the window reaches back to it
+        guess = (with_strategy and plan_code == "mask" and mask_codes([s.action]) != [s.action]
+                 and t > prompt.history_used)
+        if clone_guesses or not guess:
+            out.append(_example(builder, prompt, action_response(s.action, think), "action",
+                                with_strategy, t))
         history.append(HistoryEntry(s.observation, s.action))
     if with_strategy and judge and history:
         bad = [t + 1 for t, s in enumerate(ep.steps) if s.noisy]
@@ -162,7 +171,8 @@ def build_examples(builder: PromptBuilder, episodes: Sequence[ExpertEpisode],
             out += render_episode(builder, ep, with_strategy=strat, think=cfg.think,
                                   judge=cfg.judge, max_plan_items=cfg.max_plan_items,
                                   plan_code="keep" if k else "mask",
-                                  train_strategies=cfg.train_strategies)
+                                  train_strategies=cfg.train_strategies,
+                                  clone_guesses=cfg.clone_guesses)
     return out
 
 
