@@ -225,6 +225,7 @@ def job_key(job: dict) -> list[str]:
 
 
 def kept_dir(args, job: dict) -> str:
+    """--results/<job name>: where `keep` copies the job's outputs."""
     return os.path.join(args.results, job["name"])
 
 
@@ -280,8 +281,9 @@ def keep(args, job: dict, finished: bool) -> None:
 
 
 def restore(args, job: dict) -> None:
-    """A job kept under --results but missing from the workdir (a fresh clone): copy its kept
-    outputs back, so later jobs and the report find them where the run left them."""
+    """Copy a kept job's outputs back into its workdir (a fresh clone, or the workdir of
+    another setting: kept files overwrite) and write its argv `marker`, so later jobs and the
+    report find them where the run left them."""
     import shutil
     src, wd = kept_dir(args, job), os.path.dirname(job["done"])
     os.makedirs(wd, exist_ok=True)
