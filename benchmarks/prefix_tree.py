@@ -5,8 +5,11 @@ The batch: every row's prompt starts with one instruction block (--inst tokens);
 task share its goal (--goal); the rows of a strategy share its text (--strategy); the first
 step of every episode of a strategy has the same observation, later steps their own (--step);
 responses of --response tokens. So the tree has the levels instruction -> task -> strategy ->
-step, as in a real StraTA batch (stored runs keep text, not ids: replaying real batches needs
-a run that dumps its SampleBatch, which this script does not do).
+step, as in a real StraTA batch. Or, with --batches, real update batches a run dumped
+(``log.dump_batches``: the sampler's own ids, e.g. the 0.5B's StraTA memory_key batches under
+benchmarks/results/learning_study/*/run_*/batches/), replayed with the run's training settings
+(--micro, --mini, --lora, --algo). The peak RSS printed is the process's: for each path's
+own, run one --paths per process.
 
 Reported per batch: tokens the forward computes under each layout (per-row at the batch's
 width; per-row length-grouped; packing without sharing, i.e. the rows' own tokens; only the
@@ -20,6 +23,8 @@ masked ones between unrelated subtrees included; judge the packed path on a real
     python -m benchmarks.prefix_tree                          # tiny random model, quick
     python -m benchmarks.prefix_tree --shape 0.5b --lora 16   # the 0.5B shape, random weights
     python -m benchmarks.prefix_tree --model /path/qwen05-hf --lora 16 --repeats 2
+    python -m benchmarks.prefix_tree --model qwen2.5-coder-0.5b-instruct --lora 16 --remat dots \
+        --batches benchmarks/results/learning_study/keep25/run_strata_s0/batches/*.npz
 """
 from __future__ import annotations
 
@@ -98,8 +103,8 @@ def _common_prefix(pi, pm) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="", help="HF checkpoint dir; empty: random weights of "
-                    "--shape")
+    ap.add_argument("--model", default="", help="HF checkpoint dir, GGUF file or fetched model "
+                    "name; empty: random weights of --shape")
     ap.add_argument("--shape", default="tiny", choices=["tiny", "0.5b"],
                     help="random-weight model shape without --model (0.5b: Qwen2.5-0.5B's)")
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
@@ -114,6 +119,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--batches", nargs="*", default=[], help="dumped SampleBatch .npz files "
+                    "(log.dump_batches) to replay instead of the synthetic batch")
+    ap.add_argument("--mini", type=int, default=1024, help="mini_batch_size (step rows per "
+                    "optimizer step; the default: one step over the whole batch)")
+    ap.add_argument("--algo", default="grpo", help="the estimator (a dumped batch carries the "
+                    "fields of its run's algo: pass it)")
+    ap.add_argument("--paths", nargs="+", default=["grouped", "packed"],
+                    choices=["grouped", "packed"], help="which update paths to time")
     ap.add_argument("--remat", default="full")
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
@@ -129,7 +142,7 @@ def main() -> None:
     from strata_jax.training import TrainConfig, Trainer
 
     compiles = CompileCounter.install()
-    if args.model:
+    if args.model:   # a local dir, a GGUF file or a fetched model's name
         model, params = load_checkpoint(args.model)
     elif args.shape == "0.5b":
         model = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -140,30 +153,43 @@ def main() -> None:
         model = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                             num_heads=4, num_kv_heads=2, head_dim=16)
         params = init_params(model, jax.random.PRNGKey(0))
-    batch = make_sample_batch(strata_records(args, model.vocab_size), row_multiple=args.micro)
-    counts = token_counts(batch, args.micro)
-    print(f"{int(np.asarray(batch.valid).sum())} rows, batch width "
-          f"{batch.prompt_ids.shape[1]} + {batch.response_ids.shape[1]}")
-    for k, v in counts.items():
-        print(f"  tokens computed, {k:19s}: {v:7d}  ({counts['per_row'] / max(v, 1):.2f}x fewer "
-              f"than per-row)")
+    if args.batches:
+        from strata_jax.algos.batch import load_sample_batch
+        batches = [(os.path.basename(f), load_sample_batch(f)[0]) for f in args.batches]
+        top = max(int(max(np.asarray(b.prompt_ids).max(), np.asarray(b.response_ids).max()))
+                  for _, b in batches)
+        if top >= model.vocab_size:
+            raise SystemExit(f"the batches hold token id {top}, beyond the model's vocabulary "
+                             f"({model.vocab_size}): pass --model of the run that dumped them")
+    else:
+        batches = [("synthetic", make_sample_batch(strata_records(args, model.vocab_size),
+                                                   row_multiple=args.micro))]
     c = base.get_base_config()
-    c.algo = "grpo"
+    c.algo = args.algo
     c.lora.rank = args.lora
-    for packed in (False, True):
-        cfg = TrainConfig.from_config(c, mini_batch_size=1024, micro_batch_size=args.micro,
-                                      remat=args.remat, compute_dtype=args.dtype,
-                                      donate_state=True, pack_prefixes=packed)
-        trainer = Trainer(model, cfg)
-        state = trainer.init_state(params, jax.random.PRNGKey(1))
-        marks = []
-        state, warm, runs, m = time_updates(trainer, state, batch, params, args.repeats,
-                                            lambda: marks.append(compiles.count))
-        name = "packed tree" if packed else "per-row (length-grouped)"
-        print(f"{name:25s}: update {statistics.median(runs):7.2f} s (warm-up {warm:.1f} s), "
-              f"{compiles.count - marks[0]} compilations after warm-up, token fill "
-              f"{m['perf/update_token_fill']:.2f}, load {os.getloadavg()[0]:.1f}")
-        del state, trainer
+    for name, batch in batches:
+        counts = token_counts(batch, args.micro)
+        print(f"{name}: {int(np.asarray(batch.valid).sum())} rows, batch width "
+              f"{batch.prompt_ids.shape[1]} + {batch.response_ids.shape[1]}")
+        for k, v in counts.items():
+            print(f"  tokens computed, {k:19s}: {v:7d}  ({counts['per_row'] / max(v, 1):.2f}x "
+                  f"fewer than per-row)")
+        for path in args.paths:
+            cfg = TrainConfig.from_config(c, mini_batch_size=args.mini,
+                                          micro_batch_size=args.micro, remat=args.remat,
+                                          compute_dtype=args.dtype, donate_state=True,
+                                          pack_prefixes=path == "packed")
+            trainer = Trainer(model, cfg)
+            state = trainer.init_state(params, jax.random.PRNGKey(1))
+            marks = []
+            state, warm, runs, m = time_updates(trainer, state, batch, params, args.repeats,
+                                                lambda: marks.append(compiles.count))
+            label = "packed tree" if path == "packed" else "per-row (length-grouped)"
+            print(f"  {label:25s}: update {statistics.median(runs):7.2f} s (warm-up "
+                  f"{warm:.1f} s), {compiles.count - marks[0]} compilations after warm-up, "
+                  f"token fill {m['perf/update_token_fill']:.2f}, loss "
+                  f"{m['train/loss']:.6f}, load {os.getloadavg()[0]:.1f}", flush=True)
+            del state, trainer
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB")
 
 

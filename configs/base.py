@@ -191,6 +191,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.train.adam_eps = 1e-8        # AdamW epsilon (torch's default)
     c.train.recompute_old = False  # run the old-logprob pass even on-policy (a check: same result)
     c.train.trim_padding = True    # drop all-padding columns before scoring / training (same out)
+    c.train.response_floor = 32    # response columns: powers of two >= this (few compiled widths
+                                   # as response lengths drift; 0 = two sizes per octave from 8)
     c.train.group_by_length = True  # micro-batches of rows of similar length, each at its own
                                    # width (fewer padded tokens; one compile per width bucket)
     c.train.pack_prefixes = False  # prefix-tree packed update: each shared prompt prefix once

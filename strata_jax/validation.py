@@ -133,6 +133,7 @@ def validate(c: Any) -> None:
         at_least(f"optim.{name}", 1)
     at_least("optim.warmup_steps", 0)
     at_least("train.pack_width", 0)    # 0 = auto (Trainer.pack_shape)
+    at_least("train.response_floor", 0)  # 0 = two response widths per octave
     at_least("iterations", 0)
     at_least("ckpt.every", 1)
     at_least("eval.every", 0)
@@ -218,6 +219,7 @@ RESUME_MAY_CHANGE = (
     "train.group_by_length",          # micro-batch widths: speed, same sums (float order aside)
     "train.pack_prefixes",            # prefix-tree packed update: same sums (float order aside)
     "train.pack_width",               # its packed row width: speed, same sums (float order aside)
+    "train.response_floor",           # response columns' buckets: padding, same sums
 )
 
 

@@ -21,6 +21,7 @@ MAY_CHANGE = {"workdir", "iterations", "compilation_cache_dir", "env.num_workers
               "eval.strategy_samples", "eval.strategy_choice", "eval.probe_steps",
               "log.dump_trajectories", "log.dump_batches", "train.donate_state", "train.scan_layers",
               "train.group_by_length", "train.pack_prefixes", "train.pack_width",
+              "train.response_floor",
               "distributed.coordinator_address", "distributed.num_processes",
               "distributed.process_id", "distributed.local_device_ids",
               "distributed.initialization_timeout_s"}

@@ -357,6 +357,67 @@ def test_donated_update_equals_the_copying_one_and_reuses_the_input_state(setup)
     assert m["train/loss"] == ref_m["train/loss"] and int(new.step) == int(state.step) + 1
 
 
+def test_response_columns_buckets():
+    from strata_jax.training.batching import response_columns
+    # floor 0: two sizes per octave, multiples of 8
+    assert [response_columns(n) for n in (0, 1, 8, 9, 13, 17, 25, 33, 97)] == \
+        [8, 8, 8, 16, 16, 24, 32, 48, 128]
+    # floor 32: powers of two from 32
+    assert [response_columns(n, 32) for n in (0, 1, 9, 32, 33, 65, 96, 128, 129)] == \
+        [32, 32, 32, 32, 64, 128, 128, 128, 256]
+
+
+def test_response_floor_pads_responses_and_keeps_the_update(setup):
+    """train.response_floor: the trimmed batch's response columns are padded up to the floor
+    (columns off every mask), and the update equals the floor-0 one."""
+    from strata_jax.training.batching import trim_padding
+    params, trainer, state = setup
+    recs = grpo_records(n_tasks=1, per_task=4, seed=3, prompt_len=(3, 7), resp_len=(2, 6))
+    tight = make_batch(recs)                      # widths 8 and 8 (longest 6 and 5)
+    wide = trim_padding(tight, 32)
+    assert wide.prompt_ids.shape[1] == 8 and wide.response_ids.shape[1] == 32
+    for f in ("response_ids", "response_mask", "sampler_logprobs"):
+        np.testing.assert_array_equal(np.asarray(getattr(wide, f))[:, :8], getattr(tight, f))
+        assert not np.asarray(getattr(wide, f))[:, 8:].any()
+    floor = Trainer(TINY, dataclasses.replace(trainer.cfg, response_floor=32))
+    a, ma = trainer.update(state, tight, ref_params=params)
+    b, mb = floor.update(state, tight, ref_params=params)
+    for x, y in zip(jax.tree.leaves(tree_to_numpy(a)), jax.tree.leaves(tree_to_numpy(b))):
+        np.testing.assert_allclose(x, y, atol=2e-6)
+    np.testing.assert_allclose(ma["train/loss"], mb["train/loss"], rtol=1e-5, atol=1e-7)
+    # real tokens / computed: 4 rows, (8 + 8) columns each without the floor, (8 + 32) with it
+    real = int(np.asarray(tight.prompt_mask).sum() + np.asarray(tight.response_mask).sum())
+    assert ma["perf/update_token_fill"] == pytest.approx(real / (4 * 16))
+    assert mb["perf/update_token_fill"] == pytest.approx(real / (4 * 40))
+
+
+def test_response_floor_stops_new_compilations_as_responses_drift(setup):
+    """Iterations whose longest responses drift (3 -> 9 -> 20 -> 27 tokens) compile no new
+    program after the first with response_floor 32 (every width pair is (8, 32)); with floor 0
+    each new bucket (8, 16, 24, 32) compiles the update again."""
+    from tests.sampler_fixtures import compile_counter
+    counter = compile_counter()
+    params, trainer, state = setup
+    batches = []
+    for i, n in enumerate((3, 9, 20, 27)):
+        recs = grpo_records(n_tasks=1, per_task=4, seed=20 + i, prompt_len=(3, 7),
+                            resp_len=(2, 3))
+        recs[0]["response_ids"] = np.arange(1, n + 1)
+        batches.append(make_batch(recs, response_buckets=(32,)))
+    new = {}
+    for floor in (32, 0):
+        # a config of this test only (lr): no program compiled by another test is reused
+        tr = Trainer(TINY, dataclasses.replace(trainer.cfg, response_floor=floor, lr=7e-4))
+        counts = []
+        for b in batches:
+            before = counter.count
+            tr.update(state, b, ref_params=params)
+            counts.append(counter.count - before)
+        new[floor] = counts
+    assert new[32][0] > 0 and new[32][1:] == [0, 0, 0]
+    assert all(c > 0 for c in new[0][1:])
+
+
 def test_length_grouped_micro_batches_sort_rows_and_size_each_width():
     from strata_jax.training.batching import length_grouped_micro_batches, row_widths
     # 6 rows; prompts left-padded in 40 columns, responses right-padded in 16.
@@ -379,6 +440,9 @@ def test_length_grouped_micro_batches_sort_rows_and_size_each_width():
     assert [p[1].tolist() for p in plan] == [[True, True], [True, True], [True, False]]
     # widths: bucket_size of the longest real row, multiples of 8, capped at (40, 16)
     assert [p[2] for p in plan] == [(40, 8), (16, 16), (8, 8)]
+    # a response floor of 4: response columns powers of two >= 4 (need 4, 9, 2), capped at 16
+    floor = length_grouped_micro_batches(idx, real, need_p, need_r, 2, 40, 16, response_floor=4)
+    assert [p[2] for p in floor] == [(40, 4), (16, 16), (8, 4)]
     # micro-batches of padding entries only are left out
     only_pad = length_grouped_micro_batches(idx, np.array([1, 1, 0, 0, 0, 0], bool), need_p,
                                             need_r, 2, 40, 16)

@@ -49,8 +49,10 @@ def train_config(algo: str = "grpo", **overrides):
     c.algo = algo
     # fp32 compute pinned: base.py's paper default is bf16, whose rounding swamps exact checks;
     # no donation: the tests update one fixture state many times (donation: test_train.py)
+    # response_floor 0: the tests' hand-computed widths are two buckets per octave from 8 (the
+    # default floor's own tests: test_train.py)
     kw = dict(lr=1e-3, mini_batch_size=8, micro_batch_size=4, remat="none", compute_dtype="float32",
-              donate_state=False)
+              donate_state=False, response_floor=0)
     kw.update(overrides)
     return TrainConfig.from_config(c, **kw)
 

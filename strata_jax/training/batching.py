@@ -17,15 +17,38 @@ _TOKEN_FIELDS = ("response_ids", "response_mask", "sampler_logprobs", "old_logpr
 _PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
 
 
-def trim_padding(batch: SampleBatch) -> SampleBatch:
+def response_columns(n: int, floor: int = 0) -> int:
+    """The response columns a batch or micro-batch keeps for a longest response of n tokens.
+
+    floor 0: a `bucket_size` size (two per octave, multiples of 8: 8, 16, 24, 32, 48, ...);
+    floor > 0: the smallest power of two >= max(n, floor) (32, 64, 128, ... for floor 32).
+
+    Why a floor: a micro-batch's compiled gradient step is keyed by its (prompt, response)
+    width pair, and a real run's longest responses drift from iteration to iteration (an action
+    of 9 tokens, a strategy of 70, a format-invalid ramble of 96), so two sizes per octave from
+    8 up keep adding new pairs, each a new compilation of the forward and backward (minutes for
+    a 0.5B model on CPU, docs/results.md). Response columns are a small share of a row (prompts
+    are hundreds of tokens), so padding them to a coarse bucket costs little and the pairs a run
+    meets stop growing after its first iterations.
+    """
+    if floor <= 0:
+        return bucket_size(max(int(n), 1), None, 8)
+    return 1 << (max(int(n), int(floor), 1) - 1).bit_length()
+
+
+def trim_padding(batch: SampleBatch, response_floor: int = 0) -> SampleBatch:
     """Drop the columns that are padding in every row: prompt columns left of the longest
-    prompt and response columns right of the longest response, each kept width rounded up to a
-    `bucket_size` size (..., 48, 64, 96, 128, ...: at most two compiled shapes per octave).
+    prompt, kept width rounded up to a `bucket_size` size (..., 48, 64, 96, 128, ...: at most
+    two compiled shapes per octave), and set the response columns to `response_columns` of the
+    longest response (response_floor): dropped right of it, or, with a floor above the batch's
+    response width, padding columns added (so the micro-batches' response widths come from the
+    floor's buckets, not from how the rollout happened to pad).
 
     Scores and losses are unchanged: a causal forward's output at a column depends only on the
     columns before it, padded keys are masked, RoPE positions count real tokens only, and the
-    dropped response columns are off every mask. Returns the batch unchanged when nothing can
-    be dropped or a field is a multi-process array (not host-addressable). Numpy or jax leaves.
+    dropped or added response columns are off every mask. Returns the batch unchanged when its
+    widths already are those, or a field is a multi-process array (not host-addressable).
+    Numpy or jax leaves.
     """
     leaves = [getattr(batch, f) for f in _TOKEN_FIELDS + _PROMPT_FIELDS]
     if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
@@ -38,9 +61,15 @@ def trim_padding(batch: SampleBatch) -> SampleBatch:
     need_p = tp - int(cols_p[0]) if cols_p.size else 1
     need_r = int(cols_r[-1]) + 1 if cols_r.size else 1
     new_p = min(tp, bucket_size(need_p, None, 8))
-    new_r = min(tr, bucket_size(need_r, None, 8))
+    new_r = response_columns(need_r, response_floor)
+    if response_floor <= 0:
+        new_r = min(tr, new_r)
     if (new_p, new_r) == (tp, tr):
         return batch
+    if new_r > tr:   # padding columns on the right (responses are right-padded)
+        batch = batch.replace(**{f: np.pad(np.asarray(getattr(batch, f)),
+                                           ((0, 0), (0, new_r - tr)))
+                                 for f in _TOKEN_FIELDS})
     return trim_columns(batch, new_p, new_r)
 
 
@@ -65,7 +94,7 @@ def row_widths(prompt_mask: np.ndarray, response_mask: np.ndarray) -> tuple[np.n
 
 def length_grouped_micro_batches(idx: np.ndarray, real: np.ndarray, need_p: np.ndarray,
                                  need_r: np.ndarray, micro_batch_size: int, prompt_width: int,
-                                 response_width: int
+                                 response_width: int, response_floor: int = 0
                                  ) -> list[tuple[np.ndarray, np.ndarray, tuple[int, int]]]:
     """One mini-batch (`minibatch_plan` entry) as micro-batches of rows of similar length, each
     with its own width (HF Trainer's ``group_by_length``, per micro-batch: the gradient is the
@@ -73,8 +102,9 @@ def length_grouped_micro_batches(idx: np.ndarray, real: np.ndarray, need_p: np.n
 
     The real rows are sorted by prompt + response columns, longest first (stable), the padding
     entries go last; each chunk of `micro_batch_size` entries keeps the columns its longest row
-    needs, rounded up to a `bucket_size` size (two per octave, multiples of 8: few compiled
-    widths) and capped at the batch's widths. Chunks of padding entries only are left out.
+    needs, the prompt columns rounded up to a `bucket_size` size (two per octave, multiples of
+    8: few compiled widths), the response columns to `response_columns` (response_floor), both
+    capped at the batch's widths. Chunks of padding entries only are left out.
 
     Args: idx [rows] int, real [rows] bool (a `minibatch_plan` entry, rows a multiple of
     micro_batch_size); need_p, need_r [R] int (`row_widths` of the whole batch); prompt_width,
@@ -95,7 +125,7 @@ def length_grouped_micro_batches(idx: np.ndarray, real: np.ndarray, need_p: np.n
         if not r.any():
             continue
         wp = min(prompt_width, bucket_size(max(int(need_p[i[r]].max()), 1), None, 8))
-        wr = min(response_width, bucket_size(max(int(need_r[i[r]].max()), 1), None, 8))
+        wr = min(response_width, response_columns(int(need_r[i[r]].max()), response_floor))
         out.append((i.astype(np.int32), r, (int(wp), int(wr))))
     return out
 
@@ -139,5 +169,5 @@ def minibatch_plan(valid: np.ndarray, kind: np.ndarray, mini_batch_size: int, ro
     return plan
 
 
-__all__ = ["trim_padding", "trim_columns", "row_widths", "length_grouped_micro_batches",
+__all__ = ["response_columns", "trim_padding", "trim_columns", "row_widths", "length_grouped_micro_batches",
            "num_minibatches", "minibatch_plan"]

@@ -25,7 +25,7 @@ LR_SCHEDULES = ("constant", "cosine")
 _OPTIM_FIELDS = ("lr", "critic_lr", "weight_decay", "grad_clip", "warmup_steps", "ppo_epochs",
                  "mini_batch_size", "micro_batch_size")
 _TRAIN_FIELDS = ("adam_eps", "lr_schedule", "decay_steps", "compute_dtype", "logprob_chunk",
-                 "score_rows", "recompute_old", "trim_padding", "group_by_length", "pack_prefixes",
+                 "score_rows", "recompute_old", "trim_padding", "response_floor", "group_by_length", "pack_prefixes",
                  "pack_width", "donate_state",
                  "scan_layers",
                  "critic", "value_trunk_coef", "value_head_init_std")
@@ -69,7 +69,11 @@ class TrainConfig:
       even when the update is exactly on-policy, one epoch of one mini-batch, where pi_old is
       the step's own logprob under stop_gradient; same result, one forward more: a check),
       trim_padding (drop all-padding prompt / response columns before scoring and training,
-      widths bucketed; same result), group_by_length (the rows of a mini-batch sorted by length
+      widths bucketed; same result), response_floor (the response columns of the batch and of
+      each micro-batch are the smallest power of two >= max(longest response, response_floor);
+      0 = two sizes per octave from 8 as the prompt columns: tighter, but a run's drifting
+      response lengths keep compiling new (prompt, response) width pairs,
+      `batching.response_columns`), group_by_length (the rows of a mini-batch sorted by length
       into micro-batches, each run at its own width bucket: padded columns are not computed;
       same gradient up to float summation order, one compiled gradient step per (prompt,
       response) width-bucket pair; False = one scan over micro-batches at the batch's width),
@@ -119,6 +123,7 @@ class TrainConfig:
     score_rows: int = 0
     recompute_old: bool = False
     trim_padding: bool = True
+    response_floor: int = 32
     group_by_length: bool = True
     pack_prefixes: bool = False
     pack_width: int = 0

@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from strata_jax.algos.batch import bucket_size
+from strata_jax.training.batching import response_columns
 from strata_jax.models.qwen2 import QUERY_CHUNK
 
 
@@ -410,7 +411,8 @@ def micro_row_counts(n_packed: int, rows_per_micro: int, row_multiple: int = 1) 
 
 def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, idx, real, *,
                          max_width: int, rows_per_micro: int = 1, row_multiple: int = 1,
-                         block: int = QUERY_CHUNK) -> list[PackedMicroBatch]:
+                         block: int = QUERY_CHUNK, response_floor: int = 0
+                         ) -> list[PackedMicroBatch]:
     """The rows idx[real] of a batch as packed micro-batches: `pack_rows` of those rows into
     packed rows of at most max_width slots, grouped `rows_per_micro` packed rows per
     micro-batch (`micro_row_counts`), each micro-batch holding the rows whose tokens its packed
@@ -423,11 +425,11 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     token budget); row_multiple: P is a multiple of it (the mesh's batch shards, so a
     micro-batch's packed rows shard over the data axes instead of being replicated); block:
     the query_chunk the forward will run (each micro-batch's `block_key_index` is built for
-    it).
+    it); response_floor: the response columns' buckets (`batching.response_columns`).
     Returns: [`PackedMicroBatch`] in packed-row order (first-fit decreasing: the fullest packed
     rows first); static shapes are bucketed (`bucket_size`: the row count m two sizes per
-    octave; the width w and response columns wr two per octave, multiples of 8, capped at
-    max_width / Tr; P from `micro_row_counts`), so few programs compile. Real rows without any
+    octave; the width w two per octave, multiples of 8, capped at max_width; the response
+    columns wr `response_columns`, capped at Tr; P from `micro_row_counts`), so few programs compile. Real rows without any
     token (no prompt, no response) are left out: they hold nothing to score.
     Raises ValueError as `pack_rows` (a row longer than max_width, malformed masks) and
     `micro_row_counts`.
@@ -449,7 +451,7 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         sel = np.flatnonzero(np.isin(owner, packed))
         fill = max(int(np.flatnonzero(lay.mask[p])[-1]) + 1 for p in packed)
         w = min(max_width, bucket_size(fill, None, 8))
-        wr = min(tr, bucket_size(max(int(rm[rows[sel]].sum(1).max()), 1), None, 8))
+        wr = min(tr, response_columns(int(rm[rows[sel]].sum(1).max()), response_floor))
         m = bucket_size(sel.size, None, 1)
         # flat big-layout index -> flat index in this micro-batch's [n_p, w] rows
         local_row = np.full(lay.tokens.shape[0], -1, np.int64)

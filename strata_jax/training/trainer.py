@@ -289,7 +289,7 @@ class Trainer:
             rows = np.arange(batch.num_rows)
             plan = length_grouped_micro_batches(rows, host_values(batch.valid), need_p, need_r,
                                                 chunk, batch.prompt_ids.shape[1],
-                                                batch.response_ids.shape[1])
+                                                batch.response_ids.shape[1], cfg.response_floor)
             scores = (jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
                       jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
             for j, (i, r, widths) in enumerate(plan):
@@ -312,7 +312,8 @@ class Trainer:
                                                         batch.response_ids.shape[1])
         rows = np.arange(batch.num_rows)
         plan = packed_micro_batches(*host, rows, host_values(batch.valid), max_width=width,
-                                    rows_per_micro=rows_per_micro, row_multiple=shards)
+                                    rows_per_micro=rows_per_micro, row_multiple=shards,
+                                    response_floor=self.cfg.response_floor)
         scores = (jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
                   jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
         for j, mb in enumerate(plan):
@@ -371,12 +372,14 @@ class Trainer:
                     if cfg.pack_prefixes:
                         packed = packed_micro_batches(*ids, idx, real, max_width=width,
                                                       rows_per_micro=rows_per_micro,
-                                                      row_multiple=shards)
+                                                      row_multiple=shards,
+                                                      response_floor=cfg.response_floor)
                         state, met = self._packed_step(state, batch, adv, weights, targets,
                                                        idx, real, packed, base, on_policy)
                         computed = sum(p.num_slots for p in packed)
                     elif cfg.group_by_length:
-                        micro = length_grouped_micro_batches(idx, real, need_p, need_r, m, tp, tr)
+                        micro = length_grouped_micro_batches(idx, real, need_p, need_r, m, tp, tr,
+                                                             cfg.response_floor)
                         state, met = self._grouped_step(state, batch, adv, weights, targets,
                                                         idx, real, micro, base, on_policy)
                         computed = sum(m * (wp + wr) for _, _, (wp, wr) in micro)
@@ -439,7 +442,7 @@ class Trainer:
         """
         rng, k_score, k_plan = jax.random.split(jnp.asarray(state.rng, jnp.uint32), 3)
         if self.cfg.trim_padding:
-            batch = trim_padding(batch)
+            batch = trim_padding(batch, self.cfg.response_floor)
         on_policy = self.on_policy(batch)
         scored = self.score(state, batch, ref_params, k_score, use_old=not on_policy)
         with self._ctx():
