@@ -173,7 +173,7 @@ def train_extra(args, algo: str, seed: int) -> tuple[str, ...]:
            # --updates-per-iteration optimizer steps over one iteration's rows (about: the row
            # count is known only after the rollout): more updates, no more rollouts
            f"optim.mini_batch_size={max(args.micro, rows_hint // args.updates_per_iteration)}")
-    return out + (("matched",) if algo != "strata" else ())
+    return out + (("matched",) if algo != "strata" else ()) + tuple(args.train_set)
 
 
 def jobs(args) -> list[dict]:
@@ -478,7 +478,8 @@ def plot(res: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The study's command line (`main`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--warm-start", default="", help="'' = zero-shot; mask = behaviour cloning "
@@ -513,6 +514,9 @@ def main() -> int:
                     "fp32 holds params, gradients and AdamW moments (~10 GB) plus activations")
     ap.add_argument("--seed-base", type=int, default=0, help="seed of the start evals")
     ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides, every job")
+    ap.add_argument("--train-set", nargs="*", default=[], help="extra key=value overrides of "
+                    "the RL runs and their final evals only (the warm start and the start "
+                    "evals keep their command lines, so their kept results still count)")
     ap.add_argument("--only", nargs="*", default=[], help="job name prefixes to run")
     ap.add_argument("--out", default="runs/learning_study", help="the jobs' workdirs")
     ap.add_argument("--results", default="benchmarks/results/learning_study/queue",
@@ -521,7 +525,11 @@ def main() -> int:
     ap.add_argument("--keep-every", type=float, default=120.0,
                     help="seconds between copies of a running job's outputs to --results")
     ap.add_argument("--report", action="store_true")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     if not args.report:
         run_queue(args)
     report(args)

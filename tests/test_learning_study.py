@@ -167,3 +167,20 @@ def test_queue_keeps_finished_jobs_for_a_fresh_clone(tmp_path):
     assert ls.finished_here(final) and not ls.finished_here(changed)
     assert not ls.finished_here(run)               # its DONE file is not kept
     assert ls.is_kept(args, dict(run, local=True), queue) is False   # the warm start: never
+
+
+def test_train_set_reaches_the_runs_only(tmp_path):
+    """--train-set overrides go into the RL runs and their final evals; the warm start's and
+    the start evals' command lines stay those of a study without it (their kept results count)."""
+    import benchmarks.learning_study as ls
+    base = ["--warm-start", "mask", "--out", str(tmp_path / "runs"), "--seeds", "1"]
+    plain = {j["name"]: j["argv"] for j in ls.jobs(ls.build_parser().parse_args(base))}
+    args = ls.build_parser().parse_args(base + ["--train-set", "train.pack_prefixes=true"])
+    got = {j["name"]: j["argv"] for j in ls.jobs(args)}
+    assert list(got) == ["warm_start", "start_strata", "start_flat", "run_strata_s0",
+                         "final_strata_s0", "run_grpo_s0", "final_grpo_s0"]
+    for name, argv in got.items():
+        runs = name.startswith(("run_", "final_"))
+        assert any(a.endswith(",train.pack_prefixes=true") for a in argv) == runs, name
+        if not runs:
+            assert argv == plain[name], name
