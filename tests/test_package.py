@@ -90,7 +90,8 @@ def test_license_and_citation_exist():
     with open(os.path.join(ROOT, "CITATION.cff")) as f:
         cff = f.read()
     assert "cff-version:" in cff and "license: Apache-2.0" in cff
-    assert _pyproject()["project"]["license"] == {"text": "Apache-2.0"}
+    assert _pyproject()["project"]["license"] == "Apache-2.0"   # SPDX (setuptools >= 77)
+    assert _pyproject()["project"]["license-files"] == ["LICENSE"]
 
 
 def test_wheel_installs_and_validates_a_config_outside_the_checkout(tmp_path):
