@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import logging
 import re
 
@@ -43,6 +42,7 @@ class ProgramNames(logging.Handler):
 def drifting(batches, iterations: int, seed: int):
     """`iterations` sub-batches: a seeded 50-100% of the valid rows of the batches in turn,
     padded to a row bucket as the rollout pads them."""
+    import jax
     import numpy as np
 
     from strata_jax.algos.batch import bucket_size, pad_batch
@@ -52,10 +52,7 @@ def drifting(batches, iterations: int, seed: int):
         valid = np.flatnonzero(np.asarray(b.valid))
         keep = np.sort(rng.choice(valid, size=max(1, int(len(valid) * rng.uniform(0.5, 1.0))),
                                   replace=False))
-        rows = {f.name: np.asarray(getattr(b, f.name))[keep] for f in dataclasses.fields(b)
-                if np.ndim(getattr(b, f.name)) >= 1
-                and np.shape(getattr(b, f.name))[0] == b.num_rows}
-        sub = b.replace(**rows)
+        sub = jax.tree.map(lambda x: np.asarray(x)[keep], b)   # every field is [R, ...]
         yield pad_batch(sub, bucket_size(sub.num_rows, None, 8))
 
 
@@ -99,12 +96,12 @@ def main() -> None:
     c.lora.rank = 4
     for path in args.paths:
         for floor in args.floors:
-            # a distinct lr per setting: no program compiled for another setting is reused
+            # the config is a static argument of the model programs, so no setting reuses
+            # another's gradient step or scoring pass (the batch gathers it may reuse are cheap)
             cfg = TrainConfig.from_config(c, mini_batch_size=args.mini,
                                           micro_batch_size=args.micro, remat="none",
                                           compute_dtype="float32", donate_state=False,
-                                          pack_prefixes=path == "packed", response_floor=floor,
-                                          lr=1e-4 * (1 + floor) * (2 if path == "packed" else 1))
+                                          pack_prefixes=path == "packed", response_floor=floor)
             trainer = Trainer(model, cfg)
             state = trainer.init_state(params, jax.random.PRNGKey(1))
             print(f"{path}, response_floor {floor}:")

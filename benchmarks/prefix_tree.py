@@ -58,19 +58,23 @@ def strata_records(args, vocab: int) -> list[dict]:
     return recs
 
 
-def token_counts(batch, micro: int) -> dict:
-    """Tokens computed by each layout of the whole batch (one mini-batch)."""
+def token_counts(batch, micro: int, response_floor: int) -> dict:
+    """Tokens computed by each layout of the whole batch (one mini-batch), after the update's
+    own `trim_padding` with `response_floor` (`train.response_floor`)."""
     import numpy as np
 
-    from strata_jax.training.batching import length_grouped_micro_batches, row_widths
+    from strata_jax.training.batching import (length_grouped_micro_batches, row_widths,
+                                              trim_padding)
     from strata_jax.training.prefix_tree import pack_rows
+    batch = trim_padding(batch, response_floor)
     pi, pm = np.asarray(batch.prompt_ids), np.asarray(batch.prompt_mask)
     ri, rm = np.asarray(batch.response_ids), np.asarray(batch.response_mask)
     real = np.asarray(batch.valid)
     tp, tr = pi.shape[1], ri.shape[1]
     idx = np.arange(pi.shape[0])
     need_p, need_r = row_widths(pm, rm)
-    grouped = length_grouped_micro_batches(idx, real, need_p, need_r, micro, tp, tr)
+    grouped = length_grouped_micro_batches(idx, real, need_p, need_r, micro, tp, tr,
+                                           response_floor=response_floor)
     width = micro * (tp + tr)
     lay = pack_rows(pi[real], pm[real], ri[real], rm[real], max_width=width)
     # only the instruction block shared: the token after the block made distinct per row,
@@ -168,7 +172,7 @@ def main() -> None:
     c.algo = args.algo
     c.lora.rank = args.lora
     for name, batch in batches:
-        counts = token_counts(batch, args.micro)
+        counts = token_counts(batch, args.micro, TrainConfig().response_floor)
         print(f"{name}: {int(np.asarray(batch.valid).sum())} rows, batch width "
               f"{batch.prompt_ids.shape[1]} + {batch.response_ids.shape[1]}")
         for k, v in counts.items():

@@ -49,8 +49,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sft.max_plan_items = 12
     c.sft.plan_code = "keep"       # keep | mask (memory_key: "enter the vault code", not the code)
     c.sft.plan_code_keep = 0.0     # with mask: this fraction of the plans keep the code
-    c.sft.train_strategies = True
-    c.sft.clone_guesses = True     # False: no StraTA-form row types a code its prompt hides  # False: clone actions only; the model keeps its own strategies
+    c.sft.train_strategies = True  # False: clone actions only; the model keeps its own strategies
+    c.sft.clone_guesses = True     # False: no StraTA-form row types a code its prompt hides
     c.sft.max_gold_steps = 30
     c.sft.steps = 300
     c.sft.batch_size = 16

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from strata_jax.algos import KIND_ACTION, KIND_STRATEGY, SampleBatch
-from strata_jax.algos.batch import bucket_size
+from strata_jax.algos.batch import bucket_size, pad_batch
 
 _TOKEN_FIELDS = ("response_ids", "response_mask", "sampler_logprobs", "old_logprobs",
                  "ref_logprobs")
@@ -18,10 +18,13 @@ _PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
 
 
 def response_columns(n: int, floor: int = 0) -> int:
-    """The response columns a batch or micro-batch keeps for a longest response of n tokens.
+    """The response columns (an int) a batch or micro-batch keeps for a longest response of n
+    tokens (n >= 0; 0 counts as 1).
 
     floor 0: a `bucket_size` size (two per octave, multiples of 8: 8, 16, 24, 32, 48, ...);
     floor > 0: the smallest power of two >= max(n, floor) (32, 64, 128, ... for floor 32).
+    Used by `trim_padding`, `length_grouped_micro_batches` and
+    `prefix_tree.packed_micro_batches` (``train.response_floor``, docs/design.md §6.3).
 
     Why a floor: a micro-batch's compiled gradient step is keyed by its (prompt, response)
     width pair, and a real run's longest responses drift from iteration to iteration (an action
@@ -62,14 +65,12 @@ def trim_padding(batch: SampleBatch, response_floor: int = 0) -> SampleBatch:
     need_r = int(cols_r[-1]) + 1 if cols_r.size else 1
     new_p = min(tp, bucket_size(need_p, None, 8))
     new_r = response_columns(need_r, response_floor)
-    if response_floor <= 0:
-        new_r = min(tr, new_r)
+    if response_floor <= 0:   # without a floor only drop columns (explicit rollout buckets may
+        new_r = min(tr, new_r)   # be narrower than a bucket_size size)
     if (new_p, new_r) == (tp, tr):
         return batch
-    if new_r > tr:   # padding columns on the right (responses are right-padded)
-        batch = batch.replace(**{f: np.pad(np.asarray(getattr(batch, f)),
-                                           ((0, 0), (0, new_r - tr)))
-                                 for f in _TOKEN_FIELDS})
+    if new_r > tr:
+        batch = pad_batch(batch, batch.num_rows, response_len=new_r)
     return trim_columns(batch, new_p, new_r)
 
 
@@ -108,7 +109,7 @@ def length_grouped_micro_batches(idx: np.ndarray, real: np.ndarray, need_p: np.n
 
     Args: idx [rows] int, real [rows] bool (a `minibatch_plan` entry, rows a multiple of
     micro_batch_size); need_p, need_r [R] int (`row_widths` of the whole batch); prompt_width,
-    response_width: the batch's columns.
+    response_width: the batch's columns; response_floor: `response_columns`' floor.
     Returns: [(idx [m] int32, real [m] bool, (prompt columns, response columns))].
     Raises ValueError when rows is not a multiple of micro_batch_size.
     """
@@ -169,5 +170,5 @@ def minibatch_plan(valid: np.ndarray, kind: np.ndarray, mini_batch_size: int, ro
     return plan
 
 
-__all__ = ["response_columns", "trim_padding", "trim_columns", "row_widths", "length_grouped_micro_batches",
-           "num_minibatches", "minibatch_plan"]
+__all__ = ["response_columns", "trim_padding", "trim_columns", "row_widths",
+           "length_grouped_micro_batches", "num_minibatches", "minibatch_plan"]

@@ -25,8 +25,8 @@ LR_SCHEDULES = ("constant", "cosine")
 _OPTIM_FIELDS = ("lr", "critic_lr", "weight_decay", "grad_clip", "warmup_steps", "ppo_epochs",
                  "mini_batch_size", "micro_batch_size")
 _TRAIN_FIELDS = ("adam_eps", "lr_schedule", "decay_steps", "compute_dtype", "logprob_chunk",
-                 "score_rows", "recompute_old", "trim_padding", "response_floor", "group_by_length", "pack_prefixes",
-                 "pack_width", "donate_state",
+                 "score_rows", "recompute_old", "trim_padding", "response_floor",
+                 "group_by_length", "pack_prefixes", "pack_width", "donate_state",
                  "scan_layers",
                  "critic", "value_trunk_coef", "value_head_init_std")
 

@@ -29,8 +29,8 @@ from typing import Sequence
 import numpy as np
 
 from strata_jax.algos.batch import bucket_size
-from strata_jax.training.batching import response_columns
 from strata_jax.models.qwen2 import QUERY_CHUNK
+from strata_jax.training.batching import response_columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,8 +429,9 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     Returns: [`PackedMicroBatch`] in packed-row order (first-fit decreasing: the fullest packed
     rows first); static shapes are bucketed (`bucket_size`: the row count m two sizes per
     octave; the width w two per octave, multiples of 8, capped at max_width; the response
-    columns wr `response_columns`, capped at Tr; P from `micro_row_counts`), so few programs compile. Real rows without any
-    token (no prompt, no response) are left out: they hold nothing to score.
+    columns wr `response_columns`, capped at Tr; P from `micro_row_counts`), so few programs
+    compile. Real rows without any token (no prompt, no response) are left out: they hold
+    nothing to score.
     Raises ValueError as `pack_rows` (a row longer than max_width, malformed masks) and
     `micro_row_counts`.
     """

@@ -289,7 +289,8 @@ class Trainer:
             rows = np.arange(batch.num_rows)
             plan = length_grouped_micro_batches(rows, host_values(batch.valid), need_p, need_r,
                                                 chunk, batch.prompt_ids.shape[1],
-                                                batch.response_ids.shape[1], cfg.response_floor)
+                                                batch.response_ids.shape[1],
+                                                response_floor=cfg.response_floor)
             scores = (jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
                       jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
             for j, (i, r, widths) in enumerate(plan):
@@ -378,8 +379,9 @@ class Trainer:
                                                        idx, real, packed, base, on_policy)
                         computed = sum(p.num_slots for p in packed)
                     elif cfg.group_by_length:
-                        micro = length_grouped_micro_batches(idx, real, need_p, need_r, m, tp, tr,
-                                                             cfg.response_floor)
+                        micro = length_grouped_micro_batches(
+                            idx, real, need_p, need_r, m, tp, tr,
+                            response_floor=cfg.response_floor)
                         state, met = self._grouped_step(state, batch, adv, weights, targets,
                                                         idx, real, micro, base, on_policy)
                         computed = sum(m * (wp + wr) for _, _, (wp, wr) in micro)
