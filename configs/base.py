@@ -197,7 +197,7 @@ def get_base_config() -> ml_collections.ConfigDict:
                                    # width (fewer padded tokens; one compile per width bucket)
     c.train.pack_prefixes = False  # prefix-tree packed update: each shared prompt prefix once
                                    # (same result; micro_batch_size = budget of that many rows)
-    c.train.pack_width = 0         # slots per packed row (0 = auto: 2048, within the budget)
+    c.train.pack_width = 0         # slots per packed row (0 = auto: <= 2048, a power of two)
     c.train.donate_state = True    # the optimizer step reuses the state's buffers (one copy of
                                    # params + AdamW moments less at the peak; same results)
     c.train.scan_layers = False    # remat'd layers as a lax.scan: fast compile, one stacked weight copy

@@ -78,7 +78,8 @@ def test_packed_update_equals_per_row_update(params, algo, epochs, lora, mini, w
     mini 64: one exactly on-policy step without the old-logprob pass) with the packed path
     gives the per-row path's params and metrics; it computes fewer tokens; a second update of
     the same shapes compiles nothing. width 64: packed rows of 64 slots, several per
-    micro-batch (P = 3 for the budget of 4 rows of 48 columns)."""
+    micro-batch (the budget of 4 rows of 48 columns holds 3, rounded down to P = 2); auto:
+    one packed row of 128 slots (192 rounded down to a power of two)."""
     from strata_jax.models.lora import LoraConfig
     from tests.sampler_fixtures import compile_counter
     counter = compile_counter()
@@ -93,7 +94,7 @@ def test_packed_update_equals_per_row_update(params, algo, epochs, lora, mini, w
     b, mb = rows.update(jax.tree.map(jnp.copy, state), batch, params)
     trimmed = trim_padding(batch)
     shape = packed.pack_shape(4, trimmed.prompt_ids.shape[1], trimmed.response_ids.shape[1])
-    assert shape == ((64, 3, 1) if width else (4 * 48, 1, 1))   # rows of 40 + 8 columns
+    assert shape == ((64, 2, 1) if width else (128, 1, 1))   # rows of 40 + 8 columns
     assert ma["optimizer_steps"] == mb["optimizer_steps"] == (3 if mini == 4 else 1) * epochs
     assert packed.on_policy(batch) == (mini == 64)
     # AdamW's first step is ~lr * sign(g) per weight: the tolerance of test_train's grouped
@@ -181,6 +182,8 @@ def test_packed_update_on_a_mesh_equals_single_device(params):
     tp, tr = trimmed.prompt_ids.shape[1], trimmed.response_ids.shape[1]
     w1, p1, _ = single_trainer.pack_shape(cfg.micro_batch_size, tp, tr)
     w8, p8, shards = sharded_trainer.pack_shape(cfg.micro_batch_size, tp, tr)
-    assert (w1, p1, shards) == (4 * (tp + tr), 1, 4) and (w8, p8) == (tp + tr, 4)
+    # (budget 4 x 48: one row of 128 alone; on the mesh 48 per shard -> the row's 64, P 2 -> 4)
+    assert (tp + tr, shards) == (48, 4)
+    assert (w1, p1) == (128, 1) and (w8, p8) == (64, 4)
     assert 0 < m8["perf/update_token_fill"] < m1["perf/update_token_fill"]
     assert m1["perf/update_token_fill"] > 1.0

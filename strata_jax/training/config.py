@@ -84,9 +84,10 @@ class TrainConfig:
       a packed micro-batch is P packed rows of W slots with P x W <= micro_batch_size x the
       batch's prompt + response columns, the memory of a per-row micro-batch, and P a multiple
       of the mesh's batch shards so the packed rows shard over the data axes; score_rows
-      likewise), pack_width (W, the slots of one packed row; 0 = auto: 2048, at least the
-      batch's row width, at most the budget over the batch shards; a wider row shares more
-      prefixes at a larger compiled program, `Trainer.pack_shape`),
+      likewise), pack_width (W, the slots of one packed row; 0 = auto: the budget over the
+      batch shards rounded down to a power of two, at most 2048, at least the batch's row
+      width rounded up to one; a wider row shares more prefixes at a larger compiled
+      program, `Trainer.pack_shape`),
       donate_state (the optimizer step reuses the buffers of the state passed to `Trainer.update` / `train_on_batch`: one copy of params + moments less at
       the peak, but the caller's state object is dead after the call; on by default, False for
       a caller that updates one state more than once), scan_layers (with remat, the decoder

@@ -140,6 +140,11 @@ def block_key_index(mask: np.ndarray, key_end: np.ndarray, block: int) -> np.nda
     return np.where(keep, order, -1).astype(np.int32)
 
 
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
 def _last_real(ti: np.ndarray) -> np.ndarray:
     """[R] int32 entry of each row's last non-negative column of ti [R, T] (0 if none)."""
     real = ti >= 0
@@ -357,7 +362,8 @@ class PackedMicroBatch:
         j of row i (0 for padding entries and columns).
       last_index: [m] int32 flat index of row i's last real token (0 for padding entries).
       key_index: [P, ceil(w / block), A] int32 `block_key_index` of the packed rows (the
-        block-sparse attention's keys per query block).
+        block-sparse attention's keys per query block), padded with -1 to A = block x a power
+        of two (a static shape with few values).
       block: the query block the index was built for (the forward's query_chunk).
     """
 
@@ -427,10 +433,14 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     the query_chunk the forward will run (each micro-batch's `block_key_index` is built for
     it); response_floor: the response columns' buckets (`batching.response_columns`).
     Returns: [`PackedMicroBatch`] in packed-row order (first-fit decreasing: the fullest packed
-    rows first); static shapes are bucketed (`bucket_size`: the row count m two sizes per
-    octave; the width w two per octave, multiples of 8, capped at max_width; the response
-    columns wr `response_columns`, capped at Tr; P from `micro_row_counts`), so few programs
-    compile. Real rows without any token (no prompt, no response) are left out: they hold
+    rows first). Static shapes, so that a run's compilations plateau after its first
+    iterations (each new shape is a new compile of the whole forward and backward): the width
+    w = max_width for every micro-batch (the caller's per-run W); the row count m and the
+    key-index width A the next power of two (A in blocks: block x 2^k, or 0); the response
+    columns wr `response_columns`, capped at Tr; P from `micro_row_counts`. Only the last
+    packed rows of a mini-batch are partly filled, so the fixed width costs little compute,
+    where a width bucketed per micro-batch multiplied the programs by every other shape's
+    values. Real rows without any token (no prompt, no response) are left out: they hold
     nothing to score.
     Raises ValueError as `pack_rows` (a row longer than max_width, malformed masks) and
     `micro_row_counts`.
@@ -450,10 +460,9 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         packed = filled[first:first + n_p]
         first += n_p
         sel = np.flatnonzero(np.isin(owner, packed))
-        fill = max(int(np.flatnonzero(lay.mask[p])[-1]) + 1 for p in packed)
-        w = min(max_width, bucket_size(fill, None, 8))
+        w = max_width
         wr = min(tr, response_columns(int(rm[rows[sel]].sum(1).max()), response_floor))
-        m = bucket_size(sel.size, None, 1)
+        m = _pow2(sel.size)
         # flat big-layout index -> flat index in this micro-batch's [n_p, w] rows
         local_row = np.full(lay.tokens.shape[0], -1, np.int64)
         local_row[packed] = np.arange(packed.size)
@@ -470,17 +479,21 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         def cut(x, pad):
             y = np.empty((n_p, w), x.dtype)
             y[:] = pad
-            y[:packed.size] = x[packed, :w]
+            y[:packed.size, :big_w] = x[packed]
             return y
 
         tokens, positions, mask = cut(lay.tokens, 0), cut(lay.positions, 0), cut(lay.mask, False)
+        # padding slots (past the layout's width, and all-padding packed rows) see themselves
         key_end = cut(lay.key_end, 0)
-        key_end[packed.size:] = np.arange(1, w + 1, dtype=key_end.dtype)  # padding: itself
+        key_end[:, big_w:] = np.arange(big_w + 1, w + 1, dtype=key_end.dtype)
+        key_end[packed.size:] = np.arange(1, w + 1, dtype=key_end.dtype)
+        index = block_key_index(mask, key_end, block)
+        a = block * _pow2(index.shape[2] // block) if index.shape[2] else 0
+        index = np.pad(index, ((0, 0), (0, 0), (0, a - index.shape[2])), constant_values=-1)
         out.append(PackedMicroBatch(idx=mb_idx, real=mb_real, response_width=int(wr),
                                     tokens=tokens, positions=positions, mask=mask,
                                     key_end=key_end, score_index=score, last_index=last,
-                                    key_index=block_key_index(mask, key_end, block),
-                                    block=int(block)))
+                                    key_index=index, block=int(block)))
     return out
 
 

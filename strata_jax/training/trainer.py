@@ -202,21 +202,33 @@ class Trainer:
 
     def pack_shape(self, rows: int, tp: int, tr: int) -> tuple[int, int, int]:
         """(W, P, shards) of the packed micro-batches for a budget of `rows` per-row rows of
-        tp + tr columns: W slots per packed row (cfg.pack_width, or 2048 when 0), never less
-        than tp + tr (the longest row must fit) and, when auto, never more than the budget
-        over the batch shards; P = budget // W packed rows per micro-batch, rounded up to a
-        multiple of the batch shards (so a micro-batch shards over the data axes instead of
-        being replicated, and holds about the tokens of a per-row micro-batch).
+        tp + tr columns: W slots per packed row, never less than tp + tr (the longest row must
+        fit): cfg.pack_width, or when 0 the budget over the batch shards rounded down to a
+        power of two, capped at 2048 (at least tp + tr rounded up to one); P = budget // W
+        packed rows per micro-batch, rounded down to a power of two, then up to a multiple of
+        the batch shards (so a micro-batch shards over the data axes instead of being
+        replicated, and holds about the tokens of a per-row micro-batch).
 
         Why a fixed W: one packed row of the whole budget compiles a forward of budget / block
         query blocks per layer and cannot shard over the data axes; a fixed W keeps the
-        compiled program the per-row one's size and P spreads the budget over devices.
+        compiled program the per-row one's size and P spreads the budget over devices. Why
+        powers of two: tp drifts from iteration to iteration, and every new (W, P) compiles
+        the forward and backward again; rounded, a run meets one or two values.
         """
         row, budget = tp + tr, rows * (tp + tr)
         shards = self.batch_shards()
-        want = int(self.cfg.pack_width) or min(2048, max(row, budget // shards))
-        width = -(-max(row, want) // 8) * 8
-        rows_per_micro = max(1, budget // width)
+
+        def floor2(n):
+            return 1 << (max(int(n), 1).bit_length() - 1)
+
+        def ceil2(n):
+            return 1 << (max(int(n), 1) - 1).bit_length()
+
+        if self.cfg.pack_width:
+            width = -(-max(row, int(self.cfg.pack_width)) // 8) * 8
+        else:
+            width = max(ceil2(row), min(2048, floor2(budget // shards)))
+        rows_per_micro = floor2(max(1, budget // width))
         rows_per_micro = -(-rows_per_micro // shards) * shards
         return width, rows_per_micro, shards
 
