@@ -15,7 +15,8 @@ Reported per batch: tokens the forward computes under each layout (per-row at th
 width; per-row length-grouped; packing without sharing, i.e. the rows' own tokens; only the
 instruction block shared; the full tree), then `Trainer.update` wall time of the per-row and
 the packed path in one process (warm-up, i.e. compilation, reported apart), XLA compilations
-after warm-up, and peak RSS. Nothing here asserts a timing; on a shared machine the load is
+after warm-up, and peak RSS; with ``--paths torch`` also transformers/torch's per-row update of
+the same rows with the same LoRA (`torch_update`), the user's alternative. Nothing here asserts a timing; on a shared machine the load is
 printed with each result. On a tiny model attention and per-call overhead dominate, so fewer
 tokens need not mean less time there: a packed row of width W computes ~W^2 / 2 score pairs,
 masked ones between unrelated subtrees included; judge the packed path on a real model shape.
@@ -24,6 +25,7 @@ masked ones between unrelated subtrees included; judge the packed path on a real
     python -m benchmarks.prefix_tree --shape 0.5b --lora 16   # the 0.5B shape, random weights
     python -m benchmarks.prefix_tree --model /path/qwen05-hf --lora 16 --repeats 2
     python -m benchmarks.prefix_tree --model qwen2.5-coder-0.5b-instruct --lora 16 --remat dots \
+        --paths grouped packed torch \
         --batches benchmarks/results/learning_study/keep25/run_strata_s0/batches/*.npz
 """
 from __future__ import annotations
@@ -94,6 +96,98 @@ def token_counts(batch, micro: int, response_floor: int) -> dict:
             "tree": lay.num_packed_tokens}
 
 
+def torch_rows(batch) -> tuple[list, list]:
+    """The batch's valid rows as (prompt ++ response real ids [n] int64, response length) lists:
+    what a torch user feeds the model."""
+    import numpy as np
+    pi, pm = np.asarray(batch.prompt_ids), np.asarray(batch.prompt_mask, bool)
+    ri, rm = np.asarray(batch.response_ids), np.asarray(batch.response_mask, bool)
+    rows = np.flatnonzero(np.asarray(batch.valid))
+    return ([np.concatenate([pi[r][pm[r]], ri[r][rm[r]]]).astype(np.int64) for r in rows],
+            [int(rm[r].sum()) for r in rows])
+
+
+def torch_update(model, params, batch, args) -> tuple[float, list[float], int]:
+    """The user's alternative: a transformers/torch per-row update of the same rows with the
+    same LoRA (rank --lora on every projection, `benchmarks.iteration._add_lora`; full
+    fine-tuning with --lora 0), the same weights (exported from `params` as an HF checkpoint).
+
+    Rows sorted by length go --micro at a time, each micro-batch left-padded to its own longest
+    row (torch needs no static shapes, so this is its best per-row layout), logits only for the
+    response positions (`logits_to_keep`); gradients accumulate over a mini-batch of --mini
+    rows, then one AdamW step. Per-layer gradient checkpointing when --remat is not "none"
+    (torch has no "dots" policy). Forward and backward of the policy only: no scoring pass
+    (the strata-jax update's old / reference logprob passes run where its config needs them).
+    Returns (warm-up s, [update s per repeat], tokens computed (micro-batch slots)).
+    """
+    import tempfile
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.iteration import _add_lora
+    from strata_jax.models.loading import export_params
+    with tempfile.TemporaryDirectory() as d:
+        export_params(params, model, d, dtype="float32")
+        net = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    net.config.use_cache = False
+    if args.remat != "none":
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    net.train()
+    if args.lora:
+        for w in net.parameters():
+            w.requires_grad_(False)
+        _add_lora(torch, net, args.lora, alpha=64.0)
+    trainable = [w for w in net.parameters() if w.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-6, weight_decay=0.01)
+    seqs, n_resp = torch_rows(batch)
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    adv = [1.0 if i % 2 else -1.0 for i in range(len(seqs))]   # any fixed advantages
+    slots = 0
+    micro_batches = []
+    for start in range(0, len(order), args.mini):
+        mini = order[start:start + args.mini]
+        group = []
+        for m in range(0, len(mini), args.micro):
+            rows = mini[m:m + args.micro]
+            t = max(len(seqs[i]) for i in rows)
+            ids = torch.zeros((len(rows), t), dtype=torch.long)
+            mask = torch.zeros((len(rows), t), dtype=torch.long)
+            for j, i in enumerate(rows):
+                ids[j, t - len(seqs[i]):] = torch.from_numpy(seqs[i])
+                mask[j, t - len(seqs[i]):] = 1
+            pos = (mask.cumsum(1) - 1).clamp(min=0)
+            tr = max(n_resp[i] for i in rows)
+            keep = torch.zeros((len(rows), tr), dtype=torch.bool)
+            for j, i in enumerate(rows):
+                keep[j, tr - n_resp[i]:] = True
+            a = torch.tensor([adv[i] for i in rows])[:, None]
+            group.append((ids, mask, pos, tr, keep, a))
+            slots += len(rows) * t
+        micro_batches.append(group)
+
+    def update():
+        t0 = time.perf_counter()
+        for group in micro_batches:
+            n_tok = sum(int(k.sum()) for *_, k, _ in group)
+            for ids, mask, pos, tr, keep, a in group:
+                out = net(input_ids=ids, attention_mask=mask, position_ids=pos,
+                          logits_to_keep=tr + 1)
+                lp = torch.log_softmax(out.logits[:, :-1].float(), -1).gather(
+                    -1, ids[:, -tr:, None])[..., 0]
+                # PPO at ratio 1: -A * exp(lp - lp.detach()) has the gradient of -A * lp
+                loss = -(a * torch.exp(lp - lp.detach()) * keep).sum() / n_tok
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    warm = update()
+    return warm, [update() for _ in range(args.repeats)], slots
+
+
 def _common_prefix(pi, pm) -> int:
     """Length of the prompt prefix every row shares."""
     seqs = [p[m] for p, m in zip(pi, pm)]
@@ -130,7 +224,8 @@ def main() -> None:
     ap.add_argument("--algo", default="grpo", help="the estimator (a dumped batch carries the "
                     "fields of its run's algo: pass it)")
     ap.add_argument("--paths", nargs="+", default=["grouped", "packed"],
-                    choices=["grouped", "packed"], help="which update paths to time")
+                    choices=["grouped", "packed", "torch"], help="which update paths to time "
+                    "(torch: transformers' per-row update of the same rows, `torch_update`)")
     ap.add_argument("--remat", default="full")
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
@@ -179,6 +274,12 @@ def main() -> None:
             print(f"  tokens computed, {k:19s}: {v:7d}  ({counts['per_row'] / max(v, 1):.2f}x "
                   f"fewer than per-row)")
         for path in args.paths:
+            if path == "torch":
+                warm, runs, slots = torch_update(model, params, batch, args)
+                print(f"  {'torch per-row':25s}: update {statistics.median(runs):7.2f} s (warm-up "
+                      f"{warm:.1f} s), {slots} tokens computed, load {os.getloadavg()[0]:.1f}",
+                      flush=True)
+                continue
             cfg = TrainConfig.from_config(c, mini_batch_size=args.mini,
                                           micro_batch_size=args.micro, remat=args.remat,
                                           compute_dtype=args.dtype, donate_state=True,
