@@ -187,3 +187,69 @@ def test_packed_update_on_a_mesh_equals_single_device(params):
     assert (w1, p1) == (128, 1) and (w8, p8) == (64, 4)
     assert 0 < m8["perf/update_token_fill"] < m1["perf/update_token_fill"]
     assert m1["perf/update_token_fill"] > 1.0
+
+
+def test_packed_compilations_plateau_as_batches_drift(params, monkeypatch):
+    """Drifting iterations (2-3 tasks of 4-6 rows, new prompts and responses each time, so the
+    row count and the prompt and response widths change) through the packed update with a
+    fixed pack_width: the static shapes of its micro-batches, (P, w, m, wr, A), take few values
+    (w the fixed width; P and m powers of two; A 0, one query block per packed row), and the
+    gradient step and the scoring pass compile only in iterations that meet a shape not met
+    before (the ten iterations meet 8 shapes; 5 of them compile nothing)."""
+    import functools
+
+    import logging
+
+    import strata_jax.training.trainer as trainer_mod
+    from benchmarks.compilations import ProgramNames
+    from strata_jax.training.prefix_tree import packed_micro_batches
+    made = []
+
+    def recorded(*a, **kw):
+        out = packed_micro_batches(*a, **kw)
+        made.extend(out)
+        return out
+    monkeypatch.setattr(trainer_mod, "packed_micro_batches", functools.wraps(
+        packed_micro_batches)(recorded))
+    # a config of this test only (lr): the programs it compiles are its own
+    cfg = train_config("grpo", dropout=0.0, mini_batch_size=64, micro_batch_size=4, lr=3e-4)
+    trainer = Trainer(TINY, dataclasses.replace(cfg, pack_prefixes=True, pack_width=64))
+    state = trainer.init_state(params, jax.random.PRNGKey(1))
+    # XLA compilations of the two programs that run the model (jax's "Compiling <name>" log)
+    names = ProgramNames()
+    lg = logging.getLogger("jax")
+    lg.addHandler(names)
+    monkeypatch.setattr(lg, "level", logging.WARNING)
+    monkeypatch.setattr(lg, "propagate", False)
+    jax.config.update("jax_log_compiles", True)
+
+    def programs():
+        return names.names["jit(_micro_step)"] + names.names["jit(_score_rows)"]
+
+    seen, grown, quiet = set(), [], 0
+    drift = [(2, 5), (3, 4), (2, 6), (3, 5), (2, 4), (3, 6), (2, 5), (3, 4), (2, 6), (3, 5)]
+    try:
+        for i, (n_tasks, per_task) in enumerate(drift):
+            made.clear()
+            batch = make_batch(shared_records(seed=40 + i, n_tasks=n_tasks, per_task=per_task))
+            before = programs()
+            state, _ = trainer.update(state, batch, params)
+            keys = {(mb.tokens.shape[0], mb.width, mb.idx.size, mb.response_width,
+                     mb.key_index.shape[2]) for mb in made}
+            new = keys - seen
+            seen |= keys
+            grown.append(programs() - before)
+            if not new:
+                assert grown[-1] == 0, (i, keys)
+                quiet += 1
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        lg.removeHandler(names)
+    print("shapes:", sorted(seen), "new programs per iteration:", grown)
+    assert all(w == 64 and a == 0 for _, w, _, _, a in seen)
+    assert all(p & (p - 1) == 0 and m & (m - 1) == 0 for p, _, m, _, _ in seen)
+    # each shape compiles each program at most once (a fresh and a running accumulator share
+    # one program: `steps.zero_carry` commits its scalars), and half the iterations compile
+    # nothing though every one has other rows, widths and prompts
+    assert sum(grown) <= 2 * len(seen)
+    assert quiet >= 5

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from strata_jax.algos import (KIND_ACTION, SampleBatch, compute_advantages, loss_mask,
                               loss_normalizers, ppo_loss, value_loss)
@@ -502,8 +503,18 @@ def zero_carry(params, critic_params, *, cfg: TrainConfig, on_policy: bool = Fal
     """The empty accumulator `accumulate_micro` adds to: zero gradients like params and
     critic_params (created eagerly, so each keeps its param's sharding on a mesh; under jit they
     would come out replicated), zero loss / metric sums / counts (the metrics of cfg,
-    on_policy)."""
-    return _zero_carry(params, critic_params, _metric_keys(cfg, on_policy))
+    on_policy), committed to the params' devices (replicated).
+
+    Why committed: jit keys its compiled programs on whether each argument is committed to a
+    device, and `accumulate_micro`'s own outputs are; eager ``jnp.zeros`` scalars are not. A
+    micro-batch shape met first as a mini-batch's first micro-batch (a fresh carry) and later
+    as a following one (a previous result) would otherwise compile the gradient step twice:
+    minutes on CPU for a real model."""
+    gp, gc, *rest = _zero_carry(params, critic_params, _metric_keys(cfg, on_policy))
+    sharding = jax.tree.leaves(params)[0].sharding
+    if isinstance(sharding, NamedSharding):
+        sharding = NamedSharding(sharding.mesh, PartitionSpec())
+    return (gp, gc, *jax.device_put(rest, sharding))
 
 
 def _apply_carry(state: TrainState, carry, *, cfg: TrainConfig, on_policy: bool = False):
