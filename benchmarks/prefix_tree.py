@@ -16,8 +16,8 @@ width; per-row length-grouped; packing without sharing, i.e. the rows' own token
 instruction block shared; the full tree), then `Trainer.update` wall time of the per-row and
 the packed path in one process (warm-up, i.e. compilation, reported apart), XLA compilations
 after warm-up, and peak RSS; with ``--paths torch`` also transformers/torch's per-row update of
-the same rows with the same LoRA (`torch_update`), the user's alternative. Nothing here asserts a timing; on a shared machine the load is
-printed with each result. On a tiny model attention and per-call overhead dominate, so fewer
+the same rows with the same LoRA (`torch_update`), the user's alternative. Nothing here
+asserts a timing; on a shared machine the load is printed with each result. On a tiny model attention and per-call overhead dominate, so fewer
 tokens need not mean less time there: a packed row of width W computes ~W^2 / 2 score pairs,
 masked ones between unrelated subtrees included; judge the packed path on a real model shape.
 

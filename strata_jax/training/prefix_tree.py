@@ -30,6 +30,7 @@ import numpy as np
 
 from strata_jax.algos.batch import bucket_size
 from strata_jax.models.qwen2 import QUERY_CHUNK
+from strata_jax.sampling.buckets import bucket
 from strata_jax.training.batching import response_columns
 
 
@@ -138,11 +139,6 @@ def block_key_index(mask: np.ndarray, key_end: np.ndarray, block: int) -> np.nda
     order = np.argsort(~open_, axis=-1, kind="stable")[..., :a]
     keep = np.arange(a)[None, None, :] < count[..., None]
     return np.where(keep, order, -1).astype(np.int32)
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 def _last_real(ti: np.ndarray) -> np.ndarray:
@@ -462,7 +458,7 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         sel = np.flatnonzero(np.isin(owner, packed))
         w = max_width
         wr = min(tr, response_columns(int(rm[rows[sel]].sum(1).max()), response_floor))
-        m = _pow2(sel.size)
+        m = bucket(sel.size)
         # flat big-layout index -> flat index in this micro-batch's [n_p, w] rows
         local_row = np.full(lay.tokens.shape[0], -1, np.int64)
         local_row[packed] = np.arange(packed.size)
@@ -488,7 +484,7 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         key_end[:, big_w:] = np.arange(big_w + 1, w + 1, dtype=key_end.dtype)
         key_end[packed.size:] = np.arange(1, w + 1, dtype=key_end.dtype)
         index = block_key_index(mask, key_end, block)
-        a = block * _pow2(index.shape[2] // block) if index.shape[2] else 0
+        a = block * bucket(index.shape[2] // block) if index.shape[2] else 0
         index = np.pad(index, ((0, 0), (0, 0), (0, a - index.shape[2])), constant_values=-1)
         out.append(PackedMicroBatch(idx=mb_idx, real=mb_real, response_width=int(wr),
                                     tokens=tokens, positions=positions, mask=mask,

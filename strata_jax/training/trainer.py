@@ -43,6 +43,7 @@ from strata_jax.distributed import host_values
 from strata_jax.models import Qwen2Config, init_params, param_shardings
 from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
 from strata_jax.sharding import logical_to_spec
+from strata_jax.sampling.buckets import bucket
 from strata_jax.training.batching import (length_grouped_micro_batches, minibatch_plan,
                                           num_minibatches, row_widths, trim_padding)
 from strata_jax.training.config import TrainConfig
@@ -221,13 +222,10 @@ class Trainer:
         def floor2(n):
             return 1 << (max(int(n), 1).bit_length() - 1)
 
-        def ceil2(n):
-            return 1 << (max(int(n), 1) - 1).bit_length()
-
         if self.cfg.pack_width:
             width = -(-max(row, int(self.cfg.pack_width)) // 8) * 8
         else:
-            width = max(ceil2(row), min(2048, floor2(budget // shards)))
+            width = max(bucket(row), min(2048, floor2(budget // shards)))
         rows_per_micro = floor2(max(1, budget // width))
         rows_per_micro = -(-rows_per_micro // shards) * shards
         return width, rows_per_micro, shards
