@@ -220,6 +220,13 @@ RESUME_MAY_CHANGE = (
     "train.pack_prefixes",            # prefix-tree packed update: same sums (float order aside)
     "train.pack_width",               # its packed row width: speed, same sums (float order aside)
     "train.response_floor",           # response columns' buckets: padding, same sums
+    # Memory knobs: how the same sums are cut up or recomputed, so a run killed for memory
+    # resumes with a smaller micro-batch or more remat (float order aside, same results).
+    "optim.micro_batch_size",         # rows (or their token budget) per accumulation unit
+    "model.remat",                    # what the backward recomputes instead of storing
+    "train.score_rows",               # rows per chunk of the no-grad scoring passes
+    "train.logprob_chunk",            # response positions per LM-head chunk
+    "train.trim_padding",             # all-padding columns dropped before the update
 )
 
 

@@ -21,13 +21,14 @@ MAY_CHANGE = {"workdir", "iterations", "compilation_cache_dir", "env.num_workers
               "eval.strategy_samples", "eval.strategy_choice", "eval.probe_steps",
               "log.dump_trajectories", "log.dump_batches", "train.donate_state", "train.scan_layers",
               "train.group_by_length", "train.pack_prefixes", "train.pack_width",
-              "train.response_floor",
+              "train.response_floor", "optim.micro_batch_size", "model.remat",
+              "train.score_rows", "train.logprob_chunk", "train.trim_padding",
               "distributed.coordinator_address", "distributed.num_processes",
               "distributed.process_id", "distributed.local_device_ids",
               "distributed.initialization_timeout_s"}
 MUST_MATCH_EXAMPLES = {"seed", "algo", "model.path", "model.warm_start", "env.split", "env.tasks",
                        "rollout.temperature", "rollout.num_strategies", "adv.std_ddof",
-                       "loss.kl_coef", "optim.lr", "optim.micro_batch_size", "lora.rank",
+                       "loss.kl_coef", "optim.lr", "optim.mini_batch_size", "lora.rank",
                        "train.compute_dtype", "sft.seed"}
 
 
