@@ -414,6 +414,7 @@ def report(args) -> dict:
     if "start_strata" in res["policies"]:
         p0 = res["policies"]["start_strata"]["success"]
         res["detectable_rate"] = dict(start=p0, n=e, rate=st.detectable_rate(p0, e))
+    os.makedirs(out, exist_ok=True)   # --report on an --out that no kept job matches
     json.dump(res, open(os.path.join(out, "learning_study.json"), "w"), indent=1)
     print_report(res)
     if any(c["iterations"] for c in res["curves"].values()):
@@ -448,7 +449,8 @@ def print_report(res: dict) -> None:
 
 def plot(res: dict, path: str) -> None:
     """Training success and code-carrying fraction per iteration: per method the mean over
-    seeds and the min-max band."""
+    seeds and the min-max band; beside them the held-out evals (squares with their 95% Wilson
+    intervals): each method's start at iteration 0, its final checkpoints at the last."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -468,7 +470,17 @@ def plot(res: dict, path: str) -> None:
                            if key == "success" else c["carries"][:n] for c in curves])
             ax.plot(x, ys.mean(0), color=color, label=f"{algo} ({len(curves)} seeds)")
             ax.fill_between(x, ys.min(0), ys.max(0), color=color, alpha=0.2)
-    axes[0].set_title("training success rate")
+        evals = [(0, res["policies"].get("start_" + ("strata" if algo == "strata" else "flat")))]
+        evals += [(int(x[-1]), s) for k, s in res["policies"].items() if k.startswith(algo + "_")]
+        for it, s in evals:
+            if not s:
+                continue
+            lo, hi = s["ci95"]
+            axes[0].errorbar([it], [s["success"]], yerr=[[s["success"] - lo], [hi - s["success"]]],
+                             fmt="s", color=color, capsize=3)
+            if algo == "strata" and s["carries"] is not None:
+                axes[1].plot([it], [s["carries"]], "s", color=color)
+    axes[0].set_title("success rate (line: training; squares: held-out eval)")
     axes[1].set_title("strategies carrying the code")
     for ax in axes:
         ax.set_xlabel("iteration")

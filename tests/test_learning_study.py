@@ -184,3 +184,40 @@ def test_train_set_reaches_the_runs_only(tmp_path):
         assert any(a.endswith(",train.pack_prefixes=true") for a in argv) == runs, name
         if not runs:
             assert argv == plain[name], name
+
+
+def test_report_of_the_kept_study_reproduces_its_tests(tmp_path, monkeypatch):
+    """The committed StraTA run (seed 0, 10 iterations) and its start, as --results keeps them,
+    give the report docs/results.md quotes: 13 / 48 -> 47 / 48, the Fisher and McNemar
+    p-values, the training curve; the json and the figure are written."""
+    import json
+    import os
+    import shutil
+
+    import benchmarks.learning_study as ls
+    monkeypatch.chdir(ls.REPO)   # the kept argv names the checkout's runs/study_k50
+    args = ls.build_parser().parse_args([
+        "--warm-start", "mask", "--plan-code-keep", "0.5", "--no-guesses", "--sigma", "4",
+        "--sft-steps", "20", "--sft-lr", "2e-5", "--sft-episodes", "32", "--seeds", "1",
+        "--n", "4", "--m", "2", "--lr", "2e-5", "--iterations", "10", "--micro", "4",
+        "--out", "runs/study_k50", "--algos", "strata",
+        "--results", "benchmarks/results/learning_study/k50_t06_lr2e5_m4",
+        "--train-set", "loss.entropy_coef=0", "rollout.temperature=0.6",
+        "train.pack_prefixes=true"])
+    queue = ls.jobs(args)
+    kept = [j for j in queue if ls.is_kept(args, j, queue)]
+    assert {j["name"] for j in kept} == {"start_strata", "run_strata_s0", "final_strata_s0"}
+    out = tmp_path / "study"   # the kept files where the report reads them, not in runs/
+    for j in kept:
+        shutil.copytree(ls.kept_dir(args, j), out / os.path.basename(os.path.dirname(j["done"])),
+                        dirs_exist_ok=True)
+    args.out = str(out)
+    res = ls.report(args)
+    assert res["policies"]["start_strata"]["k"] == 13 and res["policies"]["strata_s0"]["k"] == 47
+    t = res["tests"]["strata_s0"]
+    assert (t["only_trained"], t["only_start"]) == (34, 0)
+    assert 2e-14 < t["fisher_p"] < 4e-14 and 5e-11 < t["mcnemar_p"] < 7e-11
+    cur = res["curves"]["strata_s0"]
+    assert cur["successes"] == [1, 3, 3, 8, 6, 8, 8, 7, 8, 8] and cur["episodes"] == [8] * 10
+    assert json.load(open(out / "learning_study.json"))["tests"]
+    assert os.path.getsize(out / "learning_study.png") > 10_000
