@@ -74,7 +74,7 @@ def _train(c, workdir, compiles, mesh) -> dict:
     from strata_jax.evaluation import eval_tasks, evaluate
     from strata_jax.metrics import MetricsWriter, Progress, cpu_seconds
     from strata_jax.rollout import (RolloutConfig, SamplerPolicy, build_judge_model,
-                                    make_prompt_builder)
+                                    make_prompt_builder, prefix_metrics)
     from strata_jax.sampling import Sampler
     from strata_jax.training import Checkpointer, LoopCheckpoints, Trainer, TrainConfig
     from strata_jax.warm_start import maybe_warm_start
@@ -120,7 +120,8 @@ def _train(c, workdir, compiles, mesh) -> dict:
         local = distributed.to_local(ex.sampler_params(c, merged), model_cfg, sampler_mesh)
         return ex.sampler_layout(c, model_cfg, local)
 
-    policy = SamplerPolicy(sampler, policy_params(state))
+    policy = SamplerPolicy(sampler, policy_params(state),
+                           prefix_cache_mb=c.rollout.prefix_cache_mb)
     # Rows logged after the restored step belong to the lost iterations: drop them on resume.
     writer = MetricsWriter(workdir, enabled=jax.process_index() == 0, resume_step=start)
     progress = Progress(c.iterations, start=start)
@@ -156,11 +157,13 @@ def _train(c, workdir, compiles, mesh) -> dict:
             for step in range(start, c.iterations):
                 saves.mark(state, task_sampler.get_state())   # what an exception saves
                 t_iter, cpu_iter, counters = time.time(), cpu_seconds(), pool.stats()
+                prefix0 = policy.prefix_stats()
                 # rollout
                 result = _rollout(c, policy, pool, builder, task_sampler, rollout_cfg, step,
                                   judge)
                 t_rollout = time.time() - t_iter
                 env_failures = pool_metrics(counters, pool.stats())   # crashes, restarts, ...
+                env_failures.update(prefix_metrics(prefix0, policy.prefix_stats()))
                 # update (multi-host: the hosts' batches become one global batch first)
                 t_update = time.time()
                 if step < c.log.get("dump_batches", 0):

@@ -39,6 +39,7 @@ ASSEMBLY_KEYS = (
     "rollout.judge_model.path", "rollout.judge_model.tokenizer",   # rollout.build_judge_model
     "rollout.format_examples",                                      # rollout.make_prompt_builder
     "rollout.sampler_layout",                                       # sampler_layout
+    "rollout.prefix_cache_mb",                                      # SamplerPolicy
     "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
     "distributed.local_device_ids", "distributed.initialization_timeout_s",
     "ckpt.every", "ckpt.keep",
@@ -125,7 +126,8 @@ def validate(c: Any) -> None:
                  "tasks_per_batch", "max_action_tokens", "max_strategy_tokens",
                  "max_judge_tokens", "dapo_max_tries"):
         at_least(f"rollout.{name}", 1)
-    at_least("rollout.cohorts", 0)     # 0 = auto (rollout.episodes.resolve_cohorts)
+    at_least("rollout.cohorts", 0)
+    at_least("rollout.prefix_cache_mb", 0)     # 0 = auto (rollout.episodes.resolve_cohorts)
     for name in ("max_steps", "max_prompt_tokens", "num_workers"):
         at_least(f"env.{name}", 1)
     at_least("env.history_length", 0)

@@ -167,3 +167,41 @@ def test_strata_iteration_on_scienceworld(tok, forced):
         prompt = tok.decode(b.prompt_ids[r][b.prompt_mask[r]])
         assert st.observation in prompt and st.observation not in tok.decode(resp)
         assert not b.judge_flag[r] and not b.invalid[r]
+
+
+def test_rollout_with_kept_prefix_kv_equals_the_rollout_without(tok, forced_reply):
+    """A flat rollout of 2 episodes x 3 steps on memory_key, with the policy keeping its
+    prompt prefixes' KV across decode calls (`rollout.prefix_cache_mb`) and without: the same
+    actions, response ids and (to float rounding) sampler logprobs, while the task's one prefix
+    is prefilled once instead of at each of the 3 steps; new params empty the cache."""
+    from strata_jax.rollout import prefix_metrics
+    cfg, params = forced_reply
+    rc = RolloutConfig(mode="flat", group_size=2, max_action_tokens=24, cohorts=1)
+    out = {}
+    for mb in (0.0, 64.0):
+        policy = SamplerPolicy(Sampler(cfg, max_cache_len=2048), params, prefix_cache_mb=mb)
+        before = policy.prefix_stats()
+        with EnvPool("memory_key", {"max_steps": 3}, max_live_envs=2) as pool:
+            out[mb] = collect_rollout(policy, pool, PromptBuilder(tok, 2048),
+                                      [Task("memory_key", "memory_key", 3)],
+                                      key=jax.random.key(1), config=rc)
+        out[mb, "metrics"] = prefix_metrics(before, policy.prefix_stats())
+        out[mb, "policy"] = policy
+    a, b = out[0.0].batch, out[64.0].batch
+    assert [[s.action for s in t.steps] for t in out[0.0].trajectories] == \
+        [[s.action for s in t.steps] for t in out[64.0].trajectories]
+    np.testing.assert_array_equal(a.prompt_ids, b.prompt_ids)
+    np.testing.assert_array_equal(a.response_ids, b.response_ids)
+    np.testing.assert_allclose(a.sampler_logprobs, b.sampler_logprobs, atol=1e-5)
+    assert out[0.0, "metrics"] == {}
+    # one prefix (chat header, role line, task) for every row: prefilled by step 1's call,
+    # served to steps 2 and 3; it is a proper prefix of every row's prompt
+    m = out[64.0, "metrics"]
+    computed = m["rollout/prefix_computed_tokens"]
+    assert m["rollout/prefix_reused_tokens"] == 2 * computed
+    assert 30 < computed < b.prompt_mask.sum(axis=1)[b.valid].min()
+    policy = out[64.0, "policy"]
+    assert len(policy.prefix_cache) == 1
+    policy.set_params(params)
+    assert len(policy.prefix_cache) == 0
+

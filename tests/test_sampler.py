@@ -198,6 +198,74 @@ def test_shared_prefixes_equal_full_prompts(setup):
         sampler.generate_with_prefixes(params, prefixes, [0, 3], suffixes[:2], sp, keys[:2])
 
 
+def test_prefix_kv_kept_across_calls_equals_full_prompts(setup):
+    """Three decode calls as a rollout makes them (the same prefixes, new suffixes each step;
+    a new prefix in the third; a longer prefix widening the prefix bucket): with a
+    PrefixKVCache every prefix is prefilled once, and each call gives `generate`'s tokens on
+    the full prompts (logprobs to float rounding). Warm calls compile nothing; eviction and
+    clear() prefill again."""
+    from strata_jax.sampling import PrefixKVCache
+    _, config, params, sampler = setup
+    pre = prompts([10, 4, 7, 20], config.vocab_size, seed=8)   # buckets 16, 16, 16, 32
+    kept = PrefixKVCache(2 ** 30)
+    counter = compile_counter()
+    calls = [([0, 1, 2], [0, 2, 1, 0, 2]), ([0, 1, 2], [1, 1, 0, 2, 0]),
+             ([0, 3, 2], [1, 0, 2, 1, 1])]   # (the call's prefixes, each row's index into them)
+    sp = SamplingParams(greedy=True, max_new_tokens=12)
+    for n, (which, index) in enumerate(calls + calls[:2]):
+        prefixes = [pre[i] for i in which]
+        suffixes = prompts([3, 6, 1, 8, 2], config.vocab_size, seed=20 + n)
+        full = [prefixes[i] + s for i, s in zip(index, suffixes)]
+        keys = _keys(len(full), seed=n)
+        if n == 3:
+            before = counter.count            # calls 4-5 repeat calls 1-2's shapes
+        ref = sampler.generate(params, full, sp, keys)
+        got = sampler.generate_with_prefixes(params, prefixes, index, suffixes, sp, keys, kept)
+        np.testing.assert_array_equal(got.token_ids, ref.token_ids, err_msg=f"call {n}")
+        np.testing.assert_array_equal(got.lengths, ref.lengths)
+        np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5)
+    assert counter.count == before
+    st = kept.stats()
+    # each of the 4 prefixes prefilled once (10 + 4 + 7 + 20 tokens); 15 lookups, 4 misses
+    assert (st["misses"], st["hits"], st["computed_tokens"]) == (4, 11, 41)
+    # served: calls 2, 4, 5 all three of theirs (10 + 4 + 7), call 3 prefixes 0 and 2
+    assert st["reused_tokens"] == 3 * (10 + 4 + 7) + (10 + 7)
+    assert st["entries"] == 4 and st["evictions"] == 0
+    # per token: 2 (k, v) x layers x kv heads x head_dim x 4 bytes (fp32) + the valid flag
+    per_slot = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4 + 1
+    assert st["bytes"] == per_slot * (16 * 3 + 32)
+    # a budget of two 16-slot entries: the oldest goes; clear() drops all (new params)
+    small = PrefixKVCache(2 * 16 * per_slot)
+    for i in (0, 1, 2):
+        sampler.generate_with_prefixes(params, [pre[i]], [0], [[1]], sp, _keys(1), small)
+    assert small.stats()["evictions"] == 1 and len(small) == 2
+    small.clear()
+    assert len(small) == 0 and small.stats()["bytes"] == 0
+    with pytest.raises(ValueError, match="max_bytes must be > 0"):
+        PrefixKVCache(0)
+
+
+def test_prefix_kv_kept_on_a_mesh(setup):
+    """Rows over (data, fsdp), kv heads over tensor: the kept prefixes (prefilled alone at the
+    smallest batch bucket of the mesh) give the single-device tokens."""
+    from strata_jax.sampling import PrefixKVCache
+    _, config, params, sampler = setup
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    sharded = Sampler(config, mesh=mesh, max_cache_len=128)
+    sparams = shard_params(params, config, mesh)
+    pre = prompts([10, 4], config.vocab_size, seed=9)
+    kept = PrefixKVCache(2 ** 30)
+    sp = SamplingParams(greedy=True, max_new_tokens=12)
+    for n in range(2):
+        suffixes = prompts([3, 6, 1], config.vocab_size, seed=30 + n)
+        index = [0, 1, 0]
+        got = sharded.generate_with_prefixes(sparams, pre, index, suffixes, sp, _keys(3), kept)
+        ref = sampler.generate_with_prefixes(params, pre, index, suffixes, sp, _keys(3))
+        np.testing.assert_array_equal(got.token_ids, ref.token_ids)
+        np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-4)
+    assert kept.stats()["computed_tokens"] == 14 and kept.stats()["hits"] == 2
+
+
 def test_mesh_sharded_same_tokens(setup, greedy_reference):
     _, config, params, sampler = setup
     ps, stop, hf = greedy_reference

@@ -99,7 +99,8 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     tasks = eval_tasks(c, split)
     sampler = Sampler(model_cfg, mesh=mesh, max_cache_len=ex.max_cache_len(c, model_cfg))
     policy = SamplerPolicy(sampler, ex.sampler_layout(c, model_cfg,
-                                                      ex.sampler_params(c, params)))
+                                                      ex.sampler_params(c, params)),
+                           prefix_cache_mb=c.rollout.prefix_cache_mb)
     builder = make_prompt_builder(tokenizer, c)
     pool = ex.build_pool(c)
     print(f"playing {len(tasks)} tasks on split {split!r} "

@@ -9,7 +9,7 @@ Public API:
   judge:     parse_bad_steps, judge_flags, judge_stage, JudgeModel, build_judge_model
   revision:  RevisionConfig, StrategyReviser, revision_trigger
   keys:      row_keys, PURPOSE_STRATEGY / PURPOSE_ACTION / PURPOSE_JUDGE / PURPOSE_REVISION
-  policy:    Policy (protocol), SamplerPolicy;  scripted: ScriptedPolicy
+  policy:    Policy (protocol), SamplerPolicy, prefix_metrics;  scripted: ScriptedPolicy
   episodes:  EpisodeSpec, StepRecord, Trajectory, Revision, Interval, LoopStats, run_episodes,
              anchor_hash, env_rejected
   report:    rollout_stats, dump_trajectories
@@ -23,7 +23,7 @@ from strata_jax.rollout.judge import (JudgeModel, build_judge_model, judge_flags
                                       parse_bad_steps)
 from strata_jax.rollout.keys import (PURPOSE_ACTION, PURPOSE_JUDGE, PURPOSE_REVISION,
                                      PURPOSE_STRATEGY, row_keys)
-from strata_jax.rollout.policy import Policy, SamplerPolicy
+from strata_jax.rollout.policy import Policy, SamplerPolicy, prefix_metrics
 from strata_jax.rollout.prompts import (HistoryEntry, PromptBuilder, PromptIds,
                                         invalid_history_action)
 from strata_jax.rollout.report import dump_trajectories, rollout_stats
@@ -41,7 +41,7 @@ __all__ = [
     "parse_bad_steps", "judge_flags", "judge_stage", "JudgeModel", "build_judge_model",
     "RevisionConfig", "StrategyReviser", "revision_trigger", "row_keys", "PURPOSE_STRATEGY",
     "PURPOSE_ACTION", "PURPOSE_JUDGE", "PURPOSE_REVISION", "Policy", "SamplerPolicy",
-    "ScriptedPolicy", "EpisodeSpec", "StepRecord", "Trajectory", "Revision", "Interval",
+    "prefix_metrics", "ScriptedPolicy", "EpisodeSpec", "StepRecord", "Trajectory", "Revision", "Interval",
     "LoopStats", "run_episodes", "anchor_hash", "env_rejected", "RolloutConfig",
     "RolloutResult", "StrategyGroup", "make_prompt_builder", "collect_rollout", "dapo_rollout",
     "rollout", "rollout_stats", "dump_trajectories",

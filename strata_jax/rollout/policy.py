@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.models import Qwen2Config, forward
-from strata_jax.sampling import GenerationBatch, Sampler, SamplingParams, bucket
+from strata_jax.sampling import GenerationBatch, PrefixKVCache, Sampler, SamplingParams, bucket
 from strata_jax.sampling.packing import as_id_lists, pack_left
 
 
@@ -51,26 +51,39 @@ class SamplerPolicy:
       params: the policy params (placed for the sampler's mesh); replace with `set_params`
         after each update.
       embed_batch: rows per embedding forward (bounds memory; lengths are bucketed).
+      prefix_cache_mb: > 0: keep the prompt prefixes' KV across `generate` calls, up to this
+        many MB (`strata_jax.sampling.PrefixKVCache`): each distinct prefix (header, role,
+        task, strategy) is prefilled once per params instead of at every step; `set_params`
+        empties it. 0: every call prefills its prefixes.
     The embedding is the default of docs/method.md §5.2: the policy's final hidden states (after the
     final RMSNorm) mean-pooled over the given tokens (the strategy's generated tokens without
     a final stop id, run without the prompt).
     """
 
-    def __init__(self, sampler: Sampler, params: Any, embed_batch: int = 64) -> None:
+    def __init__(self, sampler: Sampler, params: Any, embed_batch: int = 64,
+                 prefix_cache_mb: float = 0.0) -> None:
         self.sampler = sampler
         self.params = params
         self.embed_batch = int(embed_batch)
+        self.prefix_cache = (PrefixKVCache(int(prefix_cache_mb * 2 ** 20))
+                             if prefix_cache_mb > 0 else None)
 
     def set_params(self, params: Any) -> None:
-        """Use new policy params for the next rollout."""
+        """Use new policy params for the next rollout (the kept prefix KV is dropped)."""
         self.params = params
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def generate(self, prefixes: Sequence[Sequence[int]], prefix_index: Sequence[int],
                  suffixes: Sequence[Sequence[int]], sampling: SamplingParams,
                  keys: np.ndarray) -> GenerationBatch:
         """`Sampler.generate_with_prefixes` with this policy's params (see `Policy`)."""
         return self.sampler.generate_with_prefixes(self.params, prefixes, prefix_index, suffixes,
-                                                   sampling, keys)
+                                                   sampling, keys, self.prefix_cache)
+
+    def prefix_stats(self) -> dict[str, int]:
+        """The prefix cache's counters (`PrefixKVCache.stats`); {} without one."""
+        return self.prefix_cache.stats() if self.prefix_cache is not None else {}
 
     def embed(self, token_lists: Sequence[Sequence[int]]) -> np.ndarray:
         """Mean-pooled final hidden states, [n, D] float32. An empty list embeds to zeros.
@@ -93,3 +106,14 @@ class SamplerPolicy:
             for j, (i, _) in enumerate(chunk):
                 out[i] = emb[j]
         return out
+
+
+def prefix_metrics(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    """The prefix cache's work between two `SamplerPolicy.prefix_stats` readings (e.g. one
+    iteration's rollout): ``rollout/prefix_computed_tokens`` (prefix tokens prefilled) and
+    ``rollout/prefix_reused_tokens`` (served from the kept KV; the sum is what the calls would
+    prefill without the cache). {} when the policy keeps no prefix KV."""
+    if not after:
+        return {}
+    return {f"rollout/prefix_{k}": float(after[k] - before.get(k, 0))
+            for k in ("computed_tokens", "reused_tokens")}

@@ -5,12 +5,14 @@ Public API:
   ``generate_with_prefixes`` and ``score``; ``SamplingParams``; ``Generation`` /
   ``GenerationBatch``; ``select_next_tokens`` and its parts (top-k / top-p masks, sampling,
   argmax); ``bucket``; ``compiled_program_count``; ``StopText`` / ``build_stop_text`` (stop
-  strings checked on device, `strata_jax.sampling.stops`).
+  strings checked on device, `strata_jax.sampling.stops`); ``PrefixKVCache`` (prefix KV kept
+  across ``generate_with_prefixes`` calls, `strata_jax.sampling.prefix_cache`).
 """
 
 from strata_jax.sampling.buckets import bucket
 from strata_jax.sampling.outputs import FINISH_LENGTH, FINISH_STOP, Generation, GenerationBatch
 from strata_jax.sampling.params import SamplingParams
+from strata_jax.sampling.prefix_cache import PrefixKVCache
 from strata_jax.sampling.programs import compiled_program_count
 from strata_jax.sampling.sampler import Sampler
 from strata_jax.sampling.selection import (greedy_argmax, sample_categorical,
@@ -21,4 +23,5 @@ __all__ = [
     "Sampler", "SamplingParams", "Generation", "GenerationBatch", "FINISH_STOP",
     "FINISH_LENGTH", "bucket", "compiled_program_count", "select_next_tokens", "top_k_mask",
     "top_p_mask", "sample_categorical", "greedy_argmax", "StopText", "build_stop_text",
+    "PrefixKVCache",
 ]

@@ -7,7 +7,9 @@ pads, buckets and places the rows these programs take.
   the model over the left-padded prompts and keeps only the last column's hidden state: logits
   are computed for that position alone, never ``B x T x V``. ``prefill_prefixed`` runs the P
   shared prefixes once into their own cache, gathers them into the rows' caches, and runs the
-  suffixes on top with positions continuing each row's prefix.
+  suffixes on top with positions continuing each row's prefix; ``prefill_prefix_kv`` and
+  ``prefill_on_prefixes`` are its two halves, for prefix KV kept across calls
+  (`strata_jax.sampling.prefix_cache`).
 * ``decode`` (cache donated): token 0 is chosen from the prefill state; then a
   ``lax.while_loop`` feeds the previous token through the model (cache slot ``T + step - 1``,
   written in place by ``dynamic_update_slice``), computes the logits of that one position and
@@ -98,6 +100,31 @@ def prefill(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.A
     return _constrain_cache(cache), hidden[:, -1]
 
 
+def _prefix_kv(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
+               config: Qwen2Config, dtype: Any) -> KVCache:
+    """The prefixes' own KV cache, [L, P, Lp, K, Dh] (their hidden states are unused: XLA
+    drops the last layer's MLP and final norm)."""
+    n_prefix, prefix_len = tokens.shape
+    pcache = init_cache(config, n_prefix, prefix_len, dtype)
+    _, pcache = forward(params, config, tokens, positions, mask, pcache, 0)
+    return pcache
+
+
+def _on_prefixes(params: Params, pcache: KVCache, row_prefix: jax.Array, s_tokens: jax.Array,
+                 s_positions: jax.Array, s_mask: jax.Array, config: Qwen2Config,
+                 cache_len: int) -> tuple[KVCache, jax.Array]:
+    """Gather each row's prefix KV into a cache of cache_len slots, run the suffixes on top."""
+    prefix_len = pcache.k.shape[2]
+    pad = cache_len - prefix_len
+    kv_pad = ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))
+    cache = KVCache(k=jnp.pad(jnp.take(pcache.k, row_prefix, axis=1), kv_pad),
+                    v=jnp.pad(jnp.take(pcache.v, row_prefix, axis=1), kv_pad),
+                    valid=jnp.pad(jnp.take(pcache.valid, row_prefix, axis=0), ((0, 0), (0, pad))))
+    cache = _constrain_cache(cache)
+    hidden, cache = forward(params, config, s_tokens, s_positions, s_mask, cache, prefix_len)
+    return _constrain_cache(cache), hidden[:, -1]
+
+
 @functools.partial(jax.jit, static_argnames=("config", "cache_len", "cache_dtype"))
 def prefill_prefixed(params: Params, p_tokens: jax.Array, p_positions: jax.Array,
                      p_mask: jax.Array, row_prefix: jax.Array, s_tokens: jax.Array,
@@ -115,19 +142,34 @@ def prefill_prefixed(params: Params, p_tokens: jax.Array, p_positions: jax.Array
       row's last suffix token [B, D]). Same values as `prefill` over prefix + suffix; the
       prefixes' compute is done P times instead of B.
     """
-    dtype = _cache_dtype(params, cache_dtype)
-    n_prefix, prefix_len = p_tokens.shape
-    pcache = init_cache(config, n_prefix, prefix_len, dtype)
-    # The prefixes' hidden states are unused: XLA drops the last layer's MLP and final norm.
-    _, pcache = forward(params, config, p_tokens, p_positions, p_mask, pcache, 0)
-    pad = cache_len - prefix_len
-    kv_pad = ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))
-    cache = KVCache(k=jnp.pad(jnp.take(pcache.k, row_prefix, axis=1), kv_pad),
-                    v=jnp.pad(jnp.take(pcache.v, row_prefix, axis=1), kv_pad),
-                    valid=jnp.pad(jnp.take(pcache.valid, row_prefix, axis=0), ((0, 0), (0, pad))))
-    cache = _constrain_cache(cache)
-    hidden, cache = forward(params, config, s_tokens, s_positions, s_mask, cache, prefix_len)
-    return _constrain_cache(cache), hidden[:, -1]
+    pcache = _prefix_kv(params, p_tokens, p_positions, p_mask, config,
+                        _cache_dtype(params, cache_dtype))
+    return _on_prefixes(params, pcache, row_prefix, s_tokens, s_positions, s_mask, config,
+                        cache_len)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "cache_dtype"))
+def prefill_prefix_kv(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
+                      *, config: Qwen2Config, cache_dtype: str | None) -> KVCache:
+    """The KV cache of left-padded prefixes alone (the first half of `prefill_prefixed`), for
+    `strata_jax.sampling.prefix_cache.PrefixKVCache` to keep across decode calls.
+
+    Args: tokens / positions / mask [P, Lp] (`packing.pack_left`); config, cache_dtype as for
+    `prefill`. Returns KVCache [L, P, Lp, K, Dh] (valid [P, Lp]: the real tokens' slots)."""
+    return _constrain_cache(_prefix_kv(params, tokens, positions, mask, config,
+                                       _cache_dtype(params, cache_dtype)))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "cache_len"))
+def prefill_on_prefixes(params: Params, pcache: KVCache, row_prefix: jax.Array,
+                        s_tokens: jax.Array, s_positions: jax.Array, s_mask: jax.Array, *,
+                        config: Qwen2Config, cache_len: int) -> tuple[KVCache, jax.Array]:
+    """The second half of `prefill_prefixed` on given prefix KV (`prefill_prefix_kv`'s, kept
+    across calls): pcache [L, P, Lp, K, Dh] right-aligned prefixes, row_prefix [B] int32,
+    suffixes [B, Ts] with positions continuing their prefix. Returns what `prefill_prefixed`
+    returns (the cache in pcache's dtype)."""
+    return _on_prefixes(params, pcache, row_prefix, s_tokens, s_positions, s_mask, config,
+                        cache_len)
 
 
 @functools.partial(

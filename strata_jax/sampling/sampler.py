@@ -42,6 +42,7 @@ from strata_jax.sampling.buckets import bucket
 from strata_jax.sampling.outputs import GenerationBatch
 from strata_jax.sampling.packing import PackedRows, as_id_lists, pack_left
 from strata_jax.sampling.params import SamplingParams, check_temperature
+from strata_jax.sampling.prefix_cache import PrefixKVCache
 
 Params = dict[str, Any]
 
@@ -217,7 +218,8 @@ class Sampler:
 
     def generate_with_prefixes(self, params: Params, prefixes: Sequence[Sequence[int]],
                                prefix_index: Sequence[int], suffixes: Sequence[Sequence[int]],
-                               sampling: SamplingParams, keys: Any) -> GenerationBatch:
+                               sampling: SamplingParams, keys: Any,
+                               prefix_cache: PrefixKVCache | None = None) -> GenerationBatch:
         """Generate for rows ``prefixes[prefix_index[b]] + suffixes[b]``, each prefix run once.
 
         The P prefixes' KV caches are computed in one prefill and gathered into the rows'
@@ -230,6 +232,9 @@ class Sampler:
           prefix_index: [B] index into ``prefixes`` for each row.
           suffixes: B token-id lists (>= 1 token each): the per-row rest of the prompt.
           params, sampling, keys: as in `generate`.
+          prefix_cache: prefix KV kept across calls (`PrefixKVCache`, valid for `params`
+            only): a prefix it holds is not prefilled again, one it lacks is prefilled alone
+            and kept (`strata_jax.sampling.prefix_cache`). None: every prefix prefilled here.
         Returns / Raises: as `generate`; also ValueError for a prefix index out of range or
           mismatched row counts.
         """
@@ -255,21 +260,57 @@ class Sampler:
         lp = bucket(int(prefix_lens.max()), self.length_floor)
         ts = bucket(max(len(s) for s in suf), self.length_floor)
         n_out = bucket(sampling.max_new_tokens, self.new_tokens_floor)
-        p_packed = pack_left(pre, lp, p_b)
         row_prefix = np.zeros((b,), np.int32)
         row_prefix[: len(suf)] = idx
         s_start = prefix_lens[row_prefix]
         s_packed = pack_left(suf, ts, b, start=s_start[: len(suf)])
-        p_args = self._put_rows(p_packed.tokens, p_packed.positions, p_packed.mask)
         s_args = self._put_rows(row_prefix, s_packed.tokens, s_packed.positions, s_packed.mask)
-        with self._mesh_context():
-            cache, last_hidden = programs.prefill_prefixed(
-                params, *p_args, *s_args, config=self.config, cache_len=lp + ts + n_out,
-                cache_dtype=self.cache_dtype)
+        if prefix_cache is not None:
+            pcache = self._kept_prefixes(params, pre, prefix_cache, p_b, lp)
+            with self._mesh_context():
+                cache, last_hidden = programs.prefill_on_prefixes(
+                    params, pcache, *s_args, config=self.config, cache_len=lp + ts + n_out)
+        else:
+            p_packed = pack_left(pre, lp, p_b)
+            p_args = self._put_rows(p_packed.tokens, p_packed.positions, p_packed.mask)
+            with self._mesh_context():
+                cache, last_hidden = programs.prefill_prefixed(
+                    params, *p_args, *s_args, config=self.config, cache_len=lp + ts + n_out,
+                    cache_dtype=self.cache_dtype)
         next_position = np.ones((b,), np.int32)
         next_position[: len(suf)] = row_lens
         return self._run_decode(params, cache, last_hidden, keys, next_position, len(suf), b,
                                 n_out, sampling)
+
+    def _kept_prefixes(self, params: Params, prefixes: list[np.ndarray], kept: PrefixKVCache,
+                       p_b: int, lp: int) -> KVCache:
+        """The prefixes' KV [L, p_b, lp, K, Dh] (right-aligned, as `pack_left` lays them out):
+        each from `kept`, or prefilled alone at its own length bucket and kept there (so its
+        values do not depend on this call's other prefixes). Filler rows repeat prefix 0."""
+        entries = []
+        for p in prefixes:
+            ids = tuple(int(t) for t in p)
+            entry = kept.lookup(ids)
+            if entry is None:
+                width = bucket(len(p), self.length_floor)
+                packed = pack_left([p], width, self._batch_bucket(1))
+                args = self._put_rows(packed.tokens, packed.positions, packed.mask)
+                with self._mesh_context():
+                    full = programs.prefill_prefix_kv(params, *args, config=self.config,
+                                                      cache_dtype=self.cache_dtype)
+                entry = KVCache(k=full.k[:, :1], v=full.v[:, :1], valid=full.valid[:1])
+                kept.insert(ids, entry)
+            entries.append(entry)
+        entries += entries[:1] * (p_b - len(entries))
+
+        def left_pad(x: jax.Array, axis: int) -> jax.Array:
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (lp - x.shape[axis], 0)
+            return jnp.pad(x, widths)
+
+        return KVCache(k=jnp.concatenate([left_pad(e.k, 2) for e in entries], axis=1),
+                       v=jnp.concatenate([left_pad(e.v, 2) for e in entries], axis=1),
+                       valid=jnp.concatenate([left_pad(e.valid, 1) for e in entries], axis=0))
 
     def score(self, params: Params, prompts: Sequence[Sequence[int]],
               responses: Sequence[Sequence[int]], temperature: float = 1.0) -> list[np.ndarray]:
