@@ -485,7 +485,8 @@ def plot(res: dict, path: str) -> None:
     for ax in axes:
         ax.set_xlabel("iteration")
         ax.set_ylim(-0.02, 1.02)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:   # GRPO alone draws no carrying curve
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

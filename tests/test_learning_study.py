@@ -187,9 +187,10 @@ def test_train_set_reaches_the_runs_only(tmp_path):
 
 
 def test_report_of_the_kept_study_reproduces_its_tests(tmp_path, monkeypatch):
-    """The committed StraTA run (seed 0, 10 iterations) and its start, as --results keeps them,
-    give the report docs/results.md quotes: 13 / 48 -> 47 / 48, the Fisher and McNemar
-    p-values, the training curve; the json and the figure are written."""
+    """The committed study (StraTA and GRPO, seed 0, 10 iterations each, and their starts), as
+    --results keeps them, gives the report docs/results.md quotes: 13 / 48 -> 47 / 48 with its
+    Fisher and McNemar p-values and training curve, GRPO's 10 / 48 -> 8 / 48; the json and the
+    figure are written."""
     import json
     import os
     import shutil
@@ -200,13 +201,14 @@ def test_report_of_the_kept_study_reproduces_its_tests(tmp_path, monkeypatch):
         "--warm-start", "mask", "--plan-code-keep", "0.5", "--no-guesses", "--sigma", "4",
         "--sft-steps", "20", "--sft-lr", "2e-5", "--sft-episodes", "32", "--seeds", "1",
         "--n", "4", "--m", "2", "--lr", "2e-5", "--iterations", "10", "--micro", "4",
-        "--out", "runs/study_k50", "--algos", "strata",
+        "--out", "runs/study_k50",
         "--results", "benchmarks/results/learning_study/k50_t06_lr2e5_m4",
         "--train-set", "loss.entropy_coef=0", "rollout.temperature=0.6",
         "train.pack_prefixes=true"])
     queue = ls.jobs(args)
     kept = [j for j in queue if ls.is_kept(args, j, queue)]
-    assert {j["name"] for j in kept} == {"start_strata", "run_strata_s0", "final_strata_s0"}
+    assert {j["name"] for j in kept} == {"start_strata", "run_strata_s0", "final_strata_s0",
+                                         "start_flat", "run_grpo_s0", "final_grpo_s0"}
     out = tmp_path / "study"   # the kept files where the report reads them, not in runs/
     for j in kept:
         shutil.copytree(ls.kept_dir(args, j), out / os.path.basename(os.path.dirname(j["done"])),
@@ -219,5 +221,9 @@ def test_report_of_the_kept_study_reproduces_its_tests(tmp_path, monkeypatch):
     assert 2e-14 < t["fisher_p"] < 4e-14 and 5e-11 < t["mcnemar_p"] < 7e-11
     cur = res["curves"]["strata_s0"]
     assert cur["successes"] == [1, 3, 3, 8, 6, 8, 8, 7, 8, 8] and cur["episodes"] == [8] * 10
+    # GRPO (:matched, flat) from the same start: 10 / 48 -> 8 / 48; the gains' difference
+    assert res["policies"]["start_flat"]["k"] == 10 and res["policies"]["grpo_s0"]["k"] == 8
+    assert res["curves"]["grpo_s0"]["successes"] == [0, 2, 1, 6, 1, 0, 0, 1, 0, 1]
+    assert res["gains"]["strata_minus_grpo"] == pytest.approx((47 - 13 - 8 + 10) / 48)
     assert json.load(open(out / "learning_study.json"))["tests"]
     assert os.path.getsize(out / "learning_study.png") > 10_000
