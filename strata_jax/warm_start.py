@@ -133,8 +133,12 @@ def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
                        ("plan_code_keep", 0.0), ("clone_guesses", True)):
         if sft[k] == default:   # the rendering before the option existed: existing
             del sft[k]          # fingerprints stay valid
+    # The run's seed reaches the warm start only through a preset's random init (the data and
+    # the cloning follow sft.seed), so a pretrained model's runs of every seed share one warm
+    # start: the start their evals measured (0 = the value existing fingerprints hold).
+    init_seed = c.seed if c.model.preset else 0
     d = dict(format=EXAMPLE_FORMAT, sft=sft,
-             model=dataclasses.asdict(model_cfg), init=[c.model.path, c.model.preset, c.seed,
+             model=dataclasses.asdict(model_cfg), init=[c.model.path, c.model.preset, init_seed,
                                                         c.model.dtype, c.model.tokenizer],
              env=[c.env.name, list(c.env.tasks), c.env.max_prompt_tokens, c.env.history_length,
                   c.env.max_steps, bool(c.rollout.cumulative_prompts)],

@@ -167,6 +167,18 @@ def test_fingerprint_keeps_old_caches_for_the_default_plan(tok):
     c.sft.clone_guesses = False
     assert len({keep, masked, actions, some,
                 warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))}) == 5
+    # the run's seed: a preset's random init depends on it, a pretrained model's does not (its
+    # runs of every seed start from one warm start; seed 0 keeps the existing fingerprint)
+    fp = lambda: warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))  # noqa: E731
+    assert c.model.preset
+    seed0 = fp()
+    c.seed = 1
+    assert fp() != seed0
+    c.model.preset, c.model.path = "", "/ckpt/qwen"
+    c.seed = 0
+    pretrained = fp()
+    c.seed = 7
+    assert fp() == pretrained
 
 
 @pytest.mark.parametrize("algo", ["strata", "flat"])
