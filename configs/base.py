@@ -102,8 +102,9 @@ def get_base_config() -> ml_collections.ConfigDict:
                                    # stepping of one cohort overlaps decoding of the other
     c.rollout.dapo_max_tries = 10   # refill rounds of an algorithm with refill (DAPO)
     c.rollout.prefix_cache_mb = 0.0  # > 0: keep prompt prefixes' KV across decode calls (each
-                                   # prefilled once per iteration, not every step; same tokens to
-                                   # float rounding), at most this many MB (sampling/prefix_cache.py)
+                                   # prefilled once per iteration, not every step; same tokens
+                                   # to float rounding), at most this many MB
+                                   # (strata_jax/sampling/prefix_cache.py)
     c.rollout.invalid_tail_chars = 30  # chars of a format-invalid output shown in the history
     # SampleBatch padding: rows / prompt / response widths round up to the smallest listed
     # bucket (None: rows to a multiple of row_multiple, widths to a multiple of 8)

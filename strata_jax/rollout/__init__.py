@@ -41,8 +41,8 @@ __all__ = [
     "parse_bad_steps", "judge_flags", "judge_stage", "JudgeModel", "build_judge_model",
     "RevisionConfig", "StrategyReviser", "revision_trigger", "row_keys", "PURPOSE_STRATEGY",
     "PURPOSE_ACTION", "PURPOSE_JUDGE", "PURPOSE_REVISION", "Policy", "SamplerPolicy",
-    "prefix_metrics", "ScriptedPolicy", "EpisodeSpec", "StepRecord", "Trajectory", "Revision", "Interval",
-    "LoopStats", "run_episodes", "anchor_hash", "env_rejected", "RolloutConfig",
+    "prefix_metrics", "ScriptedPolicy", "EpisodeSpec", "StepRecord", "Trajectory", "Revision",
+    "Interval", "LoopStats", "run_episodes", "anchor_hash", "env_rejected", "RolloutConfig",
     "RolloutResult", "StrategyGroup", "make_prompt_builder", "collect_rollout", "dapo_rollout",
     "rollout", "rollout_stats", "dump_trajectories",
 ]
