@@ -11,7 +11,8 @@ from its last checkpoint (``ckpt.every=1``), so the queue started again after a 
 where it stopped. Each finished job's outputs (eval JSON and trajectories, a run's metrics and
 trajectories; not checkpoints) are copied to ``--results`` with its command line, a running
 run's every ``--keep-every`` seconds; committed, they let a fresh clone's queue skip the same
-jobs and its report read them. In order:
+jobs and its report read them (the same job: the same command line but for the update's memory
+knobs, ``--micro`` / ``--remat``, which a run killed for memory may change). In order:
 
 1. ``warm_start`` (with ``--warm-start mask`` or ``mask-actions``): behaviour cloning that
    teaches the walk and the keypad with plans that do NOT carry the code
@@ -224,6 +225,28 @@ def job_key(job: dict) -> list[str]:
     return [a.replace(REPO + os.sep, "").replace(REPO, ".") for a in job["argv"][1:]]
 
 
+# Config overrides that only cut up or recompute the update's sums (a resume may change them:
+# strata_jax.validation.RESUME_MAY_CHANGE): a job run with another micro-batch or remat
+# policy, e.g. after being killed for memory, still stands for the same setting.
+MEMORY_KNOBS = ("optim.micro_batch_size", "model.remat", "train.score_rows",
+                "train.logprob_chunk", "train.trim_padding")
+
+
+def same_setting(a: list[str], b: list[str]) -> bool:
+    """Whether two `job_key`s name the same setting: equal but for `MEMORY_KNOBS` overrides in
+    their ``--config=<file>:<tokens>`` argument."""
+    def strip(argv):
+        out = []
+        for x in argv:
+            if x.startswith("--config=") and ":" in x:
+                head, tokens = x.split(":", 1)
+                x = head + ":" + ",".join(t for t in tokens.split(",")
+                                          if t.split("=", 1)[0] not in MEMORY_KNOBS)
+            out.append(x)
+        return out
+    return a is not None and b is not None and strip(a) == strip(b)
+
+
 def kept_dir(args, job: dict) -> str:
     """--results/<job name>: where `keep` copies the job's outputs."""
     return os.path.join(args.results, job["name"])
@@ -239,7 +262,7 @@ def finished_here(job: dict) -> bool:
     matching `marker` (another setting of the study on the same --out is another job)."""
     if not (os.path.exists(job["done"]) and os.path.exists(marker(job))):
         return False
-    return json.load(open(marker(job))) == job_key(job)
+    return same_setting(json.load(open(marker(job))), job_key(job))
 
 
 def is_kept(args, job: dict, queue: list[dict]) -> bool:
@@ -248,7 +271,7 @@ def is_kept(args, job: dict, queue: list[dict]) -> bool:
     meta = os.path.join(kept_dir(args, job), "job.json")
     if job.get("local") or not os.path.exists(meta):
         return False
-    if json.load(open(meta)).get("argv") != job_key(job):
+    if not same_setting(json.load(open(meta)).get("argv"), job_key(job)):
         return False
     partner = [j for j in queue if j["name"] == job.get("kept_with")]
     return all(is_kept(args, j, queue) for j in partner)

@@ -227,3 +227,20 @@ def test_report_of_the_kept_study_reproduces_its_tests(tmp_path, monkeypatch):
     assert res["gains"]["strata_minus_grpo"] == pytest.approx((47 - 13 - 8 + 10) / 48)
     assert json.load(open(out / "learning_study.json"))["tests"]
     assert os.path.getsize(out / "learning_study.png") > 10_000
+
+
+def test_a_memory_knob_does_not_make_another_setting():
+    """A job re-run with a smaller micro-batch or another remat policy (after an OOM) still
+    matches its kept result; any other override, or the same knob's name inside another
+    token's value, does not."""
+    import benchmarks.learning_study as ls
+    base = ["eval.py", "--config=configs/builtin.py:tiny,real,strata,optim.lr=2e-05,"
+            "optim.micro_batch_size=8,model.remat=dots", "--split=test"]
+    knobs = [base[0], base[1].replace("micro_batch_size=8", "micro_batch_size=4")
+             .replace("remat=dots", "remat=full"), base[2]]
+    assert ls.same_setting(base, knobs)
+    assert not ls.same_setting(base, [base[0], base[1].replace("lr=2e-05", "lr=1e-04"),
+                                      base[2]])
+    assert not ls.same_setting(base, [base[0], base[1] + ",seed=1", base[2]])
+    assert not ls.same_setting(base, base[:2] + ["--split=dev"])
+    assert not ls.same_setting(base, None)
