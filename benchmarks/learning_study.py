@@ -225,11 +225,10 @@ def job_key(job: dict) -> list[str]:
     return [a.replace(REPO + os.sep, "").replace(REPO, ".") for a in job["argv"][1:]]
 
 
-# Config overrides that only cut up or recompute the update's sums (a resume may change them:
-# strata_jax.validation.RESUME_MAY_CHANGE): a job run with another micro-batch or remat
-# policy, e.g. after being killed for memory, still stands for the same setting.
-MEMORY_KNOBS = ("optim.micro_batch_size", "model.remat", "train.score_rows",
-                "train.logprob_chunk", "train.trim_padding")
+# Config overrides that only cut up or recompute the update's sums (a resume may change them):
+# a job run with another micro-batch or remat policy, e.g. after being killed for memory,
+# still stands for the same setting.
+from strata_jax.validation import MEMORY_KNOBS  # noqa: E402
 
 
 def same_setting(a: list[str], b: list[str]) -> bool:

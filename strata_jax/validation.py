@@ -207,6 +207,15 @@ def validate(c: Any) -> None:
 # The state itself is checked by the restore: a TrainState of another shape (e.g. another LoRA
 # rank) fails orbax's restore, and a task-sampler state of another task list fails
 # TaskSampler.set_state.
+# The update's memory knobs: how the same sums are cut up or recomputed, so a run killed for
+# memory resumes with a smaller micro-batch or more remat (float order aside, same results).
+MEMORY_KNOBS = (
+    "optim.micro_batch_size",         # rows (or their token budget) per accumulation unit
+    "model.remat",                    # what the backward recomputes instead of storing
+    "train.score_rows",               # rows per chunk of the no-grad scoring passes
+    "train.logprob_chunk",            # response positions per LM-head chunk
+    "train.trim_padding",             # all-padding columns dropped before the update
+)
 RESUME_MAY_CHANGE = (
     "workdir", "iterations",          # extending a run is a resume
     "compilation_cache_dir",          # where compiled programs are cached: speed only
@@ -222,13 +231,7 @@ RESUME_MAY_CHANGE = (
     "train.pack_prefixes",            # prefix-tree packed update: same sums (float order aside)
     "train.pack_width",               # its packed row width: speed, same sums (float order aside)
     "train.response_floor",           # response columns' buckets: padding, same sums
-    # Memory knobs: how the same sums are cut up or recomputed, so a run killed for memory
-    # resumes with a smaller micro-batch or more remat (float order aside, same results).
-    "optim.micro_batch_size",         # rows (or their token budget) per accumulation unit
-    "model.remat",                    # what the backward recomputes instead of storing
-    "train.score_rows",               # rows per chunk of the no-grad scoring passes
-    "train.logprob_chunk",            # response positions per LM-head chunk
-    "train.trim_padding",             # all-padding columns dropped before the update
+    *MEMORY_KNOBS,
 )
 
 
