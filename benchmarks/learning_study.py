@@ -225,15 +225,13 @@ def job_key(job: dict) -> list[str]:
     return [a.replace(REPO + os.sep, "").replace(REPO, ".") for a in job["argv"][1:]]
 
 
-# Config overrides that only cut up or recompute the update's sums (a resume may change them):
-# a job run with another micro-batch or remat policy, e.g. after being killed for memory,
-# still stands for the same setting.
-from strata_jax.validation import MEMORY_KNOBS  # noqa: E402
-
-
 def same_setting(a: list[str], b: list[str]) -> bool:
     """Whether two `job_key`s name the same setting: equal but for `MEMORY_KNOBS` overrides in
-    their ``--config=<file>:<tokens>`` argument."""
+    their ``--config=<file>:<tokens>`` argument (`strata_jax.validation.MEMORY_KNOBS`: a
+    resume may change them, so a run re-run with less memory after an OOM is the same job).
+    Imported here: the queue process stays free of jax, beside the runs it starts."""
+    from strata_jax.validation import MEMORY_KNOBS
+
     def strip(argv):
         out = []
         for x in argv:
