@@ -135,7 +135,7 @@ def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
             del sft[k]          # fingerprints stay valid
     # The run's seed reaches the warm start only through a preset's random init (the data and
     # the cloning follow sft.seed), so a pretrained model's runs of every seed share one warm
-    # start: the start their evals measured (0 = the value existing fingerprints hold).
+    # start, the one their evals compare against (0 keeps existing fingerprints).
     init_seed = c.seed if c.model.preset else 0
     d = dict(format=EXAMPLE_FORMAT, sft=sft,
              model=dataclasses.asdict(model_cfg), init=[c.model.path, c.model.preset, init_seed,
