@@ -240,9 +240,26 @@ class Progress:
         return line
 
 
+def _proc_status(path: str = "/proc/self/status") -> dict[str, float]:
+    """The ``Vm*`` lines of a Linux ``/proc/<pid>/status`` in KiB ({} where there is none)."""
+    out: dict[str, float] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("Vm") and line.rstrip().endswith("kB"):
+                    key, value = line.split(":", 1)
+                    out[key] = float(value.split()[0])
+    except OSError:
+        pass
+    return out
+
+
 def memory_metrics(devices: Iterable[Any] | None = None) -> dict[str, float]:
     """Peak memory so far, as metric keys (GiB): ``mem/host_peak_rss_gb`` and, where the
-    backend reports it (GPU, TPU; not XLA's CPU client), ``mem/device_peak_gb``.
+    backend reports it (GPU, TPU; not XLA's CPU client), ``mem/device_peak_gb``; on Linux also
+    ``mem/host_rss_gb``, the resident set now. The peak is a high-water mark that only rises;
+    the current figure at each iteration's end tells memory kept between iterations (cached
+    programs, allocator arenas) apart from a transient peak inside one.
 
     Host: this process's peak resident set, not its children's (e.g. the JVMs): ``VmHWM`` of
     ``/proc/self/status`` on Linux, ``getrusage(RUSAGE_SELF).ru_maxrss`` elsewhere (Linux's
@@ -253,12 +270,10 @@ def memory_metrics(devices: Iterable[Any] | None = None) -> dict[str, float]:
     to its iteration. Keys whose source is unavailable are left out, never guessed.
     """
     out: dict[str, float] = {}
-    kib = None
-    try:
-        with open("/proc/self/status") as f:
-            kib = next((float(line.split()[1]) for line in f if line.startswith("VmHWM:")), None)
-    except OSError:
-        pass
+    status = _proc_status()
+    kib = status.get("VmHWM")
+    if "VmRSS" in status:
+        out["mem/host_rss_gb"] = status["VmRSS"] / 2**20
     if kib is None:   # not Linux, or a kernel without VmHWM
         try:
             import resource

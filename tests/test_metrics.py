@@ -166,16 +166,24 @@ def test_memory_metrics_host_peak_and_device_peak():
     # A process that touches 400 MiB, started by one that holds 800 MiB: its peak is at least
     # 400 MiB and at most that plus the interpreter and numpy (~100 MiB), not the parent's (Linux's
     # ru_maxrss carries the parent's resident set across fork + exec; pytest itself holds GBs).
+    # Then it frees them (numpy maps an array that large, so the pages go back to the OS): the
+    # resident set now is 400 MiB below the peak, which stays.
     child = ("import numpy as np; a = np.ones(400 * 2**20, np.uint8); "
              "from strata_jax.metrics import memory_metrics; "
-             "print(memory_metrics(devices=[])['mem/host_peak_rss_gb'])")
+             "m = memory_metrics(devices=[]); del a; n = memory_metrics(devices=[]); "
+             "print(m['mem/host_peak_rss_gb'], m['mem/host_rss_gb'], n['mem/host_peak_rss_gb'], "
+             "n['mem/host_rss_gb'])")
     parent = ("import subprocess, sys, numpy as np; big = np.ones(800 * 2**20, np.uint8); "
               f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, "
               "text=True, check=True).stdout)")
     out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True,
                          check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    peak = float(out.stdout.strip().splitlines()[-1])
+    peak, rss, peak_after, rss_after = map(float, out.stdout.strip().splitlines()[-1].split())
     assert 400 / 1024 <= peak < 600 / 1024, peak
+    # (the kernel's per-thread RSS counters are synced lazily: equal to within a few pages)
+    assert 400 / 1024 <= rss <= peak + 1e-3 and abs(peak_after - peak) < 1e-3, (rss, peak,
+                                                                                 peak_after)
+    assert 390 / 1024 <= rss - rss_after <= 410 / 1024, (rss, rss_after)
 
     class Device:   # a backend's memory_stats(): the largest peak wins, a missing one is skipped
         def __init__(self, stats):
