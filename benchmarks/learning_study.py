@@ -491,7 +491,8 @@ def plot(res: dict, path: str) -> None:
             ax.plot(x, ys.mean(0), color=color, label=f"{algo} ({len(curves)} seeds)")
             ax.fill_between(x, ys.min(0), ys.max(0), color=color, alpha=0.2)
         evals = [(0, res["policies"].get("start_" + ("strata" if algo == "strata" else "flat")))]
-        evals += [(int(x[-1]), s) for k, s in res["policies"].items() if k.startswith(algo + "_")]
+        last = int(res.get("settings", {}).get("iterations") or x[-1])   # the final evals' step
+        evals += [(last, s) for k, s in res["policies"].items() if k.startswith(algo + "_")]
         for it, s in evals:
             if not s:
                 continue
