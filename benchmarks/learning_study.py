@@ -467,6 +467,16 @@ def print_report(res: dict) -> None:
               f"{100 * d['rate']:.0f}%")
 
 
+def eval_points(res: dict, algo: str) -> list[tuple[int, dict]]:
+    """The held-out evals of one method as (iteration, `summary`) points: its start (StraTA's
+    or flat prompting's) at 0, each seed's final checkpoint at the study's --iterations (where
+    it was evaluated, whatever share of a curve a partial queue has run)."""
+    start = res["policies"].get("start_" + ("strata" if algo == "strata" else "flat"))
+    points = [(0, start)] if start else []
+    return points + [(int(res["settings"]["iterations"]), s)
+                     for k, s in res["policies"].items() if k.startswith(algo + "_")]
+
+
 def plot(res: dict, path: str) -> None:
     """Training success and code-carrying fraction per iteration: per method the mean over
     seeds and the min-max band; beside them the held-out evals (squares with their 95% Wilson
@@ -490,12 +500,7 @@ def plot(res: dict, path: str) -> None:
                            if key == "success" else c["carries"][:n] for c in curves])
             ax.plot(x, ys.mean(0), color=color, label=f"{algo} ({len(curves)} seeds)")
             ax.fill_between(x, ys.min(0), ys.max(0), color=color, alpha=0.2)
-        evals = [(0, res["policies"].get("start_" + ("strata" if algo == "strata" else "flat")))]
-        last = int(res.get("settings", {}).get("iterations") or x[-1])   # the final evals' step
-        evals += [(last, s) for k, s in res["policies"].items() if k.startswith(algo + "_")]
-        for it, s in evals:
-            if not s:
-                continue
+        for it, s in eval_points(res, algo):
             lo, hi = s["ci95"]
             axes[0].errorbar([it], [s["success"]], yerr=[[s["success"] - lo], [hi - s["success"]]],
                              fmt="s", color=color, capsize=3)

@@ -241,7 +241,8 @@ class Progress:
 
 
 def _proc_status(path: str = "/proc/self/status") -> dict[str, float]:
-    """The ``Vm*`` lines of a Linux ``/proc/<pid>/status`` in KiB ({} where there is none)."""
+    """The ``Vm*`` lines of a Linux ``/proc/<pid>/status`` (e.g. VmRSS, VmHWM) as {name: KiB}
+    floats; {} where the file cannot be read (not Linux)."""
     out: dict[str, float] = {}
     try:
         with open(path) as f:
@@ -255,9 +256,9 @@ def _proc_status(path: str = "/proc/self/status") -> dict[str, float]:
 
 
 def memory_metrics(devices: Iterable[Any] | None = None) -> dict[str, float]:
-    """Peak memory so far, as metric keys (GiB): ``mem/host_peak_rss_gb`` and, where the
-    backend reports it (GPU, TPU; not XLA's CPU client), ``mem/device_peak_gb``; on Linux also
-    ``mem/host_rss_gb``, the resident set now. The peak is a high-water mark that only rises;
+    """Memory as metric keys (GiB, floats): the peak so far, ``mem/host_peak_rss_gb`` and,
+    where the backend reports it (GPU, TPU; not XLA's CPU client), ``mem/device_peak_gb``; on
+    Linux also ``mem/host_rss_gb``, the resident set now. The peak is a high-water mark that only rises;
     the current figure at each iteration's end tells memory kept between iterations (cached
     programs, allocator arenas) apart from a transient peak inside one.
 
