@@ -110,6 +110,7 @@ def _train(c, workdir, compiles, mesh) -> dict:
                 task_sampler.set_state(meta["sampler_state"])
             except ValueError as e:   # another task list: continuing would draw other tasks
                 raise ex.ConfigError(f"cannot resume {workdir}: {e}") from None
+        trainer.set_host_state(meta.get("trainer_state"))
         log.info("resumed from step %d in %s", meta["step"], workdir)
     start = int(jax.device_get(state.step))
 
@@ -152,10 +153,11 @@ def _train(c, workdir, compiles, mesh) -> dict:
     status, last = "done", {}
     try:
         with LoopCheckpoints(ckpt, config=c) as saves:
-            saves.mark(state, task_sampler.get_state())
+            saves.mark(state, task_sampler.get_state(), trainer.host_state())
             maybe_eval(start)   # the resume step's eval, when the kill came before it
             for step in range(start, c.iterations):
-                saves.mark(state, task_sampler.get_state())   # what an exception saves
+                # what an exception saves: the state this iteration starts from
+                saves.mark(state, task_sampler.get_state(), trainer.host_state())
                 t_iter, cpu_iter, counters = time.time(), cpu_seconds(), pool.stats()
                 prefix0 = policy.prefix_stats()
                 # rollout
@@ -181,17 +183,18 @@ def _train(c, workdir, compiles, mesh) -> dict:
                 _log_iteration(c, writer, progress, done, last, result)
                 # checkpoint
                 if flag.requested:   # SIGTERM / the first Ctrl-C: save and stop cleanly
-                    saves.save(state, task_sampler.get_state())
+                    saves.save(state, task_sampler.get_state(), trainer.host_state())
                     status = "preempted"
                     break
                 if saves.due(done) or done == c.iterations:   # the end: saved before its eval
-                    saves.save(state, task_sampler.get_state())
-                saves.mark(state, task_sampler.get_state())
+                    saves.save(state, task_sampler.get_state(), trainer.host_state())
+                saves.mark(state, task_sampler.get_state(), trainer.host_state())
                 # eval (with the updated policy, which the next rollout samples from too)
                 policy.set_params(policy_params(state))
                 maybe_eval(done)
             if start >= c.iterations:   # nothing to run: the state as it is (a restored step
-                saves.save(state, task_sampler.get_state())   # on disk is not saved again)
+                # on disk is not saved again)
+                saves.save(state, task_sampler.get_state(), trainer.host_state())
     finally:
         flag.uninstall()
         pool.close()

@@ -57,7 +57,8 @@ def test_resume_equals_uninterrupted(setup, tmp_path):
     for _ in range(2):
         s, _ = trainer.update(s, iteration_batch(int(s.step)), ref_params=params)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2)
-    ckpt.save(s, sampler_state={"task_index": 17, "order": [3, 1, 2]}, config={"algo": "grpo"})
+    ckpt.save(s, sampler_state={"task_index": 17, "order": [3, 1, 2]}, config={"algo": "grpo"},
+              trainer_state={"shape_marks": [["train", 2, 64, 8, 16, 0]]})
     ckpt.close()
     del s
     # A fresh trainer / checkpointer, as a new process would build them.
@@ -67,6 +68,8 @@ def test_resume_equals_uninterrupted(setup, tmp_path):
     assert meta["step"] == 2 and int(restored.step) == 2
     assert meta["sampler_state"] == {"task_index": 17, "order": [3, 1, 2]}
     assert meta["config"] == {"algo": "grpo"}
+    trainer2.set_host_state(meta["trainer_state"])
+    assert trainer2.shape_marks == {("train", 2, 64): (8, 16, 0)}
     resumed, _ = trainer2.update(restored, iteration_batch(2), ref_params=params)
     assert int(resumed.step) == 3
     for a, b in zip(_leaves(resumed), _leaves(uninterrupted)):
@@ -191,7 +194,7 @@ def test_exception_path_saves_nothing_when_the_marked_state_was_donated(caplog):
         def __init__(self):
             self.saved = []
 
-        def save(self, state, sampler_state=None, config=None):
+        def save(self, state, sampler_state=None, config=None, trainer_state=None):
             self.saved.append(jax.tree.map(np.asarray, state))
 
     for donated in (False, True):

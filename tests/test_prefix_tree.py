@@ -554,3 +554,47 @@ def test_packed_forward_bf16_tolerance():
     np.testing.assert_allclose(np.asarray(lp2)[m], np.asarray(lp1)[m], atol=1e-2, rtol=0)
     np.testing.assert_allclose(np.asarray(ent2)[m], np.asarray(ent1)[m], atol=1e-2, rtol=0)
     np.testing.assert_allclose(np.asarray(v2), np.asarray(v1), atol=2e-2, rtol=0)
+
+
+def test_marks_pad_later_micro_batches_up_to_the_largest_shapes_met():
+    """With a marks dict kept across calls, a micro-batch of a (P, w) met before takes the
+    largest rows m, response columns wr and key slots A met for it: padding only (the same
+    packed tokens, the same indices of the real rows, zeros / -1 past them), and the marks
+    hold the maxima. Two calls: all nine rows, then three short ones."""
+    from strata_jax.training.prefix_tree import packed_micro_batches
+    rows = tree_rows(seed=2)
+    pi, pm, ri, rm = make_rows(rows)
+    every = np.arange(9, dtype=np.int32), np.ones(9, bool)
+    few = np.array([0, 1, 2], np.int32), np.ones(3, bool)
+    kw = dict(max_width=40, rows_per_micro=1, block=8)
+    marks = {}
+    first = packed_micro_batches(pi, pm, ri, rm, *every, marks=marks, mark_key="t", **kw)
+    plain = packed_micro_batches(pi, pm, ri, rm, *few, **kw)
+    padded = packed_micro_batches(pi, pm, ri, rm, *few, marks=marks, mark_key="t", **kw)
+    # the marks: per (key, P, w) the largest (m, wr, A) of the first call's micro-batches
+    want = (max(mb.idx.size for mb in first), max(mb.response_width for mb in first),
+            max(mb.key_index.shape[2] for mb in first))
+    assert marks == {("t", 1, 40): want}
+    assert want[0] > max(mb.idx.size for mb in plain)   # the marks do pad the short call
+    # within the first call too: every micro-batch after the first is at least the first's
+    assert all(mb.idx.size >= first[0].idx.size for mb in first)
+    assert len(padded) == len(plain)
+    for a, b in zip(padded, plain):
+        assert (a.idx.size, a.response_width, a.key_index.shape[2]) == want
+        for f in ("tokens", "positions", "mask", "key_end"):
+            np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
+        n, wr, k = b.idx.size, b.response_width, b.key_index.shape[2]
+        np.testing.assert_array_equal(a.idx[:n], b.idx)
+        np.testing.assert_array_equal(a.real[:n], b.real)
+        assert not a.real[n:].any() and (a.idx[n:] == 0).all()
+        np.testing.assert_array_equal(a.score_index[:n, :wr], b.score_index)
+        assert (a.score_index[n:] == 0).all()   # columns past wr: masked by the responses
+        np.testing.assert_array_equal(a.last_index[:n], b.last_index)
+        np.testing.assert_array_equal(a.key_index[..., :k], b.key_index)
+        assert (a.key_index[..., k:] == -1).all()
+    # another mark key keeps its own marks: the short call's own maxima, not the first's
+    other = packed_micro_batches(pi, pm, ri, rm, *few, marks=marks, mark_key="s", **kw)
+    own = (max(mb.idx.size for mb in plain), max(mb.response_width for mb in plain),
+           max(mb.key_index.shape[2] for mb in plain))
+    assert own != want and marks[("s", 1, 40)] == own and marks[("t", 1, 40)] == want
+    assert [(mb.idx.size, mb.response_width) for mb in other] == [own[:2]] * len(plain)

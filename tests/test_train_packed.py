@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -189,13 +190,57 @@ def test_packed_update_on_a_mesh_equals_single_device(params):
     assert m1["perf/update_token_fill"] > 1.0
 
 
+def test_update_padded_up_to_earlier_marks_equals_a_fresh_trainers(params):
+    """A trainer whose shape marks were raised by a bigger batch pads the next, smaller
+    batch's micro-batches up to them (more rows, response columns and key slots, all padding):
+    its update equals a fresh trainer's on the same state and batch (and the per-row path's),
+    and its micro-batches were indeed wider."""
+    cfg = train_config("stapo", ppo_epochs=2, dropout=0.0, mini_batch_size=4,
+                       micro_batch_size=4)
+    cfg = dataclasses.replace(cfg, pack_prefixes=True, pack_width=64)
+    raised, fresh, rows = Trainer(TINY, cfg), Trainer(TINY, cfg), Trainer(
+        TINY, dataclasses.replace(cfg, pack_prefixes=False))
+    state = _moved(rows, params, jax.random.PRNGKey(4))
+    big = make_batch(shared_records(seed=8, n_tasks=3, per_task=6))
+    raised.update(jax.tree.map(jnp.copy, state), big, params)
+    before = dict(raised.shape_marks)
+    small = make_batch(shared_records(seed=3, n_tasks=2, per_task=3, strategies=1))
+    a, ma = raised.update(jax.tree.map(jnp.copy, state), small, params)
+    b, mb = fresh.update(jax.tree.map(jnp.copy, state), small, params)
+    c, mc = rows.update(jax.tree.map(jnp.copy, state), small, params)
+    # marks only grow, and the raised trainer padded some shape the small batch alone (fresh)
+    # did not need
+    after = raised.shape_marks
+    assert all(all(x >= y for x, y in zip(after[k], v)) for k, v in before.items())
+    assert any(any(x > y for x, y in zip(after[k], v)) for k, v in fresh.shape_marks.items())
+    # against the per-row path: the tolerances of test_packed_update_equals_per_row_update
+    # (k_bias: AdamW of round-off gradients)
+    flat = jax.tree_util.tree_flatten_with_path(tree_to_numpy(a))[0]
+    for (path, x), y, z in zip(flat, *(jax.tree.leaves(tree_to_numpy(t)) for t in (b, c))):
+        noise = "k_bias" in jax.tree_util.keystr(path)
+        atol = 0.1 * cfg.lr * ma["optimizer_steps"] if noise else 1e-5
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=atol, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(x, z, rtol=1e-5, atol=atol, err_msg=jax.tree_util.keystr(path))
+    for k in ma:
+        if k != "perf/update_token_fill":
+            np.testing.assert_allclose(ma[k], mb[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    # the forward runs over the same [P, w] packed rows: padding m, wr and A adds no slots
+    assert ma["perf/update_token_fill"] == mb["perf/update_token_fill"]
+    # the marks survive a checkpoint's JSON
+    again = Trainer(TINY, cfg)
+    again.set_host_state(json.loads(json.dumps(raised.host_state())))
+    assert again.shape_marks == raised.shape_marks
+    with pytest.raises(ValueError, match=r"\[pass, P, W, m, wr, A\]"):
+        again.set_host_state({"shape_marks": [["train", 1, 64]]})
+
+
 def test_packed_compilations_plateau_as_batches_drift(params, monkeypatch):
     """Drifting iterations (2-3 tasks of 4-6 rows, new prompts and responses each time, so the
     row count and the prompt and response widths change) through the packed update with a
     fixed pack_width: the static shapes of its micro-batches, (P, w, m, wr, A), take few values
     (w the fixed width; P and m powers of two; A 0, one query block per packed row), and the
     gradient step and the scoring pass compile only in iterations that meet a shape not met
-    before (the ten iterations meet 8 shapes; 5 of them compile nothing)."""
+    before; with the trainer's shape marks a (pass, P, w) only grows its (m, wr, A)."""
     import functools
 
     import logging
@@ -207,7 +252,7 @@ def test_packed_compilations_plateau_as_batches_drift(params, monkeypatch):
 
     def recorded(*a, **kw):
         out = packed_micro_batches(*a, **kw)
-        made.extend(out)
+        made.extend((kw["mark_key"], mb) for mb in out)
         return out
     monkeypatch.setattr(trainer_mod, "packed_micro_batches", functools.wraps(
         packed_micro_batches)(recorded))
@@ -226,7 +271,7 @@ def test_packed_compilations_plateau_as_batches_drift(params, monkeypatch):
     def programs():
         return names.names["jit(_micro_step)"] + names.names["jit(_score_rows)"]
 
-    seen, grown, quiet = set(), [], 0
+    seen, grown, quiet, order = set(), [], 0, {}
     drift = [(2, 5), (3, 4), (2, 6), (3, 5), (2, 4), (3, 6), (2, 5), (3, 4), (2, 6), (3, 5)]
     try:
         for i, (n_tasks, per_task) in enumerate(drift):
@@ -235,7 +280,12 @@ def test_packed_compilations_plateau_as_batches_drift(params, monkeypatch):
             before = programs()
             state, _ = trainer.update(state, batch, params)
             keys = {(mb.tokens.shape[0], mb.width, mb.idx.size, mb.response_width,
-                     mb.key_index.shape[2]) for mb in made}
+                     mb.key_index.shape[2]) for _, mb in made}
+            for pass_, mb in made:   # the shape marks: per (pass, P, w) shapes only grow
+                shape = (mb.idx.size, mb.response_width, mb.key_index.shape[2])
+                last = order.setdefault((pass_, mb.tokens.shape[0], mb.width), [shape])[-1]
+                assert all(x >= y for x, y in zip(shape, last)), (pass_, shape, last)
+                order[(pass_, mb.tokens.shape[0], mb.width)].append(shape)
             new = keys - seen
             seen |= keys
             grown.append(programs() - before)
@@ -246,6 +296,9 @@ def test_packed_compilations_plateau_as_batches_drift(params, monkeypatch):
         jax.config.update("jax_log_compiles", False)
         lg.removeHandler(names)
     print("shapes:", sorted(seen), "new programs per iteration:", grown)
+    # few distinct shapes per (pass, P, w): the marks (the rest is new P values, each the
+    # power of two of a last, partly filled micro-batch)
+    assert all(len(set(v)) <= 3 for v in order.values()), order
     assert all(w == 64 and a == 0 for _, w, _, _, a in seen)
     assert all(p & (p - 1) == 0 and m & (m - 1) == 0 for p, _, m, _, _ in seen)
     # each shape compiles each program at most once (a fresh and a running accumulator share

@@ -8,8 +8,9 @@ Layout (one orbax CheckpointManager directory, async off, keep the last n):
                         empty subtrees ({} critic when there is none) are stored as a 0-d
                         placeholder so orbax never sees an empty node.
   <dir>/<step>/meta/    JSON: {"step": int, "sampler_state": <the caller's opaque JSON-able
-                        dict, e.g. the task sampler's get_state()>, "config": <the experiment
-                        config as JSON text or a dict>, "format": 2}
+                        dict, e.g. the task sampler's get_state()>, "trainer_state": <the
+                        trainer's host state, e.g. its shape marks, or null>, "config": <the
+                        experiment config as JSON text or a dict>, "format": 2}
   <dir>/<step>/checksums.json   {"algorithm": "sha256", "files": {relative path: [bytes,
                         hex digest]}} of every file under state/ and meta/, written (atomically)
                         after orbax committed the step. A step is COMMITTED once this manifest
@@ -244,10 +245,11 @@ class Checkpointer:
     # -- save --------------------------------------------------------------------------
 
     def save(self, state: TrainState, *, sampler_state: dict | None = None,
-             config: Any = None, force: bool = True) -> int:
+             config: Any = None, force: bool = True, trainer_state: dict | None = None) -> int:
         """Write a checkpoint at step int(state.step), wait for it and commit it; returns the step.
 
-        sampler_state: JSON-able dict (task-sampler position); config: JSON text, a dict, or an
+        sampler_state: JSON-able dict (task-sampler position); trainer_state: JSON-able dict
+        (the trainer's host state, `Trainer.host_state`); config: JSON text, a dict, or an
         ml_collections ConfigDict (stored via to_json). A step already committed on disk is
         kept as it is (not deleted, not rewritten; logged; checked by manifest and file sizes,
         not re-hashed); a step on disk without a valid manifest, or one that `restore` skipped
@@ -274,7 +276,8 @@ class Checkpointer:
             cfg = json.loads(config.to_json())
         else:
             cfg = config
-        meta = {"format": FORMAT, "step": step, "sampler_state": sampler_state, "config": cfg}
+        meta = {"format": FORMAT, "step": step, "sampler_state": sampler_state,
+                "trainer_state": trainer_state, "config": cfg}
         try:
             self._mngr.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state_to_dict(state)),
@@ -353,7 +356,8 @@ class Checkpointer:
         Args:
           abstract_state: ``Trainer.abstract_state()`` (ShapeDtypeStructs with shardings).
           step: a specific step (no fallback), or None = newest, falling back to older ones.
-        Returns (state, meta dict with "step", "sampler_state", "config"), or None when the
+        Returns (state, meta dict with "step", "sampler_state", "trainer_state" (absent in
+        older checkpoints), "config"), or None when the
         directory holds no checkpoint. Each step that fails is warned (naming the step, the
         file and the older step tried next) only when an older step is left to try.
         Raises NoRestorableCheckpointError (one line: every step tried and why, what to do)

@@ -5,7 +5,7 @@ eval); this class holds the one piece of it that is subtle to get right:
 
     with LoopCheckpoints(checkpointer, config) as saves:
         for step in range(start, iterations):
-            saves.mark(state, sampler.get_state())    # what an exception would save
+            saves.mark(state, sampler.get_state(), trainer.host_state())  # what an error saves
             ...                                       # rollout, update, log
             if saves.due(step + 1):
                 saves.save(state, sampler.get_state())
@@ -45,26 +45,29 @@ class LoopCheckpoints:
 
     def __init__(self, checkpointer: Checkpointer | None, config: Any = None) -> None:
         self.checkpointer, self.config = checkpointer, config
-        self._marked: tuple[TrainState, dict | None] | None = None
+        self._marked: tuple[TrainState, dict | None, dict | None] | None = None
         self._saving = False   # True while the checkpointer runs: its own errors are not retried
 
-    def mark(self, state: TrainState, sampler_state: dict | None = None) -> None:
-        """Remember the state (and task-sampler position) an exception should save: the one
-        the iteration about to run starts from."""
-        self._marked = (state, sampler_state)
+    def mark(self, state: TrainState, sampler_state: dict | None = None,
+             trainer_state: dict | None = None) -> None:
+        """Remember the state (and task-sampler position, and the trainer's host state) an
+        exception should save: the one the iteration about to run starts from."""
+        self._marked = (state, sampler_state, trainer_state)
 
     def due(self, step: int) -> bool:
         """True when `step` (iterations done) is on the checkpointer's ``every`` cadence."""
         ck = self.checkpointer
         return ck is not None and ck.every > 0 and step > 0 and step % ck.every == 0
 
-    def save(self, state: TrainState, sampler_state: dict | None = None) -> None:
+    def save(self, state: TrainState, sampler_state: dict | None = None,
+             trainer_state: dict | None = None) -> None:
         """Save `state` now (a no-op without a checkpointer); it becomes the marked state."""
-        self._marked = (state, sampler_state)
+        self._marked = (state, sampler_state, trainer_state)
         if self.checkpointer is None:
             return
         self._saving = True
-        self.checkpointer.save(state, sampler_state=sampler_state, config=self.config)
+        self.checkpointer.save(state, sampler_state=sampler_state, config=self.config,
+                               trainer_state=trainer_state)
         self._saving = False
 
     def __enter__(self) -> "LoopCheckpoints":

@@ -413,7 +413,8 @@ def micro_row_counts(n_packed: int, rows_per_micro: int, row_multiple: int = 1) 
 
 def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, idx, real, *,
                          max_width: int, rows_per_micro: int = 1, row_multiple: int = 1,
-                         block: int = QUERY_CHUNK, response_floor: int = 0
+                         block: int = QUERY_CHUNK, response_floor: int = 0,
+                         marks: dict | None = None, mark_key: object = None
                          ) -> list[PackedMicroBatch]:
     """The rows idx[real] of a batch as packed micro-batches: `pack_rows` of those rows into
     packed rows of at most max_width slots, grouped `rows_per_micro` packed rows per
@@ -427,7 +428,13 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     token budget); row_multiple: P is a multiple of it (the mesh's batch shards, so a
     micro-batch's packed rows shard over the data axes instead of being replicated); block:
     the query_chunk the forward will run (each micro-batch's `block_key_index` is built for
-    it); response_floor: the response columns' buckets (`batching.response_columns`).
+    it); response_floor: the response columns' buckets (`batching.response_columns`);
+    marks: optional dict the caller keeps across calls (`Trainer.shape_marks`): per
+    (mark_key, P, w) the largest (m, wr, A) met so far; each micro-batch pads its m, wr (up to
+    Tr) and A up to them, then raises them. Padding rows, columns and key slots change no
+    number (masked), and a run then meets one program per (P, w) instead of one per
+    combination of its drifting m, wr and A; mark_key separates callers whose programs differ
+    (the scoring pass and the training step).
     Returns: [`PackedMicroBatch`] in packed-row order (first-fit decreasing: the fullest packed
     rows first). Static shapes, so that a run's compilations plateau after its first
     iterations (each new shape is a new compile of the whole forward and backward): the width
@@ -459,6 +466,10 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         w = max_width
         wr = min(tr, response_columns(int(rm[rows[sel]].sum(1).max()), response_floor))
         m = bucket(sel.size)
+        key = (mark_key, int(n_p), int(w))
+        if marks is not None and key in marks:
+            m_mark, wr_mark, _ = marks[key]
+            m, wr = max(m, m_mark), max(wr, min(tr, wr_mark))
         # flat big-layout index -> flat index in this micro-batch's [n_p, w] rows
         local_row = np.full(lay.tokens.shape[0], -1, np.int64)
         local_row[packed] = np.arange(packed.size)
@@ -485,6 +496,10 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         key_end[packed.size:] = np.arange(1, w + 1, dtype=key_end.dtype)
         index = block_key_index(mask, key_end, block)
         a = block * bucket(index.shape[2] // block) if index.shape[2] else 0
+        if marks is not None:
+            a = max(a, marks.get(key, (0, 0, 0))[2])
+            old = marks.get(key, (0, 0, 0))
+            marks[key] = (max(old[0], m), max(old[1], wr), max(old[2], a))
         index = np.pad(index, ((0, 0), (0, 0), (0, a - index.shape[2])), constant_values=-1)
         out.append(PackedMicroBatch(idx=mb_idx, real=mb_real, response_width=int(wr),
                                     tokens=tokens, positions=positions, mask=mask,

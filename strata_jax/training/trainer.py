@@ -73,11 +73,36 @@ class Trainer:
       model: Qwen2Config of the policy (and of the PPO critic).
       cfg: TrainConfig (``TrainConfig.from_config(c)``).
       mesh: device mesh (`strata_jax.sharding.make_mesh`); None = default device, no sharding.
+
+    Attributes:
+      shape_marks: per (pass, P, W) of the packed update, the largest (rows, response columns,
+        key slots) its micro-batches have met (`prefix_tree.packed_micro_batches`' marks):
+        later micro-batches pad up to them, so the compiled programs plateau instead of
+        following every drift of the batches. Host state, saved in the checkpoint's meta
+        (`host_state` / `set_host_state`) so a resumed run pads as the uninterrupted one.
     """
 
     model: Qwen2Config
     cfg: TrainConfig
     mesh: Mesh | None = None
+    shape_marks: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def host_state(self) -> dict:
+        """The trainer's host state as a JSON-able dict (a checkpoint's "trainer_state"):
+        {"shape_marks": [[pass, P, W, m, wr, A], ...]}."""
+        marks = [[k[0], k[1], k[2], *v] for k, v in sorted(self.shape_marks.items(),
+                                                            key=lambda kv: str(kv[0]))]
+        return {"shape_marks": marks}
+
+    def set_host_state(self, host: dict | None) -> None:
+        """Restore `host_state`'s dict (None, or a checkpoint from before it existed, leaves
+        the marks empty). Raises ValueError on a mark that is not [pass, P, W, m, wr, A]."""
+        marks = {}
+        for row in (host or {}).get("shape_marks") or []:
+            if len(row) != 6:
+                raise ValueError(f"a shape mark must be [pass, P, W, m, wr, A]; got {row!r}")
+            marks[(row[0], int(row[1]), int(row[2]))] = tuple(int(x) for x in row[3:])
+        self.shape_marks = marks
 
     # -- state -------------------------------------------------------------------------
 
@@ -324,7 +349,8 @@ class Trainer:
         rows = np.arange(batch.num_rows)
         plan = packed_micro_batches(*host, rows, host_values(batch.valid), max_width=width,
                                     rows_per_micro=rows_per_micro, row_multiple=shards,
-                                    response_floor=self.cfg.response_floor)
+                                    response_floor=self.cfg.response_floor,
+                                    marks=self.shape_marks, mark_key="score")
         scores = (jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
                   jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
         for j, mb in enumerate(plan):
@@ -384,7 +410,9 @@ class Trainer:
                         packed = packed_micro_batches(*ids, idx, real, max_width=width,
                                                       rows_per_micro=rows_per_micro,
                                                       row_multiple=shards,
-                                                      response_floor=cfg.response_floor)
+                                                      response_floor=cfg.response_floor,
+                                                      marks=self.shape_marks,
+                                                      mark_key="train")
                         state, met = self._packed_step(state, batch, adv, weights, targets,
                                                        idx, real, packed, base, on_policy)
                         computed = sum(p.num_slots for p in packed)
