@@ -9,7 +9,9 @@ seeded random 50-100% of one batch's valid rows (so the row count and the widths
 run), on a small model with the batches' vocabulary (compilations depend on shapes, not on the
 model's size; their seconds do), for each update path and response floor asked. Printed per
 iteration: the new compilations, the expensive ones (the gradient step ``_micro_step`` and the
-scoring pass ``_score_rows``, a forward and backward of the whole model each) apart.
+scoring pass ``_score_rows``, a forward and backward of the whole model each) apart. --marks
+off clears the trainer's shape marks before every iteration (what the update did before it
+kept them).
 
     python -m benchmarks.compilations --algo strata --micro 8 --mini 40 \\
         --batches benchmarks/results/learning_study/keep25/run_strata_s0/batches/*.npz
@@ -65,8 +67,11 @@ def main() -> None:
     ap.add_argument("--mini", type=int, default=40)
     ap.add_argument("--iterations", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--paths", nargs="+", default=["grouped", "packed"],
-                    choices=["grouped", "packed"])
+    ap.add_argument("--paths", nargs="+", default=["packed"], choices=["per_row", "packed"],
+                    help="packed: the update; per_row: the tests' reference layout")
+    ap.add_argument("--marks", nargs="+", default=["on"], choices=["on", "off"],
+                    help="packed: keep the trainer's shape marks across iterations (on, as "
+                    "train.py does) or start each iteration without them (off)")
     ap.add_argument("--floors", nargs="+", type=int, default=[32, 0],
                     help="train.response_floor values to compare")
     args = ap.parse_args()
@@ -94,29 +99,33 @@ def main() -> None:
     c = base.get_base_config()
     c.algo = args.algo
     c.lora.rank = 4
-    for path in args.paths:
-        for floor in args.floors:
-            # the config is a static argument of the model programs, so no setting reuses
-            # another's gradient step or scoring pass (the batch gathers it may reuse are cheap)
-            cfg = TrainConfig.from_config(c, mini_batch_size=args.mini,
-                                          micro_batch_size=args.micro, remat="none",
-                                          compute_dtype="float32", donate_state=False,
-                                          pack_prefixes=path == "packed", response_floor=floor)
-            trainer = Trainer(model, cfg)
-            state = trainer.init_state(params, jax.random.PRNGKey(1))
-            print(f"{path}, response_floor {floor}:")
-            total = 0
-            for it, batch in enumerate(drifting(batches, args.iterations, args.seed)):
-                before = collections.Counter(names.names)
-                state, _ = trainer.update(state, batch, params)
-                new = names.names - before
-                heavy = sum(v for k, v in new.items() if k in EXPENSIVE)
-                if it:
-                    total += heavy
-                print(f"  iteration {it:2d}: {int(np.asarray(batch.valid).sum()):3d} rows, "
-                      f"{sum(new.values()):3d} new compilations ({heavy} of the gradient step "
-                      f"or scoring pass)", flush=True)
-            print(f"  after iteration 0: {total} gradient-step / scoring compilations")
+    settings = [(p, f, m) for p in args.paths for f in args.floors
+                for m in (args.marks if p == "packed" else ["off"])]
+    for path, floor, marks in settings:
+        jax.clear_caches()   # each setting compiles from scratch (the counts are its own)
+        # the config is a static argument of the model programs, so no setting reuses
+        # another's gradient step or scoring pass (the batch gathers it may reuse are cheap)
+        cfg = TrainConfig.from_config(c, mini_batch_size=args.mini,
+                                      micro_batch_size=args.micro, remat="none",
+                                      compute_dtype="float32", donate_state=False,
+                                      response_floor=floor)
+        trainer = Trainer(model, cfg, per_row=path != "packed")
+        state = trainer.init_state(params, jax.random.PRNGKey(1))
+        print(f"{path}, response_floor {floor}, shape marks {marks}:")
+        total = 0
+        for it, batch in enumerate(drifting(batches, args.iterations, args.seed)):
+            before = collections.Counter(names.names)
+            if marks == "off":
+                trainer.shape_marks.clear()
+            state, _ = trainer.update(state, batch, params)
+            new = names.names - before
+            heavy = sum(v for k, v in new.items() if k in EXPENSIVE)
+            if it:
+                total += heavy
+            print(f"  iteration {it:2d}: {int(np.asarray(batch.valid).sum()):3d} rows, "
+                  f"{sum(new.values()):3d} new compilations ({heavy} of the gradient step "
+                  f"or scoring pass)", flush=True)
+        print(f"  after iteration 0: {total} gradient-step / scoring compilations")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,11 @@ Parts (each runs in its own subprocess so peak RSS is per part; results are cach
               AdamW): update tokens/s of both and their ratio, peak RSS, and XLA compilations
               after warm-up. LoRA (all linear layers, rank --rank; torch: the same low-rank
               adapters hand-written, PEFT is not needed) and full fine-tuning (--modes).
-  grouping    `Trainer.update` with train.group_by_length on and off in one process, on rows
-              with the prompt / output lengths of a real run's trajectories (--lengths-from):
-              update seconds of both, their token fill (real / computed tokens), compilations.
+  grouping    `Trainer.update` packed (the update's path: prefix tree, each micro-batch at its
+              own shapes) and per-row (`Trainer(per_row=True)`, every row at the batch's
+              width) in one process, on rows with the prompt / output lengths of a real run's
+              trajectories (--lengths-from): update seconds of both, their token fill (real /
+              computed tokens), compilations.
   iteration   one real iteration of `train.py` (ScienceWorld :tiny variant, the real model,
               --algos strata grpo): rollout wall time, sampler seconds, env wait, sampled
               tokens, update seconds and compilations read from the run's metrics.jsonl.
@@ -155,8 +157,9 @@ def row_lengths(path: str, rows: int) -> list[tuple[int, int]]:
 
 
 def jax_grouping_worker(args) -> dict:
-    """Trainer.update with train.group_by_length on and off, same process, same batch: rows
-    with the prompt / output lengths of a real run (`row_lengths`), random token ids."""
+    """Trainer.update packed and per-row (the reference), same process, same batch: rows with
+    the prompt / output lengths of a real run (`row_lengths`), random token ids (so no shared
+    prefix: the packed path's gain here is the padding it does not compute)."""
     import jax
     import numpy as np
 
@@ -183,18 +186,17 @@ def jax_grouping_worker(args) -> dict:
     out = {"rows": len(lens), "lengths": lens, "real_tokens": int(sum(p + r for p, r in lens)),
            "width": [int(batch.prompt_ids.shape[1]), int(batch.response_ids.shape[1])],
            "load_start": _load()}
-    for grouped in (True, False):
+    for packed in (True, False):
         cfg = TrainConfig.from_config(c, mini_batch_size=64, micro_batch_size=args.micro,
                                       remat=args.remat, compute_dtype=args.dtype,
-                                      donate_state=True, group_by_length=grouped,
-                                      scan_layers=args.scan_layers)
-        trainer = Trainer(model, cfg)
+                                      donate_state=True, scan_layers=args.scan_layers)
+        trainer = Trainer(model, cfg, per_row=not packed)
         state = trainer.init_state(params, jax.random.PRNGKey(1))
         n_warm = []
         state, warm, runs, m = time_updates(trainer, state, batch, params, args.repeats,
                                             lambda: n_warm.append(compiles.count))
         n_warm = n_warm[0]
-        out["grouped" if grouped else "one_width"] = {
+        out["packed" if packed else "per_row"] = {
             "update_s": statistics.median(runs), "runs": runs, "warmup_s": warm,
             "compiles_warmup": n_warm, "compiles_after_warmup": compiles.count - n_warm,
             "token_fill": m["perf/update_token_fill"], "load": _load()}
@@ -204,19 +206,19 @@ def jax_grouping_worker(args) -> dict:
 
 
 def report_grouping(r: dict) -> None:
-    print("\n=== update, train.group_by_length on / off (same process, same batch) ===")
+    print("\n=== update, packed / per-row (same process, same batch) ===")
     if "error" in r:
         print(r["error"])
         return
     print(f"{r['rows']} rows, {r['real_tokens']} real tokens, batch width "
           f"{r['width'][0]} + {r['width'][1]}; lengths {r['lengths']}")
-    for name in ("grouped", "one_width"):
+    for name in ("packed", "per_row"):
         g = r[name]
         print(f"{name:9s}: update {g['update_s']:7.1f} s = {r['real_tokens'] / g['update_s']:5.0f} "
               f"real tok/s | token fill {g['token_fill']:.2f} | warm-up {g['warmup_s']:.0f} s "
               f"({g['compiles_warmup']} compiles so far), {g['compiles_after_warmup']} after | "
               f"load {g['load']}")
-    print(f"speed-up of grouping: {r['one_width']['update_s'] / r['grouped']['update_s']:.2f}x; "
+    print(f"speed-up of packing: {r['per_row']['update_s'] / r['packed']['update_s']:.2f}x; "
           f"peak RSS {r['rss_gb']:.2f} GB")
 
 

@@ -1,5 +1,5 @@
-"""The prefix-tree packed update (train.pack_prefixes) beside the per-row update
-(train.group_by_length), on a StraTA-shaped batch with synthetic ids.
+"""The prefix-tree packed update (the update's path) beside the per-row reference
+(`Trainer(per_row=True)`), on a StraTA-shaped batch with synthetic ids.
 
 The batch: every row's prompt starts with one instruction block (--inst tokens); the rows of a
 task share its goal (--goal); the rows of a strategy share its text (--strategy); the first
@@ -12,7 +12,7 @@ benchmarks/results/learning_study/*/run_*/batches/), replayed with the run's tra
 own, run one --paths per process.
 
 Reported per batch: tokens the forward computes under each layout (per-row at the batch's
-width; per-row length-grouped; packing without sharing, i.e. the rows' own tokens; only the
+width; per-row length-grouped, an earlier path; packing without sharing, i.e. the rows' own tokens; only the
 instruction block shared; the full tree), then `Trainer.update` wall time of the per-row and
 the packed path in one process (warm-up, i.e. compilation, reported apart), XLA compilations
 after warm-up, and peak RSS; with ``--paths torch`` also transformers/torch's per-row update of
@@ -25,7 +25,7 @@ masked ones between unrelated subtrees included; judge the packed path on a real
     python -m benchmarks.prefix_tree --shape 0.5b --lora 16   # the 0.5B shape, random weights
     python -m benchmarks.prefix_tree --model /path/qwen05-hf --lora 16 --repeats 2
     python -m benchmarks.prefix_tree --model qwen2.5-coder-0.5b-instruct --lora 16 --remat dots \
-        --paths grouped packed torch \
+        --paths per_row packed torch \
         --batches benchmarks/results/learning_study/keep25/run_strata_s0/batches/*.npz
 """
 from __future__ import annotations
@@ -65,8 +65,7 @@ def token_counts(batch, micro: int, response_floor: int) -> dict:
     own `trim_padding` with `response_floor` (`train.response_floor`)."""
     import numpy as np
 
-    from strata_jax.training.batching import (length_grouped_micro_batches, row_widths,
-                                              trim_padding)
+    from strata_jax.training.batching import row_widths, trim_padding
     from strata_jax.training.prefix_tree import pack_rows
     batch = trim_padding(batch, response_floor)
     pi, pm = np.asarray(batch.prompt_ids), np.asarray(batch.prompt_mask)
@@ -75,8 +74,6 @@ def token_counts(batch, micro: int, response_floor: int) -> dict:
     tp, tr = pi.shape[1], ri.shape[1]
     idx = np.arange(pi.shape[0])
     need_p, need_r = row_widths(pm, rm)
-    grouped = length_grouped_micro_batches(idx, real, need_p, need_r, micro, tp, tr,
-                                           response_floor=response_floor)
     width = micro * (tp + tr)
     lay = pack_rows(pi[real], pm[real], ri[real], rm[real], max_width=width)
     # only the instruction block shared: the token after the block made distinct per row,
@@ -90,10 +87,31 @@ def token_counts(batch, micro: int, response_floor: int) -> dict:
     real_micro = -(-real.size // micro) * micro
     busy = np.pad(real, (0, real_micro - real.size)).reshape(-1, micro).any(1).sum()
     return {"per_row": int(busy) * micro * (tp + tr),   # the one-width scan's micro-batches
-            "grouped": sum(micro * (wp + wr) for _, _, (wp, wr) in grouped),
+            "grouped": _length_grouped_tokens(idx[real], need_p, need_r, micro, tp, tr,
+                                              response_floor),
             "packed_no_sharing": lay.num_row_tokens,
             "instruction_shared": inst.num_packed_tokens,
             "tree": lay.num_packed_tokens}
+
+
+def _length_grouped_tokens(rows, need_p, need_r, micro: int, tp: int, tr: int,
+                           response_floor: int) -> int:
+    """Tokens of the length-grouped layout (an earlier update path, HF's group_by_length per
+    micro-batch): the rows sorted longest first, `micro` per micro-batch, each at the prompt
+    columns of its longest row (two buckets per octave, multiples of 8) and the response
+    columns `response_columns`, capped at the batch's (tp, tr)."""
+    import numpy as np
+
+    from strata_jax.algos.batch import bucket_size
+    from strata_jax.training.batching import response_columns
+    order = rows[np.argsort(-(need_p[rows] + need_r[rows]), kind="stable")]
+    total = 0
+    for s in range(0, order.size, micro):
+        i = order[s:s + micro]
+        wp = min(tp, bucket_size(max(int(need_p[i].max()), 1), None, 8))
+        wr = min(tr, response_columns(int(need_r[i].max()), response_floor))
+        total += micro * (wp + wr)
+    return total
 
 
 def torch_rows(batch) -> tuple[list, list]:
@@ -223,8 +241,8 @@ def main() -> None:
                     "optimizer step; the default: one step over the whole batch)")
     ap.add_argument("--algo", default="grpo", help="the estimator (a dumped batch carries the "
                     "fields of its run's algo: pass it)")
-    ap.add_argument("--paths", nargs="+", default=["grouped", "packed"],
-                    choices=["grouped", "packed", "torch"], help="which update paths to time "
+    ap.add_argument("--paths", nargs="+", default=["per_row", "packed"],
+                    choices=["per_row", "packed", "torch"], help="which update paths to time "
                     "(torch: transformers' per-row update of the same rows, `torch_update`)")
     ap.add_argument("--remat", default="full")
     ap.add_argument("--dtype", default="float32")
@@ -282,14 +300,13 @@ def main() -> None:
                 continue
             cfg = TrainConfig.from_config(c, mini_batch_size=args.mini,
                                           micro_batch_size=args.micro, remat=args.remat,
-                                          compute_dtype=args.dtype, donate_state=True,
-                                          pack_prefixes=path == "packed")
-            trainer = Trainer(model, cfg)
+                                          compute_dtype=args.dtype, donate_state=True)
+            trainer = Trainer(model, cfg, per_row=path != "packed")
             state = trainer.init_state(params, jax.random.PRNGKey(1))
             marks = []
             state, warm, runs, m = time_updates(trainer, state, batch, params, args.repeats,
                                                 lambda: marks.append(compiles.count))
-            label = "packed tree" if path == "packed" else "per-row (length-grouped)"
+            label = "packed tree" if path == "packed" else "per-row"
             print(f"  {label:25s}: update {statistics.median(runs):7.2f} s (warm-up "
                   f"{warm:.1f} s), {compiles.count - marks[0]} compilations after warm-up, "
                   f"token fill {m['perf/update_token_fill']:.2f}, loss "

@@ -197,10 +197,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.train.trim_padding = True    # drop all-padding columns before scoring / training (same out)
     c.train.response_floor = 32    # response columns: powers of two >= this (few compiled widths
                                    # as response lengths drift; 0 = two sizes per octave from 8)
-    c.train.group_by_length = True  # micro-batches of rows of similar length, each at its own
-                                   # width (fewer padded tokens; one compile per width bucket)
-    c.train.pack_prefixes = False  # prefix-tree packed update: each shared prompt prefix once
-                                   # (same result; micro_batch_size = budget of that many rows)
+    # The update runs prefix-tree packed rows (each shared prompt prefix once, same result);
+    # optim.micro_batch_size is then the token budget of that many rows.
     c.train.pack_width = 0         # slots per packed row (0 = auto: <= 2048, a power of two)
     c.train.donate_state = True    # the optimizer step reuses the state's buffers (one copy of
                                    # params + AdamW moments less at the peak; same results)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 from typing import Any, Callable, Iterable, Mapping
 
 
@@ -134,11 +135,23 @@ def parse_value(key: str, kind: str, text: str):
     return text
 
 
+# Fields that no longer exist, with why: an override of one is ignored with a warning instead of
+# refused, so the command lines of earlier runs and studies still run (and resume).
+RETIRED = {
+    "train.group_by_length": "the update always runs prefix-tree packed rows (no width groups)",
+    "train.pack_prefixes": "the update always runs prefix-tree packed rows",
+}
+
+
 def set_override(c: Any, key: str, text: str) -> None:
     """Set dotted field `key` of ConfigDict `c` from command-line `text`, parsed by the field's
     declared type (`field_type`, `parse_value`); the one parser of both ``--config.key=text``
-    and the colon form ``:key=text``. Raises OverrideError on an unknown field or a value that
-    does not fit."""
+    and the colon form ``:key=text``. A RETIRED field is ignored with a warning. Raises
+    OverrideError on an unknown field or a value that does not fit."""
+    if key in RETIRED and key not in _leaf_keys(c):
+        logging.getLogger(__name__).warning("ignoring --config.%s=%s: the field is retired (%s)",
+                                            key, text, RETIRED[key])
+        return
     value = parse_value(key, field_type(c, key), text)
     *parents, leaf = key.split(".")
     node = c
@@ -146,6 +159,15 @@ def set_override(c: Any, key: str, text: str) -> None:
         node = node[p]
     with node.ignore_type():   # a declared union: None -> 1 (std_ddof), True -> "full" (remat)
         node[leaf] = value
+
+
+def _leaf_keys(c: Any, prefix: str = "") -> set[str]:
+    """Dotted names of every leaf field of a (nested) config dict."""
+    out = set()
+    for k in c.keys():
+        v = c[k]
+        out |= _leaf_keys(v, f"{prefix}{k}.") if _is_dict(v) else {f"{prefix}{k}"}
+    return out
 
 
 def get_dotted(c: Any, dotted: str, prefix: str = "") -> Any:

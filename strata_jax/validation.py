@@ -227,8 +227,8 @@ RESUME_MAY_CHANGE = (
     "sft.cache_dir",                  # where the warm start is cached (its content is fingerprinted)
     "train.donate_state",             # buffer reuse in the optimizer step: memory, same results
     "train.scan_layers",              # layers as a scan or unrolled: compile time, same math
-    "train.group_by_length",          # micro-batch widths: speed, same sums (float order aside)
-    "train.pack_prefixes",            # prefix-tree packed update: same sums (float order aside)
+    "train.group_by_length",          # retired fields (older checkpoints hold them): the
+    "train.pack_prefixes",            # update's layout, same sums (float order aside)
     "train.pack_width",               # its packed row width: speed, same sums (float order aside)
     "train.response_floor",           # response columns' buckets: padding, same sums
     *MEMORY_KNOBS,

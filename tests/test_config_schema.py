@@ -125,6 +125,25 @@ def test_an_unknown_key_is_refused_naming_the_nearest():
         ex.validate(c)
 
 
+def test_a_retired_field_is_ignored_with_a_warning(caplog):
+    """The command lines of earlier runs still run: a retired field's override is dropped with
+    a warning saying why; an unknown one is still refused."""
+    c = base.get_base_config()
+    before = c.to_dict()
+    with caplog.at_level("WARNING", logger="strata_jax.config"):
+        set_override(c, "train.pack_prefixes", "true")
+        set_override(c, "train.group_by_length", "false")
+    assert c.to_dict() == before
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "ignoring --config.train.pack_prefixes=true", "ignoring --config.train.group_by_length=false"]
+    assert all("retired" in r.getMessage() for r in caplog.records)
+    ex.validate(c)
+    from configs import builtin   # the colon form of an earlier study's command line
+    assert "pack_prefixes" not in builtin.get_config("tiny,train.pack_prefixes=true").train
+    with pytest.raises(ConfigError, match="unknown config field 'train.pack_prefix'"):
+        set_override(c, "train.pack_prefix", "true")
+
+
 def test_a_missing_key_is_refused_not_defaulted():
     c = base.get_base_config()
     del c.lora["lr"]

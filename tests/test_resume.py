@@ -20,7 +20,7 @@ MAY_CHANGE = {"workdir", "iterations", "compilation_cache_dir", "env.num_workers
               "eval.split", "eval.temperature", "eval.max_tasks", "eval.episodes_per_family",
               "eval.strategy_samples", "eval.strategy_choice", "eval.probe_steps",
               "log.dump_trajectories", "log.dump_batches", "train.donate_state", "train.scan_layers",
-              "train.group_by_length", "train.pack_prefixes", "train.pack_width",
+              "train.pack_width",
               "train.response_floor", "optim.micro_batch_size", "model.remat",
               "train.score_rows", "train.logprob_chunk", "train.trim_padding",
               "distributed.coordinator_address", "distributed.num_processes",

@@ -1,8 +1,9 @@
-"""End to end on real ScienceWorld (issues 8 and 10): the tiny main job with its
-behaviour-cloning warm start, preemption + exact resume, an HF checkpoint through
---config.model.path, and eval.py on the result.
+"""End to end on real ScienceWorld: the tiny main job with its behaviour-cloning warm start,
+preemption + exact resume, an HF checkpoint through --config.model.path, and eval.py on the
+result.
 
-One uninterrupted reference run (3 iterations, in this process) serves several tests: it trains
+One uninterrupted reference run (3 iterations, a `python train.py` subprocess on one CPU
+device) serves several tests: it trains
 the tiny variant's warm start into a module-wide cache dir (``sft.cache_dir``), which the
 preempted run (a real `python train.py` subprocess that receives SIGHUP during iteration 2)
 then loads instead of retraining.
@@ -58,23 +59,25 @@ def restore_state(c, step):
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
-    import train
-    from strata_jax.warm_start import export_warm_start
+    """The uninterrupted reference: `python train.py` on one CPU device, as a user's CPU box
+    runs it (this process's 8 fake devices would shard the tiny run and make it several times
+    slower on 2 cores; sharded runs are test_distributed.py's). It trains the tiny variant's
+    warm start into a module-wide cache dir, which the preempted run then loads."""
     c = tiny_config(tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("warm_start"))
-    # The warm start as `python sft.py` trains it (params not placed on a mesh): this process
-    # sees 8 fake CPU devices, and behaviour cloning sharded over them on a 2-core box ran
-    # >25 minutes without finishing, against a few minutes on one device. train.run then loads
-    # the cached export, as every later run of the setting does (the in-process training path
-    # of `maybe_warm_start` is tested in test_sft.py).
-    assert not export_warm_start(c)["cached"]
-    c.log.dump_batches = 1   # log.* may differ from the preempted run's (a resume may change it)
-    summary = train.run(c)
-    return c, summary
+    # log.* may differ from the preempted run's (a resume may change it)
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config=configs/sciworld.py:tiny",
+           f"--config.workdir={c.workdir}", f"--config.iterations={ITERS}",
+           f"--config.sft.cache_dir={c.sft.cache_dir}", "--config.log.dump_batches=1",
+           f"--config.compilation_cache_dir={tmp_path_factory.mktemp('jax_cache')}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                         env=ONE_DEVICE)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return c, out
 
 
 def test_tiny_run_writes_metrics_checkpoints_and_real_observations(reference_run):
-    c, summary = reference_run
-    assert summary["status"] == "done" and summary["step"] == ITERS
+    c, out = reference_run
+    assert f"done: step {ITERS}" in out.stdout and "fresh run in" in out.stderr
     rows = read_jsonl(os.path.join(c.workdir, "metrics.jsonl"))
     assert [r["step"] for r in rows] == list(range(1, ITERS + 1))
     for tag in ("rollout/success_rate", "rollout/mean_return", "rollout/mean_episode_steps",
@@ -149,7 +152,8 @@ def test_sigterm_then_restart_matches_uninterrupted_run(reference_run, tmp_path)
            f"--config.workdir={workdir}", f"--config.iterations={ITERS}",
            f"--config.sft.cache_dir={c_ref.sft.cache_dir}",   # the reference run's warm start
            f"--config.compilation_cache_dir={tmp_path / 'jax_cache'}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=ONE_DEVICE)
     metrics = workdir / "metrics.jsonl"
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
@@ -164,7 +168,8 @@ def test_sigterm_then_restart_matches_uninterrupted_run(reference_run, tmp_path)
     assert "SIGHUP received: will checkpoint" in out and "preempted: step 2 saved" in out, \
         out[-3000:]
     # restart: resumes from step 2 and runs iteration 3
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                         env=ONE_DEVICE)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "done: step 3" in out.stdout
     assert "resumed from step 2" in out.stderr

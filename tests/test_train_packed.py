@@ -1,5 +1,5 @@
-"""The prefix-tree packed update (train.pack_prefixes) against the per-row update
-(train.group_by_length): same scores, same optimizer steps, fewer computed tokens."""
+"""The prefix-tree packed update (the update's one path) against the per-row reference
+(`Trainer(per_row=True)`): same scores, same optimizer steps, fewer computed tokens."""
 from __future__ import annotations
 
 import dataclasses
@@ -56,8 +56,8 @@ def _moved(trainer, params, key):
 def test_packed_scoring_equals_per_row_scoring(params, algo):
     batch = make_batch(shared_records(seed=1))
     cfg = train_config(algo, dropout=0.0, score_rows=4)
-    packed = Trainer(TINY, dataclasses.replace(cfg, pack_prefixes=True))
-    rows = Trainer(TINY, cfg)
+    packed = Trainer(TINY, cfg)
+    rows = Trainer(TINY, cfg, per_row=True)
     state = _moved(rows, params, jax.random.PRNGKey(2))
     a = packed.score(state, batch, params, jax.random.PRNGKey(0))
     b = rows.score(state, batch, params, jax.random.PRNGKey(0))
@@ -69,6 +69,12 @@ def test_packed_scoring_equals_per_row_scoring(params, algo):
         np.testing.assert_allclose(np.asarray(getattr(a, f))[valid],
                                    np.asarray(getattr(b, f))[valid], rtol=1e-5, atol=1e-5,
                                    err_msg=f)
+    np.testing.assert_array_equal(np.asarray(a.values)[~valid], 0.0)
+    # with dropout the value-std passes run per packed chunk (their masks are its own draws):
+    # a spread on every valid row, none on the padding rows
+    drop = Trainer(TINY, dataclasses.replace(cfg, dropout=0.1))
+    std = np.asarray(drop.score(state, batch, params, jax.random.PRNGKey(0)).value_std)
+    assert (std[valid] > 0).all() and (std[~valid] == 0).all()
 
 
 @pytest.mark.parametrize("algo,epochs,lora,mini,width", [
@@ -88,8 +94,8 @@ def test_packed_update_equals_per_row_update(params, algo, epochs, lora, mini, w
     extra = dict(lora=LoraConfig(rank=4, alpha=8.0)) if lora else {}
     cfg = train_config(algo, ppo_epochs=epochs, dropout=0.0, mini_batch_size=mini,
                        micro_batch_size=4, **extra)
-    packed = Trainer(TINY, dataclasses.replace(cfg, pack_prefixes=True, pack_width=width))
-    rows = Trainer(TINY, cfg)
+    packed = Trainer(TINY, dataclasses.replace(cfg, pack_width=width))
+    rows = Trainer(TINY, cfg, per_row=True)
     state = _moved(rows, params, jax.random.PRNGKey(4))
     a, ma = packed.update(jax.tree.map(jnp.copy, state), batch, params)
     b, mb = rows.update(jax.tree.map(jnp.copy, state), batch, params)
@@ -140,8 +146,8 @@ def test_packed_update_block_sparse_equals_per_row_update(params, monkeypatch):
         packed_micro_batches)(small_blocks))
     batch = make_batch(shared_records(seed=3))
     cfg = train_config("grpo", dropout=0.0, mini_batch_size=4, micro_batch_size=4)
-    packed = Trainer(TINY, dataclasses.replace(cfg, pack_prefixes=True))
-    rows = Trainer(TINY, cfg)
+    packed = Trainer(TINY, cfg)
+    rows = Trainer(TINY, cfg, per_row=True)
     state = _moved(rows, params, jax.random.PRNGKey(4))
     a, ma = packed.update(jax.tree.map(jnp.copy, state), batch, params)
     b, mb = rows.update(jax.tree.map(jnp.copy, state), batch, params)
@@ -164,7 +170,7 @@ def test_packed_update_on_a_mesh_equals_single_device(params):
     rows shard over data x fsdp) gives the single-device packed update."""
     from strata_jax.sharding import make_mesh
     batch = make_batch(shared_records(seed=5))
-    cfg = train_config("grpo", dropout=0.0, pack_prefixes=True)
+    cfg = train_config("grpo", dropout=0.0)
     single_trainer = Trainer(TINY, cfg)
     state = single_trainer.init_state(params, jax.random.PRNGKey(1))
     single, m1 = single_trainer.update(state, batch, ref_params=params)
@@ -197,9 +203,8 @@ def test_update_padded_up_to_earlier_marks_equals_a_fresh_trainers(params):
     and its micro-batches were indeed wider."""
     cfg = train_config("stapo", ppo_epochs=2, dropout=0.0, mini_batch_size=4,
                        micro_batch_size=4)
-    cfg = dataclasses.replace(cfg, pack_prefixes=True, pack_width=64)
-    raised, fresh, rows = Trainer(TINY, cfg), Trainer(TINY, cfg), Trainer(
-        TINY, dataclasses.replace(cfg, pack_prefixes=False))
+    cfg = dataclasses.replace(cfg, pack_width=64)
+    raised, fresh, rows = Trainer(TINY, cfg), Trainer(TINY, cfg), Trainer(TINY, cfg, per_row=True)
     state = _moved(rows, params, jax.random.PRNGKey(4))
     big = make_batch(shared_records(seed=8, n_tasks=3, per_task=6))
     raised.update(jax.tree.map(jnp.copy, state), big, params)
@@ -258,7 +263,7 @@ def test_packed_compilations_plateau_as_batches_drift(params, monkeypatch):
         packed_micro_batches)(recorded))
     # a config of this test only (lr): the programs it compiles are its own
     cfg = train_config("grpo", dropout=0.0, mini_batch_size=64, micro_batch_size=4, lr=3e-4)
-    trainer = Trainer(TINY, dataclasses.replace(cfg, pack_prefixes=True, pack_width=64))
+    trainer = Trainer(TINY, dataclasses.replace(cfg, pack_width=64))
     state = trainer.init_state(params, jax.random.PRNGKey(1))
     # XLA compilations of the two programs that run the model (jax's "Compiling <name>" log)
     names = ProgramNames()

@@ -1,5 +1,6 @@
 """Host-side helpers of the update (numpy, outside jit): dropping all-padding columns, the
-mini-batch plan of an epoch (docs/method.md §9.2) and its length-grouped micro-batches. The jitted steps they feed are in
+mini-batch plan of an epoch (docs/method.md §9.2), the response columns' buckets. The packed
+micro-batches are in `prefix_tree`; the jitted steps they feed are in
 `strata_jax.training.steps`; `Trainer.update` (trainer.py) calls both.
 """
 from __future__ import annotations
@@ -23,8 +24,7 @@ def response_columns(n: int, floor: int = 0) -> int:
 
     floor 0: a `bucket_size` size (two per octave, multiples of 8: 8, 16, 24, 32, 48, ...);
     floor > 0: the smallest power of two >= max(n, floor) (32, 64, 128, ... for floor 32).
-    Used by `trim_padding`, `length_grouped_micro_batches` and
-    `prefix_tree.packed_micro_batches` (``train.response_floor``, docs/design.md §6.3).
+    Used by `trim_padding` and `prefix_tree.packed_micro_batches` (``train.response_floor``, docs/design.md §6.3).
 
     Why a floor: a micro-batch's compiled gradient step is keyed by its (prompt, response)
     width pair, and a real run's longest responses drift from iteration to iteration (an action
@@ -93,44 +93,6 @@ def row_widths(prompt_mask: np.ndarray, response_mask: np.ndarray) -> tuple[np.n
     return need_p.astype(np.int64), need_r.astype(np.int64)
 
 
-def length_grouped_micro_batches(idx: np.ndarray, real: np.ndarray, need_p: np.ndarray,
-                                 need_r: np.ndarray, micro_batch_size: int, prompt_width: int,
-                                 response_width: int, response_floor: int = 0
-                                 ) -> list[tuple[np.ndarray, np.ndarray, tuple[int, int]]]:
-    """One mini-batch (`minibatch_plan` entry) as micro-batches of rows of similar length, each
-    with its own width (HF Trainer's ``group_by_length``, per micro-batch: the gradient is the
-    same sum over the mini-batch's rows, only the padding differs).
-
-    The real rows are sorted by prompt + response columns, longest first (stable), the padding
-    entries go last; each chunk of `micro_batch_size` entries keeps the columns its longest row
-    needs, the prompt columns rounded up to a `bucket_size` size (two per octave, multiples of
-    8: few compiled widths), the response columns to `response_columns` (response_floor), both
-    capped at the batch's widths. Chunks of padding entries only are left out.
-
-    Args: idx [rows] int, real [rows] bool (a `minibatch_plan` entry, rows a multiple of
-    micro_batch_size); need_p, need_r [R] int (`row_widths` of the whole batch); prompt_width,
-    response_width: the batch's columns; response_floor: `response_columns`' floor.
-    Returns: [(idx [m] int32, real [m] bool, (prompt columns, response columns))].
-    Raises ValueError when rows is not a multiple of micro_batch_size.
-    """
-    idx, real = np.asarray(idx), np.asarray(real, bool)
-    m = int(micro_batch_size)
-    if idx.size % m:
-        raise ValueError(f"mini-batch rows {idx.size} must be a multiple of micro_batch_size {m}")
-    length = need_p[idx] + need_r[idx]
-    order = np.lexsort((np.arange(idx.size), -length, ~real))  # real first, longest first
-    idx, real = idx[order], real[order]
-    out = []
-    for s in range(0, idx.size, m):
-        i, r = idx[s:s + m], real[s:s + m]
-        if not r.any():
-            continue
-        wp = min(prompt_width, bucket_size(max(int(need_p[i[r]].max()), 1), None, 8))
-        wr = min(response_width, response_columns(int(need_r[i[r]].max()), response_floor))
-        out.append((i.astype(np.int32), r, (int(wp), int(wr))))
-    return out
-
-
 def num_minibatches(valid: np.ndarray, kind: np.ndarray, mini_batch_size: int) -> int:
     """Mini-batches per epoch that `minibatch_plan` makes: ceil(#valid step samples /
     mini_batch_size) (of the strategy samples when there are no step samples), at least 1."""
@@ -171,4 +133,4 @@ def minibatch_plan(valid: np.ndarray, kind: np.ndarray, mini_batch_size: int, ro
 
 
 __all__ = ["response_columns", "trim_padding", "trim_columns", "row_widths",
-           "length_grouped_micro_batches", "num_minibatches", "minibatch_plan"]
+           "num_minibatches", "minibatch_plan"]

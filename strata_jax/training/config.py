@@ -26,7 +26,7 @@ _OPTIM_FIELDS = ("lr", "critic_lr", "weight_decay", "grad_clip", "warmup_steps",
                  "mini_batch_size", "micro_batch_size")
 _TRAIN_FIELDS = ("adam_eps", "lr_schedule", "decay_steps", "compute_dtype", "logprob_chunk",
                  "score_rows", "recompute_old", "trim_padding", "response_floor",
-                 "group_by_length", "pack_prefixes", "pack_width", "donate_state",
+                 "pack_width", "donate_state",
                  "scan_layers",
                  "critic", "value_trunk_coef", "value_head_init_std")
 
@@ -73,26 +73,21 @@ class TrainConfig:
       each micro-batch are the smallest power of two >= max(longest response, response_floor);
       0 = two sizes per octave from 8 as the prompt columns: tighter, but a run's drifting
       response lengths keep compiling new (prompt, response) width pairs,
-      `batching.response_columns`), group_by_length (the rows of a mini-batch sorted by length
-      into micro-batches, each run at its own width bucket: padded columns are not computed;
-      same gradient up to float summation order, one compiled gradient step per (prompt,
-      response) width-bucket pair; False = one scan over micro-batches at the batch's width),
-      pack_prefixes (the prefix-tree packed update, training/prefix_tree.py: the scoring
-      passes and the gradient step run each shared prompt prefix once, over packed rows with
-      the tree attention rule; same scores and gradient up to float summation order;
-      replaces group_by_length and the scan when on. micro_batch_size is then a token budget:
-      a packed micro-batch is P packed rows of W slots with P x W <= micro_batch_size x the
-      batch's prompt + response columns, the memory of a per-row micro-batch, and P a multiple
-      of the mesh's batch shards so the packed rows shard over the data axes; score_rows
-      likewise), pack_width (W, the slots of one packed row; 0 = auto: the budget over the
-      batch shards rounded down to a power of two, at most 2048, at least the batch's row
-      width rounded up to one; a wider row shares more prefixes at a larger compiled
-      program, `Trainer.pack_shape`),
-      donate_state (the optimizer step reuses the buffers of the state passed to `Trainer.update` / `train_on_batch`: one copy of params + moments less at
-      the peak, but the caller's state object is dead after the call; on by default, False for
-      a caller that updates one state more than once), scan_layers (with remat, the decoder
-      layers of the gradient pass as a ``lax.scan`` over stacked weights: compiles much faster
-      on deep models, one stacked weight copy more per step; same values).
+      `batching.response_columns`). micro_batch_size is a token budget: the update runs
+      prefix-tree packed micro-batches (training/prefix_tree.py: each shared prompt prefix
+      once, the scores and gradient of the per-row forward up to float summation order) of P
+      packed rows of W slots with P x W <= micro_batch_size x the batch's prompt + response
+      columns, the memory of a per-row micro-batch, and P a multiple of the mesh's batch shards
+      so the packed rows shard over the data axes; score_rows likewise. pack_width (W, the
+      slots of one packed row; 0 = auto: the budget over the batch shards rounded down to a
+      power of two, at most 2048, at least the batch's row width rounded up to one; a wider
+      row shares more prefixes at a larger compiled program, `Trainer.pack_shape`),
+      donate_state (the optimizer step reuses the buffers of the state passed to
+      `Trainer.update` / `train_on_batch`: one copy of params + moments less at the peak, but
+      the caller's state object is dead after the call; on by default, False for a caller
+      that updates one state more than once), scan_layers (with remat, the decoder layers of
+      the gradient pass as a ``lax.scan`` over stacked weights: compiles much faster on deep
+      models, one stacked weight copy more per step; same values).
     Critic: critic ("auto": what the algorithm's `ALGORITHMS` entry says: a separate model for
       ppo, a value head on the policy trunk for stapo, none otherwise), value_trunk_coef
       (STAPO: gradient of the value loss into the shared trunk is scaled by this; 0 = head
@@ -125,8 +120,6 @@ class TrainConfig:
     recompute_old: bool = False
     trim_padding: bool = True
     response_floor: int = 32
-    group_by_length: bool = True
-    pack_prefixes: bool = False
     pack_width: int = 0
     donate_state: bool = True
     scan_layers: bool = False

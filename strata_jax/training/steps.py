@@ -445,13 +445,12 @@ non-finite step was skipped), tokens, and the token-mean loss metrics of `ppo_lo
 """
 
 
-# ----------------------------------------------------------------------------- length-grouped
+# ----------------------------------------------------------------------------- micro-batches
 # The same mini-batch step as `train_minibatch`, run from the host one micro-batch at a time so
-# each micro-batch can have its own width (`Trainer`, cfg.group_by_length): rows sorted by
-# length share micro-batches, and a micro-batch of short rows does not pay for the longest
-# prompt of the mini-batch. The model runs only in programs that see one micro-batch
-# (`accumulate_micro`: one compilation per (prompt, response) width pair, whatever the batch's
-# row count or width); the gathers that cut micro-batches out of the batch are cheap programs.
+# each micro-batch has its own shapes (`Trainer`: prefix-tree packed rows). The model runs only
+# in programs that see one micro-batch (`accumulate_micro`: one compilation per micro-batch
+# shape, whatever the batch's row count or width); the gathers that cut micro-batches out of
+# the batch are cheap programs.
 
 
 def _grouped_counts(batch: SampleBatch, idx, real):

@@ -9,10 +9,14 @@ Flow of `Trainer.update(state, batch, ref_params)` (docs/method.md §9):
 3. `ppo_epochs` passes; each shuffles the valid rows into mini-batches of `mini_batch_size`
    step samples (evenly split), with the strategy samples spread evenly over the mini-batches
    (`minibatch_plan`, batching.py).
-4. `train_minibatch` (steps.py): one optimizer step per mini-batch, gradients accumulated over
-   micro-batches; a non-finite step is skipped and counted in metrics["skipped_steps"].
-   With train.pack_prefixes the scoring passes and the micro-batches run over prefix-tree packed
-   rows instead (training/prefix_tree.py, docs/design.md §12.1): each shared prompt prefix once.
+4. one optimizer step per mini-batch, gradients accumulated over micro-batches; a non-finite
+   step is skipped and counted in metrics["skipped_steps"].
+
+The scoring passes and the micro-batches run over prefix-tree packed rows
+(training/prefix_tree.py, docs/design.md §12.1): each shared prompt prefix is computed once,
+and the update is exact with respect to the per-row objective (docs/method.md §9). The plain
+per-row forward (`Trainer(per_row=True)`: every row at the batch's width, `score_batch` and
+`train_minibatch`) is kept only as the reference the tests hold the packed update to.
 
 Everything jitted is a pure function of (state, arrays) with the model / train configs static
 (steps.py); `Trainer` only holds the static pieces and the mesh, places batches and states on
@@ -44,8 +48,7 @@ from strata_jax.models import Qwen2Config, init_params, param_shardings
 from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
 from strata_jax.sharding import logical_to_spec
 from strata_jax.sampling.buckets import bucket
-from strata_jax.training.batching import (length_grouped_micro_batches, minibatch_plan,
-                                          num_minibatches, row_widths, trim_padding)
+from strata_jax.training.batching import minibatch_plan, num_minibatches, trim_padding
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
 from strata_jax.training.prefix_tree import PackedMicroBatch, packed_micro_batches
@@ -73,6 +76,9 @@ class Trainer:
       model: Qwen2Config of the policy (and of the PPO critic).
       cfg: TrainConfig (``TrainConfig.from_config(c)``).
       mesh: device mesh (`strata_jax.sharding.make_mesh`); None = default device, no sharding.
+      per_row: run the plain per-row forward instead of the packed prefix tree (every row at
+        the batch's width, micro_batch_size rows per micro-batch): the same numbers up to float
+        summation order, more work; the tests' reference, not a production path.
 
     Attributes:
       shape_marks: per (pass, P, W) of the packed update, the largest (rows, response columns,
@@ -85,6 +91,7 @@ class Trainer:
     model: Qwen2Config
     cfg: TrainConfig
     mesh: Mesh | None = None
+    per_row: bool = False
     shape_marks: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def host_state(self) -> dict:
@@ -288,16 +295,15 @@ class Trainer:
 
     def score(self, state: TrainState, batch: SampleBatch, ref_params: Params | None,
               key: jax.Array, use_old: bool = True) -> SampleBatch:
-        """Pad rows, place the batch, and fill old/ref logprobs and values (`score_batch`).
+        """Pad rows, place the batch, and fill old/ref logprobs and values.
 
         Only the passes something reads run: the old-logprob pass when use_old, the reference
         pass when loss.kl_coef != 0, the critic when there is one; with none of them the batch
-        is only padded and placed (no forward). With cfg.group_by_length the rows run in
-        chunks of similar length, each at its own width (`gather_chunk`, `score_rows`,
-        `scatter_scores`): the same scores for valid rows (invalid rows, which nothing reads,
-        keep 0 logprobs), the dropout masks of the value-std passes drawn per chunk. With
-        cfg.pack_prefixes (takes precedence) the chunks are prefix-tree packed rows
-        (`_packed_score`): the same scores."""
+        is only padded and placed (no forward). The rows run as prefix-tree packed micro-batches
+        (`_packed_score`; the value-std dropout masks drawn per packed chunk); `per_row`: as
+        chunks of cfg.score_rows rows at the batch's width (`score_batch`). Invalid rows, which
+        nothing reads, keep 0 logprobs on the packed path.
+        Raises ValueError when LoRA is on or loss.kl_coef != 0 and ref_params is None."""
         cfg = self.cfg
         chunk = cfg.score_rows or cfg.micro_batch_size
         use_ref = bool(cfg.loss.kl_coef)
@@ -313,30 +319,10 @@ class Trainer:
         ref = ref_params if use_ref or self.lora else None
         static = dict(model=self.model, cfg=cfg, use_ref=use_ref, use_old=use_old)
         with self._ctx():
-            if cfg.pack_prefixes:
-                return self._packed_score(state, batch, ref, key, chunk, static)
-            if not cfg.group_by_length:
+            if self.per_row:
                 return score_batch(state.params, state.critic_params, ref, batch, key,
                                    chunk_rows=chunk, **static)
-            # chunks of rows of similar length, each at its own width (as the training steps)
-            need_p, need_r = row_widths(host_values(batch.prompt_mask),
-                                        host_values(batch.response_mask))
-            rows = np.arange(batch.num_rows)
-            plan = length_grouped_micro_batches(rows, host_values(batch.valid), need_p, need_r,
-                                                chunk, batch.prompt_ids.shape[1],
-                                                batch.response_ids.shape[1],
-                                                response_floor=cfg.response_floor)
-            scores = (jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
-                      jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
-            for j, (i, r, widths) in enumerate(plan):
-                i, r = jnp.asarray(i), jnp.asarray(r)
-                chunk_rows = gather_chunk(batch, i, r, widths=widths)
-                new = score_rows(state.params, state.critic_params, ref, chunk_rows,
-                                 jax.random.fold_in(key, j), **static)
-                scores = scatter_scores(scores, i, r, new)
-            old, ref_lp, values, value_std = scores
-            return batch.replace(old_logprobs=old, ref_logprobs=ref_lp, values=values,
-                                 value_std=value_std)
+            return self._packed_score(state, batch, ref, key, chunk, static)
 
     def _packed_score(self, state, batch, ref, key, chunk, static):
         """`score` over prefix-tree packed micro-batches of all valid rows (a token budget of
@@ -367,38 +353,34 @@ class Trainer:
                        weights: jax.Array, targets: jax.Array, key: jax.Array,
                        base: Params | None = None, on_policy: bool = False
                        ) -> tuple[TrainState, list[dict]]:
-        """Epochs x mini-batches of `train_minibatch` on a scored batch with given advantages.
+        """Epochs x mini-batches of optimizer steps on a scored batch with given advantages.
 
-        With cfg.group_by_length each mini-batch runs as length-grouped micro-batches, each at
-        its own width (`length_grouped_micro_batches`; `gather_micro` and `accumulate_micro`
-        per micro-batch, then `apply_step`): the same optimizer step up to float summation order.
-        With cfg.pack_prefixes (takes precedence) each mini-batch's rows are packed into a
-        prefix tree (`prefix_tree.packed_micro_batches`) and run as micro-batches of P packed
-        rows of W slots (`pack_shape`: the token budget of micro_batch_size rows at the
-        batch's width): the same optimizer step up to float summation order, each shared
-        prefix computed once.
+        Each mini-batch's rows are packed into a prefix tree (`prefix_tree.packed_micro_batches`)
+        and run as micro-batches of P packed rows of W slots (`pack_shape`: the token budget of
+        micro_batch_size rows at the batch's width; shapes padded up to `shape_marks`), one
+        `accumulate_micro` each, then `apply_step`: the per-row step up to float summation
+        order, each shared prefix computed once. `per_row`: `train_minibatch` over micro-batches
+        of micro_batch_size rows at the batch's width.
 
         Args: batch scored (`score`); adv, weights, targets [R] f32; key: shuffling PRNGKey;
         base: the frozen base params when LoRA is on (else ignored); on_policy: the batch was
         scored without the old-logprob pass (`Trainer.on_policy`; must plan one mini-batch).
         Returns (state, per-step metric dicts of device scalars, each with host ints
-        "computed_tokens" (rows x columns the forward ran over; packed: the packed rows'
-        columns) and "real_tokens" (prompt + response tokens of its real rows)). Does not
-        advance state.step.
+        "computed_tokens" (the slots the forward ran over: packed rows x W, or rows x columns)
+        and "real_tokens" (prompt + response tokens of its real rows)). Does not advance
+        state.step.
         """
         cfg = self.cfg
         m = cfg.micro_batch_size
         # host_values: a multi-host global batch is gathered (every process plans the same steps).
         valid, kind = host_values(batch.valid), host_values(batch.kind)
         pm, rm = host_values(batch.prompt_mask), host_values(batch.response_mask)
-        need_p, need_r = row_widths(pm, rm)
         n_tokens = np.sum(pm, axis=1) + np.sum(rm, axis=1)
         tp, tr = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
         seed = int(jax.device_get(jax.random.randint(key, (), 0, 2 ** 31 - 1)))
         rng = np.random.default_rng(seed)
         base = base if self.lora else None
-        ids = None
-        if cfg.pack_prefixes:   # the token ids on the host once (every process: the same plan)
+        if not self.per_row:   # the token ids on the host once (every process: the same plan)
             ids = (host_values(batch.prompt_ids), pm, host_values(batch.response_ids), rm)
             width, rows_per_micro, shards = self.pack_shape(m, tp, tr)
         out = []
@@ -406,7 +388,15 @@ class Trainer:
             for _ in range(cfg.ppo_epochs):
                 for idx, real in minibatch_plan(valid, kind, cfg.mini_batch_size, m, rng):
                     real_tokens = int(np.sum(n_tokens[idx[real]]))
-                    if cfg.pack_prefixes:
+                    if self.per_row:
+                        mb, a, w, t = gather_rows(batch, adv, weights, targets, jnp.asarray(idx),
+                                                  jnp.asarray(real))
+                        step = minibatch_step(cfg)   # train_minibatch, state donated or not
+                        state, met = step(state, mb, a, w, t, base, model=self.model, cfg=cfg,
+                                          on_policy=on_policy)
+                        # micro-batches holding a real row run at the batch's width
+                        computed = int(real.reshape(-1, m).any(1).sum()) * m * (tp + tr)
+                    else:
                         packed = packed_micro_batches(*ids, idx, real, max_width=width,
                                                       rows_per_micro=rows_per_micro,
                                                       row_multiple=shards,
@@ -416,41 +406,13 @@ class Trainer:
                         state, met = self._packed_step(state, batch, adv, weights, targets,
                                                        idx, real, packed, base, on_policy)
                         computed = sum(p.num_slots for p in packed)
-                    elif cfg.group_by_length:
-                        micro = length_grouped_micro_batches(
-                            idx, real, need_p, need_r, m, tp, tr,
-                            response_floor=cfg.response_floor)
-                        state, met = self._grouped_step(state, batch, adv, weights, targets,
-                                                        idx, real, micro, base, on_policy)
-                        computed = sum(m * (wp + wr) for _, _, (wp, wr) in micro)
-                    else:
-                        mb, a, w, t = gather_rows(batch, adv, weights, targets, jnp.asarray(idx),
-                                                  jnp.asarray(real))
-                        step = minibatch_step(cfg)   # train_minibatch, state donated or not
-                        state, met = step(state, mb, a, w, t, base, model=self.model, cfg=cfg,
-                                          on_policy=on_policy)
-                        # micro-batches holding a real row run at the batch's width
-                        computed = int(real.reshape(-1, m).any(1).sum()) * m * (tp + tr)
                     out.append(dict(met, computed_tokens=computed, real_tokens=real_tokens))
         return state, out
 
-    def _grouped_step(self, state, batch, adv, weights, targets, idx, real, micro, base,
-                      on_policy):
-        """One optimizer step from micro-batches of their own widths (see `train_on_batch`)."""
-        cfg, model = self.cfg, self.model
-        norms, n_values = minibatch_counts(batch, jnp.asarray(idx), jnp.asarray(real))
-        carry = zero_carry(state.params, state.critic_params, cfg=cfg, on_policy=on_policy)
-        for i, r, widths in micro:
-            b, a, w, t = gather_micro(batch, adv, weights, targets, jnp.asarray(i),
-                                      jnp.asarray(r), widths=widths)
-            carry = accumulate_micro(carry, state.params, state.critic_params, b, a, w, t, norms,
-                                     n_values, base, model=model, cfg=cfg, on_policy=on_policy)
-        return apply_step(cfg)(state, carry, cfg=cfg, on_policy=on_policy)
-
     def _packed_step(self, state, batch, adv, weights, targets, idx, real,
                      packed: list[PackedMicroBatch], base, on_policy):
-        """One optimizer step from prefix-tree packed micro-batches (`train_on_batch` with
-        cfg.pack_prefixes): the whole mini-batch's normalisers, one `accumulate_micro` per
+        """One optimizer step from prefix-tree packed micro-batches (`train_on_batch`): the
+        whole mini-batch's normalisers, one `accumulate_micro` per
         packed row with the rows it carries, then `apply_step`."""
         cfg, model = self.cfg, self.model
         norms, n_values = minibatch_counts(batch, jnp.asarray(idx), jnp.asarray(real))
