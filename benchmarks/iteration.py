@@ -73,7 +73,7 @@ def jax_update_worker(args) -> dict:
     from strata_jax.metrics import CompileCounter
     from strata_jax.models import load_checkpoint
     from strata_jax.training import TrainConfig, Trainer
-    from strata_jax.training.steps import accumulate_grads, gather_rows, score_batch
+    from strata_jax.training.per_row import accumulate_grads, gather_rows, score_batch
 
     compiles = CompileCounter.install()
     # LoRA's base is frozen: --base-dtype bfloat16 stores it in the compute dtype (half the

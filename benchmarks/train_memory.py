@@ -28,7 +28,7 @@ import configs.base as base  # noqa: E402
 from strata_jax.algos import KIND_ACTION, make_sample_batch  # noqa: E402
 from strata_jax.models import PRESETS, Qwen2Config, init_params  # noqa: E402
 from strata_jax.training import TrainConfig, Trainer  # noqa: E402
-from strata_jax.training.steps import minibatch_step  # noqa: E402
+from strata_jax.training.per_row import minibatch_step  # noqa: E402
 
 
 def model_config(spec: str) -> Qwen2Config:

@@ -155,7 +155,7 @@ class CriticScorer:
     """V(h_t) of (prompt, response) rows with a trained critic (`strata_jax.training.critic`).
 
     h_t = the trunk's final hidden state at the last response token, as the trainer reads it
-    (`training.scoring.response_states`; `training.steps.score_batch` gives the same values
+    (`training.scoring.response_states`; `training.per_row.score_batch` gives the same values
     without dropout). Rows are left-padded (prompts) / right-padded (responses) to
     power-of-two buckets and run `rows_per_call` at a time.
 

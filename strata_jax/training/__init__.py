@@ -2,9 +2,9 @@
 
 One job per module: state.py (the TrainState and its optimisers), scoring.py (the forward and
 the chunked LM-head logprobs), critic.py, batching.py (host-side batch helpers), prefix_tree.py
-(the prefix-tree packed layout of a batch's rows, host numpy), steps.py (the
-pure jitted scoring / advantage / mini-batch steps), trainer.py (`Trainer`: the update flow of
-docs/method.md §9 around those steps), checkpoint.py (the orbax layout and resume rules), sft/
+(the prefix-tree packed layout of a batch's rows, host numpy), steps.py (the pure jitted
+scoring / advantage / micro-batch steps), per_row.py (the per-row reference update),
+trainer.py (`Trainer`: the update flow of docs/method.md §9 around those steps), checkpoint.py (the orbax layout and resume rules), sft/
 (the behaviour-cloning warm start's data and trainer).
 """
 from strata_jax.training.config import TrainConfig
@@ -16,8 +16,8 @@ from strata_jax.training.prefix_tree import PackedLayout, pack_rows
 from strata_jax.training.state import TrainState, create_train_state, lr_schedule, make_optimizer
 from strata_jax.algos.batch import pad_rows
 from strata_jax.training.batching import minibatch_plan, num_minibatches, trim_padding
-from strata_jax.training.steps import (accumulate_grads, advantages, effective_params, micro_loss,
-                                       score_batch, train_minibatch)
+from strata_jax.training.steps import advantages, effective_params, micro_loss
+from strata_jax.training.per_row import accumulate_grads, score_batch, train_minibatch
 from strata_jax.training.trainer import Trainer
 
 __all__ = [

@@ -1,19 +1,25 @@
 """The update's pure jitted functions of (state, arrays), model and train configs static
-(docs/method.md §9); `Trainer` (trainer.py) holds the static pieces and calls them.
+(docs/method.md §9); `Trainer` (trainer.py) holds the static pieces and calls them from the
+host, one prefix-tree packed micro-batch at a time (training/prefix_tree.py).
 
-* `score_batch` (no grad, chunks of rows via ``lax.map``): pi_old logprobs = the trainer's own
-  recomputation at the train temperature (docs/method.md §9.1), reference logprobs from the
-  frozen initial params (when kl_coef != 0), critic values V(h_t) and their dropout std (PPO:
-  separate critic; STAPO: value head on the policy trunk). They fill the SampleBatch slots
-  old_logprobs / ref_logprobs / values / value_std BEFORE the estimator runs.
-* `advantages`: the estimator registry (`compute_advantages(cfg.estimator_name, ...)`, the algo's estimator); value targets are
-  the estimator's ``row/value_targets``.
-* `train_minibatch`: micro-batches of `micro_batch_size` rows in a ``lax.scan``
-  (`accumulate_grads`); every level's token-mean is normalised by that level's count over the
-  WHOLE mini-batch (`loss_normalizers`), so the summed micro-batch gradients equal the
-  mini-batch gradient. Micro-batches holding only padding rows are skipped at run time
-  (``lax.cond``). A step with a non-finite loss or gradient is skipped: params, critic and both
-  optimizer states are kept bit-identical and the step is counted in metrics["skipped"].
+* Scoring (no grad): `gather_chunk` cuts a chunk of rows out of the batch (a cheap program per
+  batch shape), `score_rows` runs the passes on it (pi_old logprobs = the trainer's own
+  recomputation at the train temperature, docs/method.md §9.1; reference logprobs when
+  kl_coef != 0; critic values and their dropout std), `scatter_scores` writes the `Scores`
+  back. They fill the SampleBatch before the estimator runs.
+* `advantages`: the estimator registry (`compute_advantages`); value targets are the
+  estimator's ``row/value_targets``.
+* One optimizer step per mini-batch: `minibatch_counts` (the whole mini-batch's loss
+  normalisers), then per micro-batch `gather_micro` + `accumulate_micro` (loss and gradients
+  of `micro_loss` added to a donated `GradCarry`), then `apply_step` (AdamW; a step with a
+  non-finite loss, gradient or update is skipped, params and optimizer states kept
+  bit-identical, counted in metrics["skipped"]). Every level's token-mean is normalised by the
+  WHOLE mini-batch's count, so the summed micro-batch gradients are the mini-batch gradient.
+  Only `accumulate_micro` and `score_rows` run the model, and they see one micro-batch's
+  shapes only, whatever the batch's.
+
+The per-row reference of the same update (every row at the batch's width, a ``lax.scan`` over
+micro-batches) is per_row.py.
 
 LoRA (cfg.lora.rank > 0, strata_jax/models/lora.py): ``state.params`` holds only the adapters;
 the frozen base params ride along as ``base`` / ``ref_params``, and every forward runs
@@ -22,7 +28,7 @@ the frozen base params ride along as ``base`` / ``ref_params``, and every forwar
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,59 +111,6 @@ def _score_chunk(params, critic_params, ref_params, pi, pm, ri, rm, key, *, mode
     return old, ref, v, s
 
 
-def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
-                 model: Qwen2Config, cfg: TrainConfig, use_ref: bool, chunk_rows: int,
-                 use_old: bool = True):
-    r = batch.num_rows
-    n = r // chunk_rows
-    params, critic_params = _scoring_params(params, critic_params, ref_params, cfg)
-
-    def split(x):
-        return x.reshape((n, chunk_rows) + x.shape[1:])
-
-    xs = (split(batch.prompt_ids), split(batch.prompt_mask), split(batch.response_ids),
-          split(batch.response_mask), jnp.arange(n), split(batch.valid))
-
-    def one(x):
-        # A chunk of padding rows only (bucketing pads up to 1.5x) costs nothing: same rule as
-        # the training micro-batches.
-        *x, ok = x
-        return jax.lax.cond(jnp.any(ok), compute, skip, tuple(x))
-
-    def skip(x):
-        b, t = x[2].shape
-        z = jnp.zeros((b, t), jnp.float32)
-        return z, z, jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.float32)
-
-    def compute(x):
-        pi, pm, ri, rm, i = x
-        return _score_chunk(params, critic_params, ref_params, pi, pm, ri, rm,
-                            jax.random.fold_in(key, i), model=model, cfg=cfg, use_ref=use_ref,
-                            use_old=use_old)
-
-    old, ref, v, s = jax.lax.map(one, xs)
-    merge = lambda x: x.reshape((r,) + x.shape[2:])  # noqa: E731
-    valid = batch.valid
-    return batch.replace(old_logprobs=merge(old), ref_logprobs=merge(ref),
-                         values=jnp.where(valid, merge(v), 0.0),
-                         value_std=jnp.where(valid, merge(s), 0.0))
-
-
-score_batch = jax.jit(_score_batch, static_argnames=("model", "cfg", "use_ref", "chunk_rows",
-                                                     "use_old"))
-score_batch.__doc__ = """Fill old_logprobs, ref_logprobs, values, value_std of a SampleBatch.
-
-Args: params (policy; LoRA: the adapters), critic_params (`init_critic` tree), ref_params
-(frozen initial policy; ignored unless use_ref or LoRA, where it is the base), batch (R rows,
-R a multiple of chunk_rows), key (dropout PRNGKey);
-static: model, cfg, use_ref, chunk_rows (rows per lax.map step: peak activation memory),
-use_old (False: no old-logprob pass, old_logprobs left 0; the on-policy update does not read
-them). Returns the batch with old/ref logprobs [R, Tr] f32 (0 off response_mask; ref 0 without
-use_ref), values [R] f32 = V(h_t) without dropout, value_std [R] f32 = std over
-cfg.dropout_passes dropout passes (0 with no critic / dropout 0; 0 on invalid rows).
-"""
-
-
 def _take_rows(batch: SampleBatch, idx, real) -> SampleBatch:
     """Rows idx of every field; padding entries (real False) become invalid rows."""
     mb = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch)
@@ -174,7 +127,7 @@ def _score_rows(params, critic_params, ref_params, b: SampleBatch, key, packed=N
     old, ref, v, s = _score_chunk(params, critic_params, ref_params, b.prompt_ids, b.prompt_mask,
                                   b.response_ids, b.response_mask, key, model=model, cfg=cfg,
                                   use_ref=use_ref, use_old=use_old, packed=packed)
-    return old, ref, jnp.where(b.valid, v, 0.0), jnp.where(b.valid, s, 0.0)
+    return Scores(old, ref, jnp.where(b.valid, v, 0.0), jnp.where(b.valid, s, 0.0))
 
 
 def _scatter_scores(scores, idx, real, new):
@@ -189,7 +142,7 @@ def _scatter_scores(scores, idx, real, new):
         if y.ndim == 2:
             y = jnp.pad(y, ((0, 0), (0, width - y.shape[1])))
         out.append(x.at[target].set(y, mode="drop"))
-    return tuple(out)
+    return Scores(*out)
 
 
 gather_chunk = jax.jit(_gather_chunk, static_argnames=("widths",))
@@ -205,14 +158,14 @@ Args: params, critic_params, ref_params as `score_batch`; b: the chunk (`gather_
 prompt, [m, wr] response); key: the dropout PRNGKey of this chunk; packed: None, or the
 chunk's `PackedInputs` (the forward runs over the prefix-tree packed row instead of the rows'
 prompts: same scores; b's prompt columns are then not read); static model, cfg, use_ref,
-use_old. Returns (old [m, wr], ref [m, wr], values [m], value_std [m]) f32: what `score_batch`
-computes for these rows (values / value_std 0 on invalid rows); `scatter_scores` puts them back.
+use_old. Returns `Scores` (old [m, wr], ref [m, wr], values [m], value_std [m]) f32: what the
+per-row `score_batch` computes for these rows (values / value_std 0 on invalid rows); `scatter_scores` puts them back.
 One compiled program per (m, wp, wr) (packed: per (m, w, wr)).
 """
 
 scatter_scores = jax.jit(_scatter_scores, donate_argnames=("scores",))
-scatter_scores.__doc__ = """scores (old_logprobs [R, Tr], ref_logprobs [R, Tr], values [R],
-value_std [R]; donated) with the rows idx [m] set to new (`score_rows`' output, response
+scatter_scores.__doc__ = """`Scores` of the whole batch (old_logprobs [R, Tr], ref_logprobs
+[R, Tr], values [R], value_std [R]; donated) with the rows idx [m] set to new (`score_rows`' output, response
 columns zero-padded to Tr); entries with real [m] False are left unchanged."""
 
 
@@ -226,9 +179,6 @@ advantages = jax.jit(_advantages, static_argnames=("algo", "est"))
 def _gather(batch, adv, w, targets, idx, real):
     take = lambda x: jnp.take(x, idx, axis=0)  # noqa: E731
     return _take_rows(batch, idx, real), take(adv), take(w), take(targets)
-
-
-gather_rows = jax.jit(_gather)
 
 
 def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normalizers, n_values,
@@ -310,12 +260,39 @@ def _minibatch_counts(mb: SampleBatch):
     return norms, n_values
 
 
-def _zero_carry(params, critic_params, keys):
-    """Accumulator of `_accumulate_micro`: (grads of params, of critic_params, loss sum,
-    metric sums, loss tokens, valid step samples); every leaf its own buffer (donatable)."""
+class GradCarry(NamedTuple):
+    """The accumulator of a mini-batch's micro-batches (`accumulate_micro`): a pytree, every
+    leaf its own buffer (donatable).
+
+    Attributes: grads (like params, f32), critic_grads (like critic_params), loss (f32 sum of
+    the micro-batch losses, each already normalised by whole-mini-batch counts), metric_sums
+    ({name: f32} sums, each scaled by what it averages over), tokens (f32 loss tokens),
+    step_samples (f32 valid step rows)."""
+
+    grads: Any
+    critic_grads: Any
+    loss: jax.Array
+    metric_sums: dict
+    tokens: jax.Array
+    step_samples: jax.Array
+
+
+class Scores(NamedTuple):
+    """What the scoring passes fill (`score_rows`, `scatter_scores`): old_logprobs,
+    ref_logprobs ([rows, Tr] f32), values, value_std ([rows] f32)."""
+
+    old_logprobs: jax.Array
+    ref_logprobs: jax.Array
+    values: jax.Array
+    value_std: jax.Array
+
+
+def _zero_carry(params, critic_params, keys) -> GradCarry:
+    """An empty `GradCarry` for the metric names `keys`."""
     z = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
-    return (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, critic_params),
-            z(), {k: z() for k in keys}, z(), z())
+    return GradCarry(jax.tree.map(jnp.zeros_like, params),
+                     jax.tree.map(jnp.zeros_like, critic_params), z(), {k: z() for k in keys},
+                     z(), z())
 
 
 def _accumulate_micro(carry, params, critic_params, b: SampleBatch, a, ww, tt, norms, n_values,
@@ -345,8 +322,8 @@ def _accumulate_micro(carry, params, critic_params, b: SampleBatch, a, ww, tt, n
         scale = 1.0 if k in _SUM_METRICS else (n_val if k in _VALUE_METRICS else n_tok)
         new_m[k] = msum[k] + met[k] * scale
     add = lambda x, y: x + y  # noqa: E731
-    return (jax.tree.map(add, gp, g1), jax.tree.map(add, gc, g2), loss_sum + loss, new_m,
-            tok + n_tok, val + n_val)
+    return GradCarry(jax.tree.map(add, gp, g1), jax.tree.map(add, gc, g2), loss_sum + loss,
+                     new_m, tok + n_tok, val + n_val)
 
 
 def _finish_carry(carry, keys):
@@ -358,39 +335,6 @@ def _finish_carry(carry, keys):
         metrics[k] = msum[k] / denom
     metrics["tokens"] = tok
     return loss, gp, gc, metrics
-
-
-def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, base=None, *,
-                      model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
-    rows = mb.num_rows
-    m = cfg.micro_batch_size
-    if rows % m:
-        raise ValueError(f"mini-batch rows {rows} must be a multiple of micro_batch_size {m}")
-    adv, w, targets = _masked_targets(mb.valid, adv, w, targets)
-    norms, n_values = _minibatch_counts(mb)
-    split = lambda x: x.reshape((rows // m, m) + x.shape[1:])  # noqa: E731
-    micro = jax.tree.map(split, (mb, adv, w, targets))
-    keys = _metric_keys(cfg, on_policy)
-
-    def body(carry, xs):
-        b, a, ww, tt = xs
-        return _accumulate_micro(carry, params, critic_params, b, a, ww, tt, norms, n_values,
-                                 base, model=model, cfg=cfg, on_policy=on_policy,
-                                 keys=keys), None
-
-    carry, _ = jax.lax.scan(body, _zero_carry(params, critic_params, keys), micro)
-    return _finish_carry(carry, keys)
-
-
-accumulate_grads = jax.jit(_accumulate_grads, static_argnames=("model", "cfg", "on_policy"))
-accumulate_grads.__doc__ = """Mini-batch loss and gradients summed over micro-batches.
-
-Args: params, critic_params; mb: SampleBatch (rows a multiple of cfg.micro_batch_size); adv,
-w, targets [rows] f32; base: the frozen base params when LoRA is on (params = adapters;
-gradients are the adapters'), else None; static model, cfg, on_policy (see `micro_loss`).
-Every micro-batch loss is normalised by the WHOLE mini-batch's per-level counts
-(`loss_normalizers`), so the result does not depend on micro_batch_size. Returns (loss f32, grads of params, grads of critic_params, metrics).
-"""
 
 
 def _apply_grads(state: TrainState, loss, gp, gc, metrics, *, cfg: TrainConfig):
@@ -419,30 +363,6 @@ def _apply_grads(state: TrainState, loss, gp, gc, metrics, *, cfg: TrainConfig):
     metrics = dict(metrics, loss=loss, grad_norm=gnorm, critic_grad_norm=cnorm,
                    skipped=1.0 - finite.astype(jnp.float32))
     return state, metrics
-
-
-def _train_minibatch(state: TrainState, mb: SampleBatch, adv, w, targets, base=None, *,
-                     model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
-    loss, gp, gc, metrics = _accumulate_grads(state.params, state.critic_params, mb, adv, w,
-                                              targets, base, model=model, cfg=cfg,
-                                              on_policy=on_policy)
-    return _apply_grads(state, loss, gp, gc, metrics, cfg=cfg)
-
-
-train_minibatch = jax.jit(_train_minibatch, static_argnames=("model", "cfg", "on_policy"))
-_train_minibatch_donated = jax.jit(_train_minibatch, static_argnames=("model", "cfg", "on_policy"),
-                                   donate_argnames=("state",))
-train_minibatch.__doc__ = """One optimizer step on one mini-batch (see the module docstring).
-
-Args: state; mb: SampleBatch of the mini-batch rows (old/ref logprobs and values filled;
-rows a multiple of cfg.micro_batch_size); adv, w, targets: [rows] f32 advantages, sample
-weights, value targets; base: frozen base params when LoRA is on (state.params = adapters, the
-only leaves that change), else None; static: model, cfg, on_policy (the only step of an
-exactly on-policy update: pi_old = stop_gradient of the current logprobs, see `micro_loss`).
-Returns (new state, metrics: loss, grad_norm, critic_grad_norm, skipped (1.0 when the
-non-finite step was skipped), tokens, and the token-mean loss metrics of `ppo_loss` /
-`value_loss`). The step counter `state.step` is NOT advanced here (it counts iterations).
-"""
 
 
 # ----------------------------------------------------------------------------- micro-batches
@@ -513,7 +433,7 @@ def zero_carry(params, critic_params, *, cfg: TrainConfig, on_policy: bool = Fal
     sharding = jax.tree.leaves(params)[0].sharding
     if isinstance(sharding, NamedSharding):
         sharding = NamedSharding(sharding.mesh, PartitionSpec())
-    return (gp, gc, *jax.device_put(rest, sharding))
+    return GradCarry(gp, gc, *jax.device_put(rest, sharding))
 
 
 def _apply_carry(state: TrainState, carry, *, cfg: TrainConfig, on_policy: bool = False):
@@ -537,14 +457,6 @@ def apply_step(cfg: TrainConfig):
     return _apply_accumulated_donated if cfg.donate_state else _apply_accumulated
 
 
-def minibatch_step(cfg: TrainConfig):
-    """The jitted optimizer step `Trainer.train_on_batch` runs for `cfg`: `train_minibatch`,
-    with the state's buffers donated when cfg.donate_state (same arguments and results; the
-    input state is deleted by the call)."""
-    return _train_minibatch_donated if cfg.donate_state else train_minibatch
-
-
-__all__ = ["effective_params", "score_batch", "advantages", "gather_rows", "micro_loss",
-           "accumulate_grads", "train_minibatch", "minibatch_step", "minibatch_counts",
-           "zero_carry", "gather_micro", "accumulate_micro", "apply_step", "gather_chunk",
-           "score_rows", "scatter_scores"]
+__all__ = ["GradCarry", "Scores", "effective_params", "micro_loss", "advantages",
+           "gather_chunk", "score_rows", "scatter_scores", "minibatch_counts", "gather_micro",
+           "zero_carry", "accumulate_micro", "apply_step"]

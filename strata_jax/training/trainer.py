@@ -54,10 +54,10 @@ from strata_jax.training.critic import init_critic
 from strata_jax.training.prefix_tree import PackedMicroBatch, packed_micro_batches
 from strata_jax.training.scoring import PackedInputs
 from strata_jax.training.state import TrainState, create_train_state, make_optimizer
-from strata_jax.training.steps import (accumulate_micro, advantages, apply_step, gather_chunk,
-                                       gather_micro, gather_rows, minibatch_counts,
-                                       minibatch_step, scatter_scores, score_batch, score_rows,
-                                       zero_carry)
+from strata_jax.training.per_row import gather_rows, minibatch_step, score_batch
+from strata_jax.training.steps import (Scores, accumulate_micro, advantages, apply_step,
+                                       gather_chunk, gather_micro, minibatch_counts,
+                                       scatter_scores, score_rows, zero_carry)
 
 Params = dict[str, Any]
 log = logging.getLogger(__name__)
@@ -337,17 +337,15 @@ class Trainer:
                                     rows_per_micro=rows_per_micro, row_multiple=shards,
                                     response_floor=self.cfg.response_floor,
                                     marks=self.shape_marks, mark_key="score")
-        scores = (jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
-                  jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
+        scores = Scores(jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
+                        jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
         for j, mb in enumerate(plan):
             i, r = jnp.asarray(mb.idx), jnp.asarray(mb.real)
             chunk_rows = gather_chunk(batch, i, r, widths=(1, mb.response_width))
             new = score_rows(state.params, state.critic_params, ref, chunk_rows,
                              jax.random.fold_in(key, j), self._packed_inputs(mb), **static)
             scores = scatter_scores(scores, i, r, new)
-        old, ref_lp, values, value_std = scores
-        return batch.replace(old_logprobs=old, ref_logprobs=ref_lp, values=values,
-                             value_std=value_std)
+        return batch.replace(**scores._asdict())
 
     def train_on_batch(self, state: TrainState, batch: SampleBatch, adv: jax.Array,
                        weights: jax.Array, targets: jax.Array, key: jax.Array,
