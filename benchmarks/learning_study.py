@@ -228,9 +228,13 @@ def job_key(job: dict) -> list[str]:
 def same_setting(a: list[str], b: list[str]) -> bool:
     """Whether two `job_key`s name the same setting: equal but for `MEMORY_KNOBS` overrides in
     their ``--config=<file>:<tokens>`` argument (`strata_jax.validation.MEMORY_KNOBS`: a
-    resume may change them, so a run re-run with less memory after an OOM is the same job).
-    Imported here: the queue process stays free of jax, beside the runs it starts."""
+    resume may change them, so a run re-run with less memory after an OOM is the same job)
+    and for retired fields (`strata_jax.config.RETIRED`: ignored by the run, so a kept job
+    that set one is the job without it). Imported here: the queue process stays free of jax,
+    beside the runs it starts."""
+    from strata_jax.config import RETIRED
     from strata_jax.validation import MEMORY_KNOBS
+    skip = set(MEMORY_KNOBS) | set(RETIRED)
 
     def strip(argv):
         out = []
@@ -238,7 +242,7 @@ def same_setting(a: list[str], b: list[str]) -> bool:
             if x.startswith("--config=") and ":" in x:
                 head, tokens = x.split(":", 1)
                 x = head + ":" + ",".join(t for t in tokens.split(",")
-                                          if t.split("=", 1)[0] not in MEMORY_KNOBS)
+                                          if t.split("=", 1)[0] not in skip)
             out.append(x)
         return out
     return a is not None and b is not None and strip(a) == strip(b)

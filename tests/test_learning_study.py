@@ -255,6 +255,8 @@ def test_a_memory_knob_does_not_make_another_setting():
     knobs = [base[0], base[1].replace("micro_batch_size=8", "micro_batch_size=4")
              .replace("remat=dots", "remat=full"), base[2]]
     assert ls.same_setting(base, knobs)
+    # a retired field (the kept study's train.pack_prefixes=true) is ignored by runs and here
+    assert ls.same_setting(base, [base[0], base[1] + ",train.pack_prefixes=true", base[2]])
     assert not ls.same_setting(base, [base[0], base[1].replace("lr=2e-05", "lr=1e-04"),
                                       base[2]])
     assert not ls.same_setting(base, [base[0], base[1] + ",seed=1", base[2]])
