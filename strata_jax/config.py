@@ -148,7 +148,7 @@ def set_override(c: Any, key: str, text: str) -> None:
     declared type (`field_type`, `parse_value`); the one parser of both ``--config.key=text``
     and the colon form ``:key=text``. A RETIRED field is ignored with a warning. Raises
     OverrideError on an unknown field or a value that does not fit."""
-    if key in RETIRED and key not in _leaf_keys(c):
+    if key in RETIRED:
         logging.getLogger(__name__).warning("ignoring --config.%s=%s: the field is retired (%s)",
                                             key, text, RETIRED[key])
         return
@@ -159,15 +159,6 @@ def set_override(c: Any, key: str, text: str) -> None:
         node = node[p]
     with node.ignore_type():   # a declared union: None -> 1 (std_ddof), True -> "full" (remat)
         node[leaf] = value
-
-
-def _leaf_keys(c: Any, prefix: str = "") -> set[str]:
-    """Dotted names of every leaf field of a (nested) config dict."""
-    out = set()
-    for k in c.keys():
-        v = c[k]
-        out |= _leaf_keys(v, f"{prefix}{k}.") if _is_dict(v) else {f"{prefix}{k}"}
-    return out
 
 
 def get_dotted(c: Any, dotted: str, prefix: str = "") -> Any:

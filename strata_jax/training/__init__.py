@@ -4,8 +4,9 @@ One job per module: state.py (the TrainState and its optimisers), scoring.py (th
 the chunked LM-head logprobs), critic.py, batching.py (host-side batch helpers), prefix_tree.py
 (the prefix-tree packed layout of a batch's rows, host numpy), steps.py (the pure jitted
 scoring / advantage / micro-batch steps), per_row.py (the per-row reference update),
-trainer.py (`Trainer`: the update flow of docs/method.md §9 around those steps), checkpoint.py (the orbax layout and resume rules), sft/
-(the behaviour-cloning warm start's data and trainer).
+trainer.py (`Trainer`: the update flow of docs/method.md §9 around those steps), checkpoint.py
+(the orbax layout and resume rules), sft/ (the behaviour-cloning warm start's data and
+trainer).
 """
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import (dropout_values, init_critic, init_value_head,

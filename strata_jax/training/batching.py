@@ -24,7 +24,8 @@ def response_columns(n: int, floor: int = 0) -> int:
 
     floor 0: a `bucket_size` size (two per octave, multiples of 8: 8, 16, 24, 32, 48, ...);
     floor > 0: the smallest power of two >= max(n, floor) (32, 64, 128, ... for floor 32).
-    Used by `trim_padding` and `prefix_tree.packed_micro_batches` (``train.response_floor``, docs/design.md §6.3).
+    Used by `trim_padding` and `prefix_tree.packed_micro_batches` (``train.response_floor``,
+    docs/design.md §6.3).
 
     Why a floor: a micro-batch's compiled gradient step is keyed by its (prompt, response)
     width pair, and a real run's longest responses drift from iteration to iteration (an action

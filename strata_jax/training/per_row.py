@@ -110,7 +110,9 @@ Args: params, critic_params; mb: SampleBatch (rows a multiple of cfg.micro_batch
 w, targets [rows] f32; base: the frozen base params when LoRA is on (params = adapters;
 gradients are the adapters'), else None; static model, cfg, on_policy (see `micro_loss`).
 Every micro-batch loss is normalised by the WHOLE mini-batch's per-level counts
-(`loss_normalizers`), so the result does not depend on micro_batch_size. Returns (loss f32, grads of params, grads of critic_params, metrics).
+(`loss_normalizers`), so the result does not depend on micro_batch_size. Returns (loss f32,
+grads of params, grads of critic_params, metrics). Raises ValueError when the rows are not a
+multiple of cfg.micro_batch_size.
 """
 
 

@@ -496,10 +496,9 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         key_end[packed.size:] = np.arange(1, w + 1, dtype=key_end.dtype)
         index = block_key_index(mask, key_end, block)
         a = block * bucket(index.shape[2] // block) if index.shape[2] else 0
-        if marks is not None:
+        if marks is not None:   # m and wr were padded up above; A here; then raise the marks
             a = max(a, marks.get(key, (0, 0, 0))[2])
-            old = marks.get(key, (0, 0, 0))
-            marks[key] = (max(old[0], m), max(old[1], wr), max(old[2], a))
+            marks[key] = tuple(max(x, y) for x, y in zip(marks.get(key, (0, 0, 0)), (m, wr, a)))
         index = np.pad(index, ((0, 0), (0, 0), (0, a - index.shape[2])), constant_values=-1)
         out.append(PackedMicroBatch(idx=mb_idx, real=mb_real, response_width=int(wr),
                                     tokens=tokens, positions=positions, mask=mask,

@@ -65,6 +65,13 @@ log = logging.getLogger(__name__)
 _merge = jax.jit(apply_lora, static_argnums=(2, 3))
 
 
+def _host_ids(batch: SampleBatch) -> tuple[np.ndarray, ...]:
+    """The batch's (prompt_ids, prompt_mask, response_ids, response_mask) on the host (a
+    multi-host global batch gathered: every process plans the same micro-batches)."""
+    return tuple(host_values(getattr(batch, f)) for f in
+                 ("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
+
+
 # ----------------------------------------------------------------------------- the trainer
 
 
@@ -324,19 +331,25 @@ class Trainer:
                                    chunk_rows=chunk, **static)
             return self._packed_score(state, batch, ref, key, chunk, static)
 
+    def _plan(self, ids: tuple, idx: np.ndarray, real: np.ndarray, rows: int,
+              mark_key: str) -> list[PackedMicroBatch]:
+        """The packed micro-batches of rows idx[real] (`prefix_tree.packed_micro_batches`) at
+        the token budget of `rows` rows of the batch's width (`pack_shape`), padded up to this
+        trainer's `shape_marks` of `mark_key` ("score" or "train": separate programs).
+        ids: the batch's host (prompt_ids, prompt_mask, response_ids, response_mask)."""
+        width, rows_per_micro, shards = self.pack_shape(rows, ids[0].shape[1], ids[2].shape[1])
+        return packed_micro_batches(*ids, idx, real, max_width=width,
+                                    rows_per_micro=rows_per_micro, row_multiple=shards,
+                                    response_floor=self.cfg.response_floor,
+                                    marks=self.shape_marks, mark_key=mark_key)
+
     def _packed_score(self, state, batch, ref, key, chunk, static):
         """`score` over prefix-tree packed micro-batches of all valid rows (a token budget of
         `chunk` rows at the batch's width each): the same scores, each shared prefix computed
         once; the value-std dropout masks are drawn per packed chunk."""
-        host = [host_values(getattr(batch, f)) for f in
-                ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
-        width, rows_per_micro, shards = self.pack_shape(chunk, batch.prompt_ids.shape[1],
-                                                        batch.response_ids.shape[1])
-        rows = np.arange(batch.num_rows)
-        plan = packed_micro_batches(*host, rows, host_values(batch.valid), max_width=width,
-                                    rows_per_micro=rows_per_micro, row_multiple=shards,
-                                    response_floor=self.cfg.response_floor,
-                                    marks=self.shape_marks, mark_key="score")
+        ids = _host_ids(batch)
+        plan = self._plan(ids, np.arange(batch.num_rows), host_values(batch.valid), chunk,
+                          "score")
         scores = Scores(jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
                         jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
         for j, mb in enumerate(plan):
@@ -372,15 +385,13 @@ class Trainer:
         m = cfg.micro_batch_size
         # host_values: a multi-host global batch is gathered (every process plans the same steps).
         valid, kind = host_values(batch.valid), host_values(batch.kind)
-        pm, rm = host_values(batch.prompt_mask), host_values(batch.response_mask)
+        ids = _host_ids(batch)   # on the host once (every process: the same plan)
+        pm, rm = ids[1], ids[3]
         n_tokens = np.sum(pm, axis=1) + np.sum(rm, axis=1)
         tp, tr = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
         seed = int(jax.device_get(jax.random.randint(key, (), 0, 2 ** 31 - 1)))
         rng = np.random.default_rng(seed)
         base = base if self.lora else None
-        if not self.per_row:   # the token ids on the host once (every process: the same plan)
-            ids = (host_values(batch.prompt_ids), pm, host_values(batch.response_ids), rm)
-            width, rows_per_micro, shards = self.pack_shape(m, tp, tr)
         out = []
         with self._ctx():
             for _ in range(cfg.ppo_epochs):
@@ -395,12 +406,7 @@ class Trainer:
                         # micro-batches holding a real row run at the batch's width
                         computed = int(real.reshape(-1, m).any(1).sum()) * m * (tp + tr)
                     else:
-                        packed = packed_micro_batches(*ids, idx, real, max_width=width,
-                                                      rows_per_micro=rows_per_micro,
-                                                      row_multiple=shards,
-                                                      response_floor=cfg.response_floor,
-                                                      marks=self.shape_marks,
-                                                      mark_key="train")
+                        packed = self._plan(ids, idx, real, m, "train")
                         state, met = self._packed_step(state, batch, adv, weights, targets,
                                                        idx, real, packed, base, on_policy)
                         computed = sum(p.num_slots for p in packed)
