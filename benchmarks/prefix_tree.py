@@ -8,25 +8,26 @@ responses of --response tokens. So the tree has the levels instruction -> task -
 step, as in a real StraTA batch. Or, with --batches, real update batches a run dumped
 (``log.dump_batches``: the sampler's own ids, e.g. the 0.5B's StraTA memory_key batches under
 benchmarks/results/learning_study/*/run_*/batches/), replayed with the run's training settings
-(--micro, --mini, --lora, --algo). The peak RSS printed is the process's: for each path's
-own, run one --paths per process.
+(--micro, --mini, --lora, --algo). Each path runs in its own child process (one after
+another), so the peak RSS printed is that path's own; --in-process runs them in one.
 
 Reported per batch: tokens the forward computes under each layout (per-row at the batch's
-width; per-row length-grouped, an earlier path; packing without sharing, i.e. the rows' own tokens; only the
-instruction block shared; the full tree), then `Trainer.update` wall time of the per-row and
-the packed path in one process (warm-up, i.e. compilation, reported apart), XLA compilations
-after warm-up, and peak RSS; with ``--paths torch`` also transformers/torch's per-row update of
-the same rows with the same LoRA (`torch_update`), the user's alternative. Nothing here
-asserts a timing; on a shared machine the load is printed with each result. On a tiny model attention and per-call overhead dominate, so fewer
-tokens need not mean less time there: a packed row of width W computes ~W^2 / 2 score pairs,
-masked ones between unrelated subtrees included; judge the packed path on a real model shape.
+width; per-row length-grouped, an earlier path; packing without sharing, i.e. the rows' own
+tokens; only the instruction block shared; the full tree: the factors apart), then per path
+`Trainer.update` wall time (warm-up, i.e. compilation, reported apart) with its ratio to every
+other path, XLA compilations after warm-up and peak RSS; with ``--paths torch`` also
+transformers/torch's per-row update of the same rows with the same LoRA (`torch_update`), the
+user's alternative. --out keeps the figures as JSON. Nothing here asserts a timing; the load is
+printed with each result. On a tiny model attention and per-call overhead dominate, so fewer
+tokens need not mean less time there; judge the packed path on a real model shape.
 
     python -m benchmarks.prefix_tree                          # tiny random model, quick
     python -m benchmarks.prefix_tree --shape 0.5b --lora 16   # the 0.5B shape, random weights
     python -m benchmarks.prefix_tree --model /path/qwen05-hf --lora 16 --repeats 2
     python -m benchmarks.prefix_tree --model qwen2.5-coder-0.5b-instruct --lora 16 --remat dots \
-        --paths per_row packed torch \
-        --batches benchmarks/results/learning_study/keep25/run_strata_s0/batches/*.npz
+        --algo strata --micro 8 --mini 40 --paths per_row packed torch \
+        --batches benchmarks/results/learning_study/keep25/run_strata_s0/batches/iter_0000.npz
+    python -m benchmarks.prefix_tree --shape 1.5b --lora 16 --rows 16 --batches ...  # 1.5B shape
 """
 from __future__ import annotations
 
@@ -216,13 +217,23 @@ def _common_prefix(pi, pm) -> int:
     return n
 
 
-def main() -> None:
+SHAPES = {   # random-weight model shapes (Qwen2.5's published configs; tied embeddings)
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=16),
+    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                 num_heads=14, num_kv_heads=2, head_dim=64, tie_word_embeddings=True),
+    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                 num_heads=12, num_kv_heads=2, head_dim=128, tie_word_embeddings=True),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="HF checkpoint dir, GGUF file or fetched model "
                     "name; empty: random weights of --shape")
-    ap.add_argument("--shape", default="tiny", choices=["tiny", "0.5b"],
-                    help="random-weight model shape without --model (0.5b: Qwen2.5-0.5B's)")
+    ap.add_argument("--shape", default="tiny", choices=tuple(SHAPES),
+                    help="random-weight model shape without --model (Qwen2.5-0.5B's, -1.5B's)")
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
     ap.add_argument("--inst", type=int, default=56)
     ap.add_argument("--goal", type=int, default=40)
@@ -237,6 +248,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--batches", nargs="*", default=[], help="dumped SampleBatch .npz files "
                     "(log.dump_batches) to replay instead of the synthetic batch")
+    ap.add_argument("--rows", type=int, default=0, help="keep the first N rows of each batch "
+                    "(0: all), e.g. to time a larger shape on part of a real batch")
     ap.add_argument("--mini", type=int, default=1024, help="mini_batch_size (step rows per "
                     "optimizer step; the default: one step over the whole batch)")
     ap.add_argument("--algo", default="grpo", help="the estimator (a dumped batch carries the "
@@ -246,14 +259,46 @@ def main() -> None:
                     "(torch: transformers' per-row update of the same rows, `torch_update`)")
     ap.add_argument("--remat", default="full")
     ap.add_argument("--dtype", default="float32")
-    args = ap.parse_args()
+    ap.add_argument("--in-process", action="store_true", help="time every path in this process "
+                    "(default: one child process per path, so each path's peak RSS is its own)")
+    ap.add_argument("--out", default="", help="write the results as JSON here")
+    ap.add_argument("--child-json", default="", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
 
+
+def load_batches(args, vocab: int) -> list[tuple[str, object]]:
+    """(name, SampleBatch) per --batches file (first --rows rows), or the synthetic batch.
+    Raises SystemExit when a batch holds ids beyond the model's vocabulary."""
+    import jax
+    import numpy as np
+
+    from strata_jax.algos import make_sample_batch
+    if not args.batches:
+        return [("synthetic", make_sample_batch(strata_records(args, vocab),
+                                                row_multiple=args.micro))]
+    from strata_jax.algos.batch import load_sample_batch
+    out = []
+    for f in args.batches:
+        batch = load_sample_batch(f)[0]
+        if args.rows:
+            batch = jax.tree.map(lambda x: x[:args.rows], batch)
+        top = int(max(np.asarray(batch.prompt_ids).max(), np.asarray(batch.response_ids).max()))
+        if top >= vocab:
+            raise SystemExit(f"{f} holds token id {top}, beyond the model's vocabulary "
+                             f"({vocab}): pass --model of the run that dumped it")
+        out.append((os.path.basename(os.path.dirname(os.path.dirname(f))) + "/"
+                    + os.path.basename(f), batch))
+    return out
+
+
+def run_paths(args) -> list[dict]:
+    """Time args.paths in this process; one result dict per (batch, path) plus one per batch
+    with its token counts (path "counts")."""
     import jax
     import numpy as np
 
     import configs.base as base
     from benchmarks._timing import time_updates
-    from strata_jax.algos import make_sample_batch
     from strata_jax.metrics import CompileCounter
     from strata_jax.models import Qwen2Config, init_params, load_checkpoint
     from strata_jax.training import TrainConfig, Trainer
@@ -261,42 +306,23 @@ def main() -> None:
     compiles = CompileCounter.install()
     if args.model:   # a local dir, a GGUF file or a fetched model's name
         model, params = load_checkpoint(args.model)
-    elif args.shape == "0.5b":
-        model = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                            num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
-                            tie_word_embeddings=True)
-        params = init_params(model, jax.random.PRNGKey(0))
     else:
-        model = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                            num_heads=4, num_kv_heads=2, head_dim=16)
+        model = Qwen2Config(**SHAPES[args.shape])
         params = init_params(model, jax.random.PRNGKey(0))
-    if args.batches:
-        from strata_jax.algos.batch import load_sample_batch
-        batches = [(os.path.basename(f), load_sample_batch(f)[0]) for f in args.batches]
-        top = max(int(max(np.asarray(b.prompt_ids).max(), np.asarray(b.response_ids).max()))
-                  for _, b in batches)
-        if top >= model.vocab_size:
-            raise SystemExit(f"the batches hold token id {top}, beyond the model's vocabulary "
-                             f"({model.vocab_size}): pass --model of the run that dumped them")
-    else:
-        batches = [("synthetic", make_sample_batch(strata_records(args, model.vocab_size),
-                                                   row_multiple=args.micro))]
     c = base.get_base_config()
     c.algo = args.algo
     c.lora.rank = args.lora
-    for name, batch in batches:
+    results = []
+    for name, batch in load_batches(args, model.vocab_size):
         counts = token_counts(batch, args.micro, TrainConfig().response_floor)
-        print(f"{name}: {int(np.asarray(batch.valid).sum())} rows, batch width "
-              f"{batch.prompt_ids.shape[1]} + {batch.response_ids.shape[1]}")
-        for k, v in counts.items():
-            print(f"  tokens computed, {k:19s}: {v:7d}  ({counts['per_row'] / max(v, 1):.2f}x "
-                  f"fewer than per-row)")
+        results.append(dict(batch=name, path="counts", rows=int(np.asarray(batch.valid).sum()),
+                            width=[int(batch.prompt_ids.shape[1]),
+                                   int(batch.response_ids.shape[1])], **counts))
         for path in args.paths:
             if path == "torch":
                 warm, runs, slots = torch_update(model, params, batch, args)
-                print(f"  {'torch per-row':25s}: update {statistics.median(runs):7.2f} s (warm-up "
-                      f"{warm:.1f} s), {slots} tokens computed, load {os.getloadavg()[0]:.1f}",
-                      flush=True)
+                results.append(dict(batch=name, path=path, update_s=statistics.median(runs),
+                                    warmup_s=warm, tokens=slots, load=os.getloadavg()[0]))
                 continue
             cfg = TrainConfig.from_config(c, mini_batch_size=args.mini,
                                           micro_batch_size=args.micro, remat=args.remat,
@@ -306,13 +332,83 @@ def main() -> None:
             marks = []
             state, warm, runs, m = time_updates(trainer, state, batch, params, args.repeats,
                                                 lambda: marks.append(compiles.count))
-            label = "packed tree" if path == "packed" else "per-row"
-            print(f"  {label:25s}: update {statistics.median(runs):7.2f} s (warm-up "
-                  f"{warm:.1f} s), {compiles.count - marks[0]} compilations after warm-up, "
-                  f"token fill {m['perf/update_token_fill']:.2f}, loss "
-                  f"{m['train/loss']:.6f}, load {os.getloadavg()[0]:.1f}", flush=True)
+            results.append(dict(batch=name, path=path, update_s=statistics.median(runs),
+                                warmup_s=warm, compilations=compiles.count - marks[0],
+                                token_fill=float(m["perf/update_token_fill"]),
+                                loss=float(m["train/loss"]), load=os.getloadavg()[0]))
             del state, trainer
-    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    for r in results:
+        r.setdefault("peak_rss_gb", rss)
+    return results
+
+
+def run_children(args, argv: list[str]) -> list[dict]:
+    """One child process per path (the same arguments, --paths that path), so each peak RSS
+    is the path's own; the children run one after another."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    results = []
+    for k, path in enumerate(args.paths):
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            rest, skip = [], False
+            for a in argv:   # drop --paths and its values
+                if a == "--paths":
+                    skip = True
+                    continue
+                if skip and not a.startswith("--"):
+                    continue
+                skip = False
+                rest.append(a)
+            cmd = [sys.executable, "-m", "benchmarks.prefix_tree", *rest, "--paths", path,
+                   "--in-process", "--child-json", f.name]
+            subprocess.run(cmd, check=True)
+            got = json.load(open(f.name))
+        results += [r for r in got if r["path"] != "counts" or k == 0]
+    return results
+
+
+def report(results: list[dict]) -> None:
+    """Token counts per layout, then per path: update s and its speed-up over every other
+    path (the other's time / this one's)."""
+    label = {"per_row": "per-row (reference)", "packed": "packed tree (the update)",
+             "torch": "torch per-row"}
+    for r in [r for r in results if r["path"] == "counts"]:
+        name = r["batch"]
+        print(f"{name}: {r['rows']} rows, batch width {r['width'][0]} + {r['width'][1]}")
+        for k in ("per_row", "grouped", "packed_no_sharing", "instruction_shared", "tree"):
+            print(f"  tokens computed, {k:19s}: {r[k]:7d}  ({r['per_row'] / max(r[k], 1):.2f}x "
+                  f"fewer than per-row)")
+        timed = {p["path"]: p for p in results if p["batch"] == name and p["path"] != "counts"}
+        for path, p in timed.items():
+            vs = [f"vs {o} {timed[o]['update_s'] / p['update_s']:.2f}x" for o in timed
+                  if o != path]
+            extra = (f", {p['compilations']} compilations after warm-up, token fill "
+                     f"{p['token_fill']:.2f}, loss {p['loss']:.6f}" if "loss" in p
+                     else f", {p['tokens']} tokens computed")
+            print(f"  {label[path]:25s}: update {p['update_s']:7.2f} s (speed-up {', '.join(vs)}), "
+                  f"warm-up {p['warmup_s']:.1f} s, peak RSS {p['peak_rss_gb']:.2f} GB"
+                  f"{extra}, load {p['load']:.1f}", flush=True)
+
+
+def main(argv=None) -> None:
+    import json
+    import sys
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.in_process or len(args.paths) == 1:
+        results = run_paths(args)
+    else:
+        results = run_children(args, argv)
+    if args.child_json:
+        json.dump(results, open(args.child_json, "w"))
+        return
+    report(results)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        json.dump(dict(args=vars(args), results=results), open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ def validate(c: Any) -> None:
                  "max_judge_tokens", "dapo_max_tries"):
         at_least(f"rollout.{name}", 1)
     at_least("rollout.cohorts", 0)
-    at_least("rollout.prefix_cache_mb", 0)     # 0 = auto (rollout.episodes.resolve_cohorts)
+    at_least("rollout.prefix_cache_mb", 0)     # 0 = off (no prefix KV kept across calls)
     for name in ("max_steps", "max_prompt_tokens", "num_workers"):
         at_least(f"env.{name}", 1)
     at_least("env.history_length", 0)

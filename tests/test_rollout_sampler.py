@@ -193,13 +193,18 @@ def test_rollout_with_kept_prefix_kv_equals_the_rollout_without(tok, forced_repl
     np.testing.assert_array_equal(a.prompt_ids, b.prompt_ids)
     np.testing.assert_array_equal(a.response_ids, b.response_ids)
     np.testing.assert_allclose(a.sampler_logprobs, b.sampler_logprobs, atol=1e-5)
-    assert out[0.0, "metrics"] == {}
     # one prefix (chat header, role line, task) for every row: prefilled by step 1's call,
     # served to steps 2 and 3; it is a proper prefix of every row's prompt
-    m = out[64.0, "metrics"]
+    m, m0 = out[64.0, "metrics"], out[0.0, "metrics"]
+    assert set(m0) == {"rollout/prompt_tokens", "rollout/prefill_tokens"}
     computed = m["rollout/prefix_computed_tokens"]
     assert m["rollout/prefix_reused_tokens"] == 2 * computed
     assert 30 < computed < b.prompt_mask.sum(axis=1)[b.valid].min()
+    # the rows' prompt tokens are the batch's; each of the 3 calls (the 2 episodes' step k)
+    # prefills the shared prefix once for its 2 rows, the cache once for all 3 calls
+    assert m0["rollout/prompt_tokens"] == m["rollout/prompt_tokens"] == b.prompt_mask[b.valid].sum()
+    assert m0["rollout/prompt_tokens"] - m0["rollout/prefill_tokens"] == 3 * computed
+    assert m0["rollout/prefill_tokens"] - m["rollout/prefill_tokens"] == 2 * computed
     policy = out[64.0, "policy"]
     assert len(policy.prefix_cache) == 1
     policy.set_params(params)

@@ -67,6 +67,7 @@ class SamplerPolicy:
         self.embed_batch = int(embed_batch)
         self.prefix_cache = (PrefixKVCache(int(prefix_cache_mb * 2 ** 20))
                              if prefix_cache_mb > 0 else None)
+        self._prefill = dict(prompt_tokens=0, prefill_tokens=0)
 
     def set_params(self, params: Any) -> None:
         """Use new policy params for the next rollout (the kept prefix KV is dropped)."""
@@ -77,13 +78,31 @@ class SamplerPolicy:
     def generate(self, prefixes: Sequence[Sequence[int]], prefix_index: Sequence[int],
                  suffixes: Sequence[Sequence[int]], sampling: SamplingParams,
                  keys: np.ndarray) -> GenerationBatch:
-        """`Sampler.generate_with_prefixes` with this policy's params (see `Policy`)."""
-        return self.sampler.generate_with_prefixes(self.params, prefixes, prefix_index, suffixes,
-                                                   sampling, keys, self.prefix_cache)
+        """`Sampler.generate_with_prefixes` with this policy's params (see `Policy`); counts
+        the prompt tokens and the prefill's real tokens (`prefix_stats`)."""
+        cached = self.prefix_cache.stats()["computed_tokens"] if self.prefix_cache else 0
+        out = self.sampler.generate_with_prefixes(self.params, prefixes, prefix_index, suffixes,
+                                                  sampling, keys, self.prefix_cache)
+        suffix = sum(len(x) for x in suffixes)
+        if self.prefix_cache is not None:
+            computed = self.prefix_cache.stats()["computed_tokens"] - cached
+        else:   # each distinct prefix of the call once
+            computed = sum(len(prefixes[i]) for i in set(int(i) for i in prefix_index))
+        self._prefill["prompt_tokens"] += suffix + sum(len(prefixes[int(i)])
+                                                       for i in prefix_index)
+        self._prefill["prefill_tokens"] += suffix + computed
+        return out
 
     def prefix_stats(self) -> dict[str, int]:
-        """The prefix cache's counters (`PrefixKVCache.stats`); {} without one."""
-        return self.prefix_cache.stats() if self.prefix_cache is not None else {}
+        """Running counters since construction: ``prompt_tokens`` (the rows' prompt tokens: what
+        a prefill of every row's whole prompt computes), ``prefill_tokens`` (the real tokens
+        the prefill computed: every suffix, and each call's distinct prefixes once, or with the
+        prefix cache only its misses), and the prefix cache's counters
+        (`PrefixKVCache.stats`) when there is one."""
+        out = dict(self._prefill)
+        if self.prefix_cache is not None:
+            out.update(self.prefix_cache.stats())
+        return out
 
     def embed(self, token_lists: Sequence[Sequence[int]]) -> np.ndarray:
         """Mean-pooled final hidden states, [n, D] float32. An empty list embeds to zeros.
@@ -109,11 +128,13 @@ class SamplerPolicy:
 
 
 def prefix_metrics(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
-    """The prefix cache's work between two `SamplerPolicy.prefix_stats` readings (e.g. one
-    iteration's rollout): ``rollout/prefix_computed_tokens`` (prefix tokens prefilled) and
-    ``rollout/prefix_reused_tokens`` (served from the kept KV; the sum is what the calls would
-    prefill without the cache). {} when the policy keeps no prefix KV."""
-    if not after:
-        return {}
-    return {f"rollout/prefix_{k}": float(after[k] - before.get(k, 0))
-            for k in ("computed_tokens", "reused_tokens")}
+    """The prefill's work between two `SamplerPolicy.prefix_stats` readings (e.g. one
+    iteration's rollout): ``rollout/prompt_tokens`` and ``rollout/prefill_tokens`` (the prompt
+    tokens of the rows, and the real tokens the prefill computed for them: their ratio is what
+    prefix sharing saves), and with the prefix cache ``rollout/prefix_computed_tokens`` (prefix
+    tokens prefilled) and ``rollout/prefix_reused_tokens`` (served from the kept KV instead).
+    {} for a policy without these counters (e.g. a scripted one)."""
+    keys = {"prompt_tokens": "rollout/prompt_tokens", "prefill_tokens": "rollout/prefill_tokens",
+            "computed_tokens": "rollout/prefix_computed_tokens",
+            "reused_tokens": "rollout/prefix_reused_tokens"}
+    return {name: float(after[k] - before.get(k, 0)) for k, name in keys.items() if k in after}
