@@ -322,3 +322,31 @@ def test_choosers_by_hand():
                            probe("a", 4, crashed=True), probe("a", 4, verdict=None)])
     assert scores[:2] == [0.5, 0.75] and all(s == float("-inf") for s in scores[2:])
     assert choose(scores) == 1 and choose([float("-inf")] * 3) == 0
+
+
+def test_run_eval_reports_the_prefill_work_with_and_without_the_prefix_cache(tmp_path):
+    """eval.py's metrics count the prompt tokens of its decode calls and the tokens their
+    prefill computed: the same prompts with the prefix cache and without, the cache computing
+    fewer (each episode's prefix once, not at every step), and the metrics file keeps them.
+    The tiny model as is (random weights, no warm start): 2 memory_key episodes of 3 steps."""
+    import json
+    from strata_jax.evaluation.run import run_eval
+    got = {}
+    for mb in (0.0, 16.0):
+        c = builtin.get_config("tiny")
+        c.workdir = str(tmp_path / f"mb{mb:g}")
+        c.compilation_cache_dir = str(tmp_path / "jax_cache")   # the second run loads it
+        c.model.warm_start = ""
+        c.env.max_steps = 3
+        c.eval.episodes_per_family = 2
+        c.rollout.prefix_cache_mb = mb
+        m = run_eval(c, split="dev", use_checkpoint=False)
+        assert json.load(open(m["files"][0]))["eval/prefill_tokens"] == m["eval/prefill_tokens"]
+        got[mb] = m
+    a, b = got[0.0], got[16.0]
+    assert "eval/prefix_computed_tokens" not in a
+    assert a["eval/prompt_tokens"] == b["eval/prompt_tokens"] > b["eval/prefill_tokens"]
+    # what the cache saved is exactly what it served from kept KV
+    saved = a["eval/prefill_tokens"] - b["eval/prefill_tokens"]
+    assert saved == b["eval/prefix_reused_tokens"] > 0
+    assert a["eval/prompt_tokens"] > a["eval/prefill_tokens"]   # prefixes shared in a call

@@ -27,6 +27,10 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     ``rollout.judge_model`` if set) and the files get the suffix ``_s<S>_<choice>`` (plus
     ``_probe<k>`` with ``eval.probe_steps`` = k).
 
+    The metrics add the prefill's work (`strata_jax.rollout.prefix_metrics` as ``eval/...``:
+    prompt_tokens, prefill_tokens, and with ``rollout.prefix_cache_mb`` > 0 the prefix cache's
+    computed / reused tokens).
+
     Raises ConfigError (bad config; with use_checkpoint=False a warm start that is not cached;
     strategy_choice="critic" for a run or model without a critic) and FileNotFoundError (no
     restorable checkpoint in the run folder).
@@ -35,7 +39,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     import os
 
     from strata_jax import experiment as ex
-    from strata_jax.rollout import SamplerPolicy, make_prompt_builder
+    from strata_jax.rollout import SamplerPolicy, make_prompt_builder, prefix_metrics
     from strata_jax.sampling import Sampler
     from strata_jax.training import Checkpointer, Trainer, TrainConfig
 
@@ -109,6 +113,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
              + (f"{tt.probe_steps}-step probes)" if tt.probe_steps else "full episodes)")
              if tt.enabled else "") + " (the first batch of 16 includes compiling the sampler: "
           "minutes on a CPU for a real model) ...", flush=True)
+    prefill0 = policy.prefix_stats()
     try:
         if tt.enabled:
             judge = build_judge_model(c, mesh) if tt.strategy_choice == "judge" else None
@@ -120,6 +125,9 @@ def run_eval(c, split: str | None = None, step: int | None = None,
                                          key=ex.seed_key(c, 2, at), progress=_progress_line())
     finally:
         pool.close()
+    # the prefill's work over the whole eval (eval/prompt_tokens, eval/prefill_tokens, ...)
+    metrics.update({"eval/" + k.split("/", 1)[1]: v
+                    for k, v in prefix_metrics(prefill0, policy.prefix_stats()).items()})
     metrics["step"] = at
     metrics["files"] = []
     if jax.process_index() == 0:   # multi-host: process 0 writes
