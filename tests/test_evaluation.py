@@ -328,7 +328,9 @@ def test_run_eval_reports_the_prefill_work_with_and_without_the_prefix_cache(tmp
     """eval.py's metrics count the prompt tokens of its decode calls and the tokens their
     prefill computed: the same prompts with the prefix cache and without, the cache computing
     fewer (each episode's prefix once, not at every step), and the metrics file keeps them.
-    The tiny model as is (random weights, no warm start): 2 memory_key episodes of 3 steps."""
+    The tiny model as is (random weights, no warm start), greedy so that the two prefill paths'
+    float rounding (the values agree to rounding, not bit for bit) cannot turn a sampled token
+    into another: 2 memory_key episodes of 3 steps, the same prompts in both runs."""
     import json
     from strata_jax.evaluation.run import run_eval
     got = {}
@@ -339,6 +341,7 @@ def test_run_eval_reports_the_prefill_work_with_and_without_the_prefix_cache(tmp
         c.model.warm_start = ""
         c.env.max_steps = 3
         c.eval.episodes_per_family = 2
+        c.eval.temperature = 0.0
         c.rollout.prefix_cache_mb = mb
         m = run_eval(c, split="dev", use_checkpoint=False)
         assert json.load(open(m["files"][0]))["eval/prefill_tokens"] == m["eval/prefill_tokens"]

@@ -177,8 +177,9 @@ def test_packed_update_equals_per_row_update_on_real_rows(real):
     a, ma = packed.update(jax.tree.map(jnp.copy, state), batch, params)
     b, mb = rows.update(jax.tree.map(jnp.copy, state), batch, params)
     assert ma["optimizer_steps"] == mb["optimizer_steps"] == 2
-    for k in ("train/loss", "train/kl", "train/grad_norm"):
-        np.testing.assert_allclose(ma[k], mb[k], rtol=1e-4, err_msg=k)
+    # the KL is a small difference of logprobs ~ -12: its relative round-off is larger
+    for k, rtol in (("train/loss", 1e-4), ("train/grad_norm", 1e-4), ("train/kl", 1e-3)):
+        np.testing.assert_allclose(ma[k], mb[k], rtol=rtol, err_msg=k)
     assert mb["train/grad_norm"] > 0 and mb["train/kl"] > 0
     flat = jax.tree_util.tree_flatten_with_path(tree_to_numpy(a.params))[0]
     for (path, x), y, s in zip(flat, jax.tree.leaves(tree_to_numpy(b.params)),

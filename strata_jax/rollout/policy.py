@@ -83,20 +83,21 @@ class SamplerPolicy:
         cached = self.prefix_cache.stats()["computed_tokens"] if self.prefix_cache else 0
         out = self.sampler.generate_with_prefixes(self.params, prefixes, prefix_index, suffixes,
                                                   sampling, keys, self.prefix_cache)
-        suffix = sum(len(x) for x in suffixes)
-        if self.prefix_cache is not None:
-            computed = self.prefix_cache.stats()["computed_tokens"] - cached
-        else:   # each distinct prefix of the call once
-            computed = sum(len(prefixes[i]) for i in set(int(i) for i in prefix_index))
-        self._prefill["prompt_tokens"] += suffix + sum(len(prefixes[int(i)])
-                                                       for i in prefix_index)
-        self._prefill["prefill_tokens"] += suffix + computed
+        if sampling.max_new_tokens > 0 and len(suffixes):   # else the sampler prefills nothing
+            suffix = sum(len(x) for x in suffixes)
+            if self.prefix_cache is not None:
+                computed = self.prefix_cache.stats()["computed_tokens"] - cached
+            else:   # every listed prefix once (the rollout lists each distinct one once)
+                computed = sum(len(p) for p in prefixes)
+            self._prefill["prompt_tokens"] += suffix + sum(len(prefixes[int(i)])
+                                                           for i in prefix_index)
+            self._prefill["prefill_tokens"] += suffix + computed
         return out
 
     def prefix_stats(self) -> dict[str, int]:
         """Running counters since construction: ``prompt_tokens`` (the rows' prompt tokens: what
         a prefill of every row's whole prompt computes), ``prefill_tokens`` (the real tokens
-        the prefill computed: every suffix, and each call's distinct prefixes once, or with the
+        the prefill computed: every suffix, and each listed prefix of a call once, or with the
         prefix cache only its misses), and the prefix cache's counters
         (`PrefixKVCache.stats`) when there is one."""
         out = dict(self._prefill)
@@ -133,7 +134,8 @@ def prefix_metrics(before: dict[str, int], after: dict[str, int]) -> dict[str, f
     tokens of the rows, and the real tokens the prefill computed for them: their ratio is what
     prefix sharing saves), and with the prefix cache ``rollout/prefix_computed_tokens`` (prefix
     tokens prefilled) and ``rollout/prefix_reused_tokens`` (served from the kept KV instead).
-    {} for a policy without these counters (e.g. a scripted one)."""
+    Counters absent from `after` are left out (a policy without a prefix cache has no
+    computed / reused tokens)."""
     keys = {"prompt_tokens": "rollout/prompt_tokens", "prefill_tokens": "rollout/prefill_tokens",
             "computed_tokens": "rollout/prefix_computed_tokens",
             "reused_tokens": "rollout/prefix_reused_tokens"}
