@@ -249,7 +249,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batches", nargs="*", default=[], help="dumped SampleBatch .npz files "
                     "(log.dump_batches) to replay instead of the synthetic batch")
     ap.add_argument("--rows", type=int, default=0, help="keep the first N rows of each batch "
-                    "(0: all), e.g. to time a larger shape on part of a real batch")
+                    "(the synthetic one too; 0: all), e.g. to time a larger shape on part of a "
+                    "real batch")
     ap.add_argument("--mini", type=int, default=1024, help="mini_batch_size (step rows per "
                     "optimizer step; the default: one step over the whole batch)")
     ap.add_argument("--algo", default="grpo", help="the estimator (a dumped batch carries the "
@@ -274,7 +275,8 @@ def load_batches(args, vocab: int) -> list[tuple[str, object]]:
 
     from strata_jax.algos import make_sample_batch
     if not args.batches:
-        return [("synthetic", make_sample_batch(strata_records(args, vocab),
+        recs = strata_records(args, vocab)
+        return [("synthetic", make_sample_batch(recs[:args.rows] if args.rows else recs,
                                                 row_multiple=args.micro))]
     from strata_jax.algos.batch import load_sample_batch
     out = []
@@ -286,8 +288,7 @@ def load_batches(args, vocab: int) -> list[tuple[str, object]]:
         if top >= vocab:
             raise SystemExit(f"{f} holds token id {top}, beyond the model's vocabulary "
                              f"({vocab}): pass --model of the run that dumped it")
-        out.append((os.path.basename(os.path.dirname(os.path.dirname(f))) + "/"
-                    + os.path.basename(f), batch))
+        out.append((os.path.relpath(f), batch))
     return out
 
 
@@ -338,8 +339,9 @@ def run_paths(args) -> list[dict]:
                                 loss=float(m["train/loss"]), load=os.getloadavg()[0]))
             del state, trainer
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
-    for r in results:
+    for r in results:   # the process's peak: a path's own only when it ran alone
         r.setdefault("peak_rss_gb", rss)
+        r["rss_of"] = "path" if len(args.paths) == 1 else "process"
     return results
 
 
@@ -364,9 +366,14 @@ def run_children(args, argv: list[str]) -> list[dict]:
                 rest.append(a)
             cmd = [sys.executable, "-m", "benchmarks.prefix_tree", *rest, "--paths", path,
                    "--in-process", "--child-json", f.name]
-            subprocess.run(cmd, check=True)
+            rc = subprocess.run(cmd).returncode
+            if rc != 0:   # e.g. killed for memory: the other paths' figures still count
+                print(f"path {path}: the child process failed (exit {rc}); its row is left out",
+                      flush=True)
+                continue
             got = json.load(open(f.name))
-        results += [r for r in got if r["path"] != "counts" or k == 0]
+        have_counts = any(r["path"] == "counts" for r in results)
+        results += [r for r in got if r["path"] != "counts" or not have_counts]
     return results
 
 
@@ -388,8 +395,9 @@ def report(results: list[dict]) -> None:
             extra = (f", {p['compilations']} compilations after warm-up, token fill "
                      f"{p['token_fill']:.2f}, loss {p['loss']:.6f}" if "loss" in p
                      else f", {p['tokens']} tokens computed")
+            rss = "peak RSS" if p.get("rss_of", "path") == "path" else "process peak RSS"
             print(f"  {label[path]:25s}: update {p['update_s']:7.2f} s (speed-up {', '.join(vs)}), "
-                  f"warm-up {p['warmup_s']:.1f} s, peak RSS {p['peak_rss_gb']:.2f} GB"
+                  f"warm-up {p['warmup_s']:.1f} s, {rss} {p['peak_rss_gb']:.2f} GB"
                   f"{extra}, load {p['load']:.1f}", flush=True)
 
 
