@@ -136,7 +136,10 @@ def torch_update(model, params, batch, args) -> tuple[float, list[float], int]:
     response positions (`logits_to_keep`); gradients accumulate over a mini-batch of --mini
     rows, then one AdamW step. Per-layer gradient checkpointing when --remat is not "none"
     (torch has no "dots" policy). Forward and backward of the policy only: no scoring pass
-    (the strata-jax update's old / reference logprob passes run where its config needs them).
+    (the strata-jax update's old / reference logprob passes run where its config needs them),
+    except that with --kl > 0 and LoRA each micro-batch also runs the reference forward (the
+    adapters scaled to 0, no gradient) and adds the KL penalty (k3 estimator) to its loss, as
+    the strata-jax update does; without LoRA the torch step has no reference pass.
     Returns (warm-up s, [update s per repeat], tokens computed (micro-batch slots)).
     """
     import tempfile
@@ -157,8 +160,10 @@ def torch_update(model, params, batch, args) -> tuple[float, list[float], int]:
     if args.lora:
         for w in net.parameters():
             w.requires_grad_(False)
-        _add_lora(torch, net, args.lora, alpha=64.0)
+        _add_lora(torch, net, args.lora, alpha=args.lora_alpha)
     trainable = [w for w in net.parameters() if w.requires_grad]
+    adapters = [m for m in net.modules() if hasattr(m, "scale") and hasattr(m, "base")]
+    ref_pass = args.kl > 0 and bool(adapters)
     opt = torch.optim.AdamW(trainable, lr=1e-6, weight_decay=0.01)
     seqs, n_resp = torch_rows(batch)
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
@@ -191,12 +196,23 @@ def torch_update(model, params, batch, args) -> tuple[float, list[float], int]:
         for group in micro_batches:
             n_tok = sum(int(k.sum()) for *_, k, _ in group)
             for ids, mask, pos, tr, keep, a in group:
-                out = net(input_ids=ids, attention_mask=mask, position_ids=pos,
-                          logits_to_keep=tr + 1)
-                lp = torch.log_softmax(out.logits[:, :-1].float(), -1).gather(
-                    -1, ids[:, -tr:, None])[..., 0]
+                def logprobs():
+                    out = net(input_ids=ids, attention_mask=mask, position_ids=pos,
+                              logits_to_keep=tr + 1)
+                    return torch.log_softmax(out.logits[:, :-1].float(), -1).gather(
+                        -1, ids[:, -tr:, None])[..., 0]
+                lp = logprobs()
                 # PPO at ratio 1: -A * exp(lp - lp.detach()) has the gradient of -A * lp
                 loss = -(a * torch.exp(lp - lp.detach()) * keep).sum() / n_tok
+                if ref_pass:   # the reference policy: the base weights, adapters off
+                    with torch.no_grad():
+                        for m in adapters:
+                            m.scale = 0.0
+                        ref = logprobs()
+                        for m in adapters:
+                            m.scale = args.lora_alpha / args.lora
+                    d = ref - lp
+                    loss = loss + args.kl * ((torch.exp(d) - d - 1) * keep).sum() / n_tok
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             opt.step()
@@ -258,6 +274,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--paths", nargs="+", default=["per_row", "packed"],
                     choices=["per_row", "packed", "torch"], help="which update paths to time "
                     "(torch: transformers' per-row update of the same rows, `torch_update`)")
+    ap.add_argument("--kl", type=float, default=0.01, help="loss.kl_coef (the base config's): "
+                    "> 0 runs a reference pass (torch: with LoRA only, `torch_update`)")
+    ap.add_argument("--lora-alpha", type=float, default=64.0, help="the torch adapters' alpha")
     ap.add_argument("--remat", default="full")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--in-process", action="store_true", help="time every path in this process "
@@ -313,6 +332,7 @@ def run_paths(args) -> list[dict]:
     c = base.get_base_config()
     c.algo = args.algo
     c.lora.rank = args.lora
+    c.loss.kl_coef = args.kl
     results = []
     for name, batch in load_batches(args, model.vocab_size):
         counts = token_counts(batch, args.micro, TrainConfig().response_floor)
@@ -396,7 +416,8 @@ def report(results: list[dict]) -> None:
                      f"{p['token_fill']:.2f}, loss {p['loss']:.6f}" if "loss" in p
                      else f", {p['tokens']} tokens computed")
             rss = "peak RSS" if p.get("rss_of", "path") == "path" else "process peak RSS"
-            print(f"  {label[path]:25s}: update {p['update_s']:7.2f} s (speed-up {', '.join(vs)}), "
+            print(f"  {label[path]:25s}: update {p['update_s']:7.2f} s"
+                  + (f" (speed-up {', '.join(vs)})" if vs else "") + ", "
                   f"warm-up {p['warmup_s']:.1f} s, {rss} {p['peak_rss_gb']:.2f} GB"
                   f"{extra}, load {p['load']:.1f}", flush=True)
 
