@@ -191,24 +191,25 @@ def torch_update(model, params, batch, args) -> tuple[float, list[float], int]:
             slots += len(rows) * t
         micro_batches.append(group)
 
+    def logprobs(ids, mask, pos, tr):
+        """[rows, tr] logprobs of the last tr tokens (the response columns)."""
+        out = net(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=tr + 1)
+        return torch.log_softmax(out.logits[:, :-1].float(), -1).gather(
+            -1, ids[:, -tr:, None])[..., 0]
+
     def update():
         t0 = time.perf_counter()
         for group in micro_batches:
             n_tok = sum(int(k.sum()) for *_, k, _ in group)
             for ids, mask, pos, tr, keep, a in group:
-                def logprobs():
-                    out = net(input_ids=ids, attention_mask=mask, position_ids=pos,
-                              logits_to_keep=tr + 1)
-                    return torch.log_softmax(out.logits[:, :-1].float(), -1).gather(
-                        -1, ids[:, -tr:, None])[..., 0]
-                lp = logprobs()
+                lp = logprobs(ids, mask, pos, tr)
                 # PPO at ratio 1: -A * exp(lp - lp.detach()) has the gradient of -A * lp
                 loss = -(a * torch.exp(lp - lp.detach()) * keep).sum() / n_tok
                 if ref_pass:   # the reference policy: the base weights, adapters off
                     with torch.no_grad():
                         for m in adapters:
                             m.scale = 0.0
-                        ref = logprobs()
+                        ref = logprobs(ids, mask, pos, tr)
                         for m in adapters:
                             m.scale = args.lora_alpha / args.lora
                     d = ref - lp
@@ -276,7 +277,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "(torch: transformers' per-row update of the same rows, `torch_update`)")
     ap.add_argument("--kl", type=float, default=0.01, help="loss.kl_coef (the base config's): "
                     "> 0 runs a reference pass (torch: with LoRA only, `torch_update`)")
-    ap.add_argument("--lora-alpha", type=float, default=64.0, help="the torch adapters' alpha")
+    ap.add_argument("--lora-alpha", type=float, default=64.0, help="LoRA alpha (both sides; "
+                    "the base config's)")
     ap.add_argument("--remat", default="full")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--in-process", action="store_true", help="time every path in this process "
@@ -331,7 +333,7 @@ def run_paths(args) -> list[dict]:
         params = init_params(model, jax.random.PRNGKey(0))
     c = base.get_base_config()
     c.algo = args.algo
-    c.lora.rank = args.lora
+    c.lora.rank, c.lora.alpha = args.lora, args.lora_alpha   # torch's adapters: the same
     c.loss.kl_coef = args.kl
     results = []
     for name, batch in load_batches(args, model.vocab_size):
@@ -373,18 +375,10 @@ def run_children(args, argv: list[str]) -> list[dict]:
     import sys
     import tempfile
     results = []
-    for k, path in enumerate(args.paths):
+    for path in args.paths:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            rest, skip = [], False
-            for a in argv:   # drop --paths and its values
-                if a == "--paths":
-                    skip = True
-                    continue
-                if skip and not a.startswith("--"):
-                    continue
-                skip = False
-                rest.append(a)
-            cmd = [sys.executable, "-m", "benchmarks.prefix_tree", *rest, "--paths", path,
+            # argparse keeps the last --paths: the child times this one path
+            cmd = [sys.executable, "-m", "benchmarks.prefix_tree", *argv, "--paths", path,
                    "--in-process", "--child-json", f.name]
             rc = subprocess.run(cmd).returncode
             if rc != 0:   # e.g. killed for memory: the other paths' figures still count

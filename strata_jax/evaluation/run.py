@@ -126,8 +126,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     finally:
         pool.close()
     # the prefill's work over the whole eval (eval/prompt_tokens, eval/prefill_tokens, ...)
-    metrics.update({"eval/" + k.split("/", 1)[1]: v
-                    for k, v in prefix_metrics(prefill0, policy.prefix_stats()).items()})
+    metrics.update(prefix_metrics(prefill0, policy.prefix_stats(), prefix="eval"))
     metrics["step"] = at
     metrics["files"] = []
     if jax.process_index() == 0:   # multi-host: process 0 writes

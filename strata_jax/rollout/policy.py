@@ -128,15 +128,17 @@ class SamplerPolicy:
         return out
 
 
-def prefix_metrics(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+def prefix_metrics(before: dict[str, int], after: dict[str, int],
+                   prefix: str = "rollout") -> dict[str, float]:
     """The prefill's work between two `SamplerPolicy.prefix_stats` readings (e.g. one
-    iteration's rollout): ``rollout/prompt_tokens`` and ``rollout/prefill_tokens`` (the prompt
-    tokens of the rows, and the real tokens the prefill computed for them: their ratio is what
-    prefix sharing saves), and with the prefix cache ``rollout/prefix_computed_tokens`` (prefix
-    tokens prefilled) and ``rollout/prefix_reused_tokens`` (served from the kept KV instead).
-    Counters absent from `after` are left out (a policy without a prefix cache has no
-    computed / reused tokens)."""
-    keys = {"prompt_tokens": "rollout/prompt_tokens", "prefill_tokens": "rollout/prefill_tokens",
-            "computed_tokens": "rollout/prefix_computed_tokens",
-            "reused_tokens": "rollout/prefix_reused_tokens"}
-    return {name: float(after[k] - before.get(k, 0)) for k, name in keys.items() if k in after}
+    iteration's rollout), as float token counts: ``<prefix>/prompt_tokens`` and
+    ``<prefix>/prefill_tokens`` (the prompt tokens of the rows, and the real tokens the prefill
+    computed for them: their ratio is what prefix sharing saves), and with the prefix cache
+    ``<prefix>/prefix_computed_tokens`` (prefix tokens prefilled) and
+    ``<prefix>/prefix_reused_tokens`` (served from the kept KV instead). Counters absent from
+    `after` are left out (a policy without a prefix cache has no computed / reused tokens).
+    prefix: "rollout" (train.py's iteration metrics) or "eval" (eval.py's)."""
+    names = {"prompt_tokens": "prompt_tokens", "prefill_tokens": "prefill_tokens",
+             "computed_tokens": "prefix_computed_tokens", "reused_tokens": "prefix_reused_tokens"}
+    return {f"{prefix}/{name}": float(after[k] - before.get(k, 0))
+            for k, name in names.items() if k in after}
