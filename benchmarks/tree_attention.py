@@ -3,10 +3,14 @@ the attention's share of it (the attention rule of docs/design.md §12.1).
 
     python -m benchmarks.tree_attention                 # 0.5B layer shape, micro 8 x (256 + 32)
     python -m benchmarks.tree_attention --repeats 5
+    python -m benchmarks.tree_attention --batches benchmarks/results/prefix_tree/batches/sciworld_strata_iter0.npz --micro 4
 
-The batch is `benchmarks/prefix_tree.py`'s StraTA-shaped one (same flags' defaults), packed
-with a token budget of --micro x (Tp + Tr) columns; the widest packed row is timed against
---micro per-row rows of Tp + Tr columns. Variants, each the median of --repeats runs after one
+The batch is `benchmarks/prefix_tree.py`'s StraTA-shaped one (same flags' defaults), or a
+dumped update batch (--batches: a SampleBatch .npz, e.g. a real ScienceWorld one, trimmed to its
+real prompt and response columns), packed with a token budget of --micro x (Tp + Tr) columns
+(--width: the packed row width instead, as train.pack_width); the widest packed row is timed
+against --micro per-row rows of Tp + Tr columns, and per token (each variant's seconds over
+the real tokens it holds). Variants, each the median of --repeats runs after one
 warm-up, the runs taken round-robin over the variants (a change in the machine's load hits
 all of them alike), one fp32 decoder layer of the Qwen2.5-0.5B shape (gradient w.r.t. the
 layer input and weights of sum(out * g)):
@@ -22,6 +26,7 @@ seconds and the ratios within this run, with the load average. Measures, never a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -32,6 +37,10 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=128, help="query_chunk (queries per block)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batches", default="", help="a dumped update batch .npz instead of the "
+                    "synthetic one")
+    ap.add_argument("--width", type=int, default=0,
+                    help="packed row width (default: --micro x (Tp + Tr))")
     ap.add_argument("--parts", default="layer,attention",
                     help="comma list of layer, attention")
     args = ap.parse_args()
@@ -50,12 +59,22 @@ def main() -> None:
                       num_heads=14, num_kv_heads=2, head_dim=64, tie_word_embeddings=True)
     shape = argparse.Namespace(inst=56, goal=40, strategy=30, step=120, response=30, tasks=2,
                                strategies=2, episodes=2, steps=3)
-    batch = make_sample_batch(strata_records(shape, cfg.vocab_size), row_multiple=args.micro)
-    pi, pm = np.asarray(batch.prompt_ids), np.asarray(batch.prompt_mask)
-    ri, rm = np.asarray(batch.response_ids), np.asarray(batch.response_mask)
-    real = np.asarray(batch.valid)
+    if args.batches:
+        data = np.load(args.batches)
+        real = np.asarray(data["valid"], bool)
+        pm, rm = np.asarray(data["prompt_mask"], bool), np.asarray(data["response_mask"], bool)
+        keep_p = pm.shape[1] - int(pm.sum(1).max())    # trim all-padding columns
+        keep_r = int(rm.sum(1).max())
+        pi, pm = np.asarray(data["prompt_ids"])[:, keep_p:], pm[:, keep_p:]
+        ri, rm = np.asarray(data["response_ids"])[:, :keep_r], rm[:, :keep_r]
+        cfg = dataclasses.replace(cfg, vocab_size=int(max(pi.max(), ri.max())) + 1)
+    else:
+        batch = make_sample_batch(strata_records(shape, cfg.vocab_size), row_multiple=args.micro)
+        pi, pm = np.asarray(batch.prompt_ids), np.asarray(batch.prompt_mask)
+        ri, rm = np.asarray(batch.response_ids), np.asarray(batch.response_mask)
+        real = np.asarray(batch.valid)
     tp, tr = pi.shape[1], ri.shape[1]
-    width = args.micro * (tp + tr)
+    width = args.width or args.micro * (tp + tr)
     lay = prefix_tree.pack_rows(pi[real], pm[real], ri[real], rm[real], max_width=width)
     p = int(np.argmax(lay.mask.sum(1)))
     w = lay.width
@@ -83,7 +102,10 @@ def main() -> None:
     if has_index:
         index = prefix_tree.block_key_index(lay.mask[p:p + 1], lay.key_end[p:p + 1],
                                             args.chunk)
-        print(f"key index {index.shape} (ancestor keys per block, bucketed)")
+        a = prefix_tree.key_index_width(index.shape[2], args.chunk)   # as the update pads it
+        print(f"key index {index.shape} (ancestor keys per block), padded to A = {a} as the "
+              "update's micro-batches")
+        index = np.pad(index, ((0, 0), (0, 0), (0, a - index.shape[2])), constant_values=-1)
         cases["tree sparse"] = inputs(1, w, lay.positions[p:p + 1],
                                       TreeMask(valid=valid, end=end, index=jnp.asarray(index),
                                                block=args.chunk))
@@ -118,6 +140,13 @@ def main() -> None:
     for key, sec in res.items():
         print(f"{key:24s} {sec:7.3f} s (median of {args.repeats}, min {min(times[key]):.3f})")
     print(f"load {os.getloadavg()[0]:.2f}")
+    row_tokens = args.micro * float((pm[real].sum(1) + rm[real].sum(1)).mean())
+    held = {"per-row": row_tokens, "tree dense": int(lay.mask[p].sum()),
+            "tree sparse": int(lay.mask[p].sum())}
+    for key, sec in res.items():
+        name = key.split(" ", 1)[1]
+        print(f"{key:24s} {1e3 * sec / held[name]:7.3f} ms per real token "
+              f"({held[name]:.0f} real tokens: per-row = --micro rows of the batch's mean length)")
     for name in cases:
         if f"layer {name}" in res and f"attention {name}" in res:
             print(f"attention share of the layer, {name:12s}: "

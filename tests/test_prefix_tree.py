@@ -254,12 +254,14 @@ def test_block_key_index_matches_the_rule_on_random_trees():
 
 def test_key_index_buckets_stay_few_over_random_batches():
     """The packed micro-batches' static shapes take few values: over many StraTA-shaped
-    random batches (rows of at most 200 tokens) every micro-batch has the fixed width and a
-    key index A of block x a power of two (exact sets padded with -1): with block 32 at most
-    0, 32, 64, 128, 256 (the exact A is at most ceil(200 / 32) + 1 = 8 blocks)."""
-    from strata_jax.training.prefix_tree import block_key_index, packed_micro_batches
+    random batches (rows of at most 200 tokens) every micro-batch runs at one of the two
+    micro widths (the smallest holding its fullest packed row) and pads its exact key index
+    with -1 to A = block x two sizes per octave of blocks: with block 32 at most 0, 32, 64,
+    96, 128, 192, 256 (the exact A is at most ceil(200 / 32) + 1 = 8 blocks)."""
+    from strata_jax.training.prefix_tree import (block_key_index, micro_widths,
+                                                 packed_micro_batches)
     rng = np.random.default_rng(7)
-    seen = set()
+    seen, widths_seen = set(), set()
     for trial in range(30):
         inst = rng.integers(1, 90, rng.integers(10, 60)).tolist()
         rows = []
@@ -273,22 +275,52 @@ def test_key_index_buckets_stay_few_over_random_batches():
                     rows.append((inst + goal + strat + step, resp))
         pi, pm, ri, rm = make_rows(rows)
         n = len(rows)
+        big = 4 * (pi.shape[1] + ri.shape[1])
         micro = packed_micro_batches(pi, pm, ri, rm, np.arange(n), np.ones(n, bool),
-                                     max_width=4 * (pi.shape[1] + ri.shape[1]), block=32)
+                                     max_width=big, block=32)
+        widths = micro_widths(big)
         for mb in micro:
             assert mb.block == 32
             exact = block_key_index(mb.mask, mb.key_end, 32)
             a = mb.key_index.shape[2]
-            # the exact index, padded with -1 to block x a power of two (no larger)
+            # the exact index, padded with -1 to A (at most 1.5x, in whole blocks)
             np.testing.assert_array_equal(mb.key_index[..., :exact.shape[2]], exact)
             assert (mb.key_index[..., exact.shape[2]:] == -1).all()
-            assert a == 0 if exact.shape[2] == 0 else exact.shape[2] <= a < 2 * exact.shape[2]
+            assert a == 0 if exact.shape[2] == 0 else exact.shape[2] <= a <= 1.5 * exact.shape[2]
             assert mb.key_index.shape[:2] == (1, -(-mb.width // 32))
-            assert mb.width == 4 * (pi.shape[1] + ri.shape[1])       # the fixed width
+            # the smallest micro width that holds the fullest packed row
+            fullest = int(mb.mask.sum(1).max())
+            assert mb.width == min(w for w in widths if w >= fullest), (mb.width, fullest)
             seen.add(a)
-    print("A values:", sorted(seen))
-    # blocks of 32 per A: 1, 2, 4, 8 for rows of at most 200 tokens (ceil(200/32) + 1 = 8)
-    assert seen <= {0, 32, 64, 128, 256} and len(seen) >= 2
+            widths_seen.add(mb.width)
+    print("A values:", sorted(seen), "widths:", sorted(widths_seen))
+    assert seen <= {0, 32, 64, 96, 128, 192, 256} and len(seen) >= 2
+    assert len(widths_seen) >= 2
+
+
+def test_micro_widths_and_the_fullest_rows_first():
+    """Hand values: the two micro widths of W (3W/4 rounded up to 8, and W), and a batch whose
+    packed rows fill unevenly runs its fullest row at W and the emptier at 3W/4, each row
+    scored from its own micro-batch."""
+    from strata_jax.training.prefix_tree import micro_widths, packed_micro_batches
+    assert micro_widths(2048) == (1536, 2048)
+    assert micro_widths(100) == (80, 100)
+    with pytest.raises(ValueError, match="max_width"):
+        micro_widths(4)
+    # four rows that share nothing: 50, 45, 20 and 12 tokens, packed rows of at most 64
+    # -> first-fit decreasing: [50 + 12], [45], [20]; fills 62, 45, 20 -> widths 64, 48, 48
+    rows = [([5] * 40, [6] * 10), ([7] * 40, [8] * 5), ([9] * 15, [3] * 5), ([4] * 10, [2] * 2)]
+    pi, pm, ri, rm = make_rows(rows)
+    micro = packed_micro_batches(pi, pm, ri, rm, np.arange(4), np.ones(4, bool),
+                                 max_width=64, block=16)
+    assert [mb.width for mb in micro] == [64, 48, 48]
+    assert [int(mb.mask.sum()) for mb in micro] == [62, 45, 20]
+    assert [sorted(mb.idx[mb.real].tolist()) for mb in micro] == [[0, 3], [1], [2]]
+    # the scored state of row 1's first response token is its last prompt token (id 7)
+    mb = micro[1]
+    first = mb.score_index[0, 0]
+    assert mb.tokens.reshape(-1)[first] == 7 and mb.positions.reshape(-1)[first] == 39
+    assert mb.tokens.reshape(-1)[first + 1] == 8
 
 
 # ----------------------------------------------------------------------------- packed forward
@@ -558,32 +590,49 @@ def test_packed_forward_bf16_tolerance():
 
 def test_marks_pad_later_micro_batches_up_to_the_largest_shapes_met():
     """With a marks dict kept across calls, a micro-batch of a (P, w) met before takes the
-    largest rows m, response columns wr and key slots A met for it: padding only (the same
-    packed tokens, the same indices of the real rows, zeros / -1 past them), and the marks
-    hold the maxima. Two calls: all nine rows, then three short ones."""
+    largest rows m, response columns wr and key slots A met for that (P, w): padding only (the
+    same packed tokens, the same indices of the real rows, zeros / -1 past them), and the
+    marks hold the maxima. Two calls: all nine rows, then three short ones."""
     from strata_jax.training.prefix_tree import packed_micro_batches
     rows = tree_rows(seed=2)
     pi, pm, ri, rm = make_rows(rows)
     every = np.arange(9, dtype=np.int32), np.ones(9, bool)
     few = np.array([0, 1, 2], np.int32), np.ones(3, bool)
     kw = dict(max_width=40, rows_per_micro=1, block=8)
+
+    def shape(mb):
+        return mb.idx.size, mb.response_width, mb.key_index.shape[2]
+
+    def maxima(micro, key):
+        out = {}
+        for mb in micro:
+            k = (key, mb.tokens.shape[0], mb.width)
+            out[k] = tuple(max(x, y) for x, y in zip(out.get(k, (0, 0, 0)), shape(mb)))
+        return out
     marks = {}
     first = packed_micro_batches(pi, pm, ri, rm, *every, marks=marks, mark_key="t", **kw)
+    # the marks: per (key, P, w) the largest (m, wr, A) of the first call's micro-batches
+    want = maxima(first, "t")
+    assert marks == want
     plain = packed_micro_batches(pi, pm, ri, rm, *few, **kw)
     padded = packed_micro_batches(pi, pm, ri, rm, *few, marks=marks, mark_key="t", **kw)
-    # the marks: per (key, P, w) the largest (m, wr, A) of the first call's micro-batches
-    want = (max(mb.idx.size for mb in first), max(mb.response_width for mb in first),
-            max(mb.key_index.shape[2] for mb in first))
-    assert marks == {("t", 1, 40): want}
-    assert want[0] > max(mb.idx.size for mb in plain)   # the marks do pad the short call
-    # within the first call too: every micro-batch after the first is at least the first's
-    assert all(mb.idx.size >= first[0].idx.size for mb in first)
+    # within the first call too: a micro-batch is at least every earlier one of its (P, w)
+    for i, mb in enumerate(first):
+        for prev in first[:i]:
+            if prev.width == mb.width:
+                assert all(x >= y for x, y in zip(shape(mb), shape(prev)))
     assert len(padded) == len(plain)
+    grew = 0
     for a, b in zip(padded, plain):
-        assert (a.idx.size, a.response_width, a.key_index.shape[2]) == want
+        assert a.width == b.width
+        key = ("t", b.tokens.shape[0], b.width)
+        # a (P, w) the first call met pads up to its marks; a new one keeps its own shapes
+        assert shape(a) == tuple(max(x, y) for x, y in zip(want.get(key, (0, 0, 0)),
+                                                           shape(b)))
+        grew += shape(a) != shape(b)
         for f in ("tokens", "positions", "mask", "key_end"):
             np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
-        n, wr, k = b.idx.size, b.response_width, b.key_index.shape[2]
+        n, wr, k = shape(b)
         np.testing.assert_array_equal(a.idx[:n], b.idx)
         np.testing.assert_array_equal(a.real[:n], b.real)
         assert not a.real[n:].any() and (a.idx[n:] == 0).all()
@@ -592,9 +641,10 @@ def test_marks_pad_later_micro_batches_up_to_the_largest_shapes_met():
         np.testing.assert_array_equal(a.last_index[:n], b.last_index)
         np.testing.assert_array_equal(a.key_index[..., :k], b.key_index)
         assert (a.key_index[..., k:] == -1).all()
+    assert grew >= 1                 # the marks do pad the short call
     # another mark key keeps its own marks: the short call's own maxima, not the first's
     other = packed_micro_batches(pi, pm, ri, rm, *few, marks=marks, mark_key="s", **kw)
-    own = (max(mb.idx.size for mb in plain), max(mb.response_width for mb in plain),
-           max(mb.key_index.shape[2] for mb in plain))
-    assert own != want and marks[("s", 1, 40)] == own and marks[("t", 1, 40)] == want
-    assert [(mb.idx.size, mb.response_width) for mb in other] == [own[:2]] * len(plain)
+    own = maxima(plain, "s")
+    assert {k: v for k, v in marks.items() if k[0] == "s"} == own
+    assert {k: v for k, v in marks.items() if k[0] == "t"} == {**maxima(plain, "t"), **want}
+    assert [shape(mb) for mb in other] == [shape(mb) for mb in plain]

@@ -92,8 +92,9 @@ def test_packed_update_equals_per_row_update(params, algo, epochs, lora, mini, w
     counter = compile_counter()
     batch = make_batch(shared_records(seed=3))
     extra = dict(lora=LoraConfig(rank=4, alpha=8.0)) if lora else {}
+    # adam_eps 1e-6 (torch's 1e-8 elsewhere): see the params comparison below
     cfg = train_config(algo, ppo_epochs=epochs, dropout=0.0, mini_batch_size=mini,
-                       micro_batch_size=4, **extra)
+                       micro_batch_size=4, adam_eps=1e-6, **extra)
     packed = Trainer(TINY, dataclasses.replace(cfg, pack_width=width))
     rows = Trainer(TINY, cfg, per_row=True)
     state = _moved(rows, params, jax.random.PRNGKey(4))
@@ -104,17 +105,17 @@ def test_packed_update_equals_per_row_update(params, algo, epochs, lora, mini, w
     assert shape == ((64, 2, 1) if width else (128, 1, 1))   # rows of 40 + 8 columns
     assert ma["optimizer_steps"] == mb["optimizer_steps"] == (3 if mini == 4 else 1) * epochs
     assert packed.on_policy(batch) == (mini == 64)
-    # AdamW's first step is ~lr * sign(g) per weight: the tolerance of test_train's grouped
-    # vs scan comparison (1% of a 1e-3 step), the gradients compared through grad_norm below.
-    # k_bias is the exception: its exact gradient is 0 (softmax is invariant to the per-query
-    # constant q . b_k), so both paths' k_bias gradients are round-off (~1e-9) and AdamW (eps
-    # 1e-8) turns them into steps up to ~lr * |g| / eps: compared to a tenth of lr per step.
-    # (test_prefix_tree.py compares every gradient leaf directly.)
-    steps = ma["optimizer_steps"]
+    # AdamW's first step is ~lr * g / (|g| + eps) per weight: ~lr * sign(g) where |g| >> eps,
+    # the tolerance of test_train's grouped vs scan comparison (1% of a 1e-3 step), the
+    # gradients compared through grad_norm below. Where |g| is round-off (k_bias, whose exact
+    # gradient is 0: softmax is invariant to the per-query constant q . b_k; an lm_head row of
+    # a token no response holds, whose group-centred advantages cancel to ~1e-9), torch's eps
+    # 1e-8 turns each path's own round-off into steps of up to ~lr; with eps 1e-6 such a step
+    # is ~lr * |g| / eps, far below the tolerance, while the leaves the loss really moves keep
+    # their ~lr steps. (test_prefix_tree.py compares every gradient leaf directly.)
     flat_a = jax.tree_util.tree_flatten_with_path(tree_to_numpy(a))[0]
     for (path, x), y in zip(flat_a, jax.tree.leaves(tree_to_numpy(b))):
-        noise = "k_bias" in jax.tree_util.keystr(path)
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=0.1 * cfg.lr * steps if noise else 1e-5,
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5,
                                    err_msg=jax.tree_util.keystr(path))
     assert ma.keys() == mb.keys()
     for k in ma:
@@ -145,7 +146,8 @@ def test_packed_update_block_sparse_equals_per_row_update(params, monkeypatch):
     monkeypatch.setattr(trainer_mod, "packed_micro_batches", functools.wraps(
         packed_micro_batches)(small_blocks))
     batch = make_batch(shared_records(seed=3))
-    cfg = train_config("grpo", dropout=0.0, mini_batch_size=4, micro_batch_size=4)
+    cfg = train_config("grpo", dropout=0.0, mini_batch_size=4, micro_batch_size=4,
+                       adam_eps=1e-6)
     packed = Trainer(TINY, cfg)
     rows = Trainer(TINY, cfg, per_row=True)
     state = _moved(rows, params, jax.random.PRNGKey(4))
@@ -156,9 +158,7 @@ def test_packed_update_block_sparse_equals_per_row_update(params, monkeypatch):
     assert any(mb_.key_index.shape[2] < i for mb_ in made for i in range(0, mb_.width, 8))
     flat_a = jax.tree_util.tree_flatten_with_path(tree_to_numpy(a))[0]
     for (path, x), y in zip(flat_a, jax.tree.leaves(tree_to_numpy(b))):
-        noise = "k_bias" in jax.tree_util.keystr(path)
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=0.1 * cfg.lr if noise else 1e-5,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(path))
     for k in ma:
         if k != "perf/update_token_fill":
             np.testing.assert_allclose(ma[k], mb[k], rtol=1e-4, atol=1e-6, err_msg=k)
@@ -202,7 +202,7 @@ def test_update_padded_up_to_earlier_marks_equals_a_fresh_trainers(params):
     its update equals a fresh trainer's on the same state and batch (and the per-row path's),
     and its micro-batches were indeed wider."""
     cfg = train_config("stapo", ppo_epochs=2, dropout=0.0, mini_batch_size=4,
-                       micro_batch_size=4)
+                       micro_batch_size=4, adam_eps=1e-6)
     cfg = dataclasses.replace(cfg, pack_width=64)
     raised, fresh, rows = Trainer(TINY, cfg), Trainer(TINY, cfg), Trainer(TINY, cfg, per_row=True)
     state = _moved(rows, params, jax.random.PRNGKey(4))
@@ -218,12 +218,11 @@ def test_update_padded_up_to_earlier_marks_equals_a_fresh_trainers(params):
     after = raised.shape_marks
     assert all(all(x >= y for x, y in zip(after[k], v)) for k, v in before.items())
     assert any(any(x > y for x, y in zip(after[k], v)) for k, v in fresh.shape_marks.items())
-    # against the per-row path: the tolerances of test_packed_update_equals_per_row_update
-    # (k_bias: AdamW of round-off gradients)
+    # against the per-row path: the tolerances (and AdamW eps) of
+    # test_packed_update_equals_per_row_update
     flat = jax.tree_util.tree_flatten_with_path(tree_to_numpy(a))[0]
     for (path, x), y, z in zip(flat, *(jax.tree.leaves(tree_to_numpy(t)) for t in (b, c))):
-        noise = "k_bias" in jax.tree_util.keystr(path)
-        atol = 0.1 * cfg.lr * ma["optimizer_steps"] if noise else 1e-5
+        atol = 1e-5
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=atol, err_msg=jax.tree_util.keystr(path))
         np.testing.assert_allclose(x, z, rtol=1e-5, atol=atol, err_msg=jax.tree_util.keystr(path))
     for k in ma:
@@ -243,7 +242,8 @@ def test_packed_compilations_plateau_as_batches_drift(params, monkeypatch):
     """Drifting iterations (2-3 tasks of 4-6 rows, new prompts and responses each time, so the
     row count and the prompt and response widths change) through the packed update with a
     fixed pack_width: the static shapes of its micro-batches, (P, w, m, wr, A), take few values
-    (w the fixed width; P and m powers of two; A 0, one query block per packed row), and the
+    (w one of the fixed width's two micro widths; P and m powers of two; A 0, one query
+    block per packed row), and the
     gradient step and the scoring pass compile only in iterations that meet a shape not met
     before; with the trainer's shape marks a (pass, P, w) only grows its (m, wr, A)."""
     import functools
@@ -304,7 +304,7 @@ def test_packed_compilations_plateau_as_batches_drift(params, monkeypatch):
     # few distinct shapes per (pass, P, w): the marks (the rest is new P values, each the
     # power of two of a last, partly filled micro-batch)
     assert all(len(set(v)) <= 3 for v in order.values()), order
-    assert all(w == 64 and a == 0 for _, w, _, _, a in seen)
+    assert all(w in (48, 64) and a == 0 for _, w, _, _, a in seen)
     assert all(p & (p - 1) == 0 and m & (m - 1) == 0 for p, _, m, _, _ in seen)
     # each shape compiles each program at most once (a fresh and a running accumulator share
     # one program: `steps.zero_carry` commits its scalars), and half the iterations compile

@@ -141,6 +141,27 @@ def block_key_index(mask: np.ndarray, key_end: np.ndarray, block: int) -> np.nda
     return np.where(keep, order, -1).astype(np.int32)
 
 
+def key_index_width(a: int, block: int) -> int:
+    """The static key-index width A a micro-batch pads `block_key_index`'s a columns to (a is
+    a multiple of block): block x the next of two sizes per octave of blocks (1, 2, 3, 4, 6, 8,
+    12, 16, ...; `bucket_size`), or 0. Few values, so few compiled programs, at most 1.5x the
+    ancestor keys a query block needs (powers of two cost up to 2x: on a ScienceWorld batch
+    whose blocks need 6 blocks of keys, 8 scored a third more per block)."""
+    return block * bucket_size(a // block, None) if a else 0
+
+
+def micro_widths(max_width: int) -> tuple[int, int]:
+    """The packed widths a micro-batch may run at: 3 max_width / 4 (rounded up to a multiple of
+    8) and max_width. A micro-batch runs at the smaller when it holds its fullest packed row:
+    packed rows fill unevenly (a row's tokens never split across packed rows, so rows of a
+    third of W or more leave many packed rows well short of W), and two widths bound the
+    compiled programs to two per packed-row count (a third, W / 2, multiplied the programs a
+    drifting run meets for little more saving). Raises ValueError when max_width < 8."""
+    if max_width < 8:
+        raise ValueError(f"max_width must be >= 8; got {max_width}")
+    return -(-(3 * max_width // 4) // 8) * 8, max_width
+
+
 def _last_real(ti: np.ndarray) -> np.ndarray:
     """[R] int32 entry of each row's last non-negative column of ti [R, T] (0 if none)."""
     real = ti >= 0
@@ -435,15 +456,16 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     number (masked), and a run then meets one program per (P, w) instead of one per
     combination of its drifting m, wr and A; mark_key separates callers whose programs differ
     (the scoring pass and the training step).
-    Returns: [`PackedMicroBatch`] in packed-row order (first-fit decreasing: the fullest packed
-    rows first). Static shapes, so that a run's compilations plateau after its first
-    iterations (each new shape is a new compile of the whole forward and backward): the width
-    w = max_width for every micro-batch (the caller's per-run W); the row count m and the
-    key-index width A the next power of two (A in blocks: block x 2^k, or 0); the response
-    columns wr `response_columns`, capped at Tr; P from `micro_row_counts`. Only the last
-    packed rows of a mini-batch are partly filled, so the fixed width costs little compute,
-    where a width bucketed per micro-batch multiplied the programs by every other shape's
-    values. Real rows without any token (no prompt, no response) are left out: they hold
+    Returns: [`PackedMicroBatch`], the fullest packed rows first. Static shapes, so that a
+    run's compilations plateau after its first iterations (each new shape is a new compile of
+    the whole forward and backward): the width w one of `micro_widths(max_width)` (3W / 4 or
+    W of the caller's per-run W: the smaller when it holds the micro-batch's fullest packed
+    row); the row count m the next power of two; the key-index width A `key_index_width`
+    (two sizes per octave of blocks, or 0); the response columns wr `response_columns`,
+    capped at Tr; P from `micro_row_counts`. Two widths, not one: a packed row's tokens
+    never split, so with rows of a third of W or more many packed rows end well short of W
+    (two rows of 700 tokens fill 1400 of 2048 and a third does not fit), where a width
+    bucketed freely per micro-batch multiplied the programs by every other shape's values. Real rows without any token (no prompt, no response) are left out: they hold
     nothing to score.
     Raises ValueError as `pack_rows` (a row longer than max_width, malformed masks) and
     `micro_row_counts`.
@@ -456,14 +478,20 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     big_w, tp, tr = lay.width, lay.prompt_width, rm.shape[1]
     ti = lay.token_index.astype(np.int64)
     owner = np.where((ti >= 0).any(1), ti.max(1) // big_w, -1)
-    filled = np.flatnonzero(lay.mask.any(1))      # packed rows holding a token
+    # packed rows holding a token, fullest first: micro-batches of like fill, so each runs at
+    # the smallest of the micro widths that holds its fullest row (a packed row's tokens sit
+    # in its first fill[p] columns)
+    fill = lay.mask.sum(1)
+    filled = np.flatnonzero(fill > 0)
+    filled = filled[np.argsort(-fill[filled], kind="stable")]
+    widths = micro_widths(max_width)
     out, first = [], 0
     for n_p in (micro_row_counts(filled.size, rows_per_micro, row_multiple)
                 if filled.size else []):
         packed = filled[first:first + n_p]
         first += n_p
         sel = np.flatnonzero(np.isin(owner, packed))
-        w = max_width
+        w = next(x for x in widths if x >= int(fill[packed].max()))
         wr = min(tr, response_columns(int(rm[rows[sel]].sum(1).max()), response_floor))
         m = bucket(sel.size)
         key = (mark_key, int(n_p), int(w))
@@ -483,19 +511,21 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         mb_idx[:sel.size] = rows[sel]
         mb_real = np.arange(m) < sel.size
 
+        cols = min(w, big_w)         # every real token of these rows sits in [0, cols)
+
         def cut(x, pad):
             y = np.empty((n_p, w), x.dtype)
             y[:] = pad
-            y[:packed.size, :big_w] = x[packed]
+            y[:packed.size, :cols] = x[packed, :cols]
             return y
 
         tokens, positions, mask = cut(lay.tokens, 0), cut(lay.positions, 0), cut(lay.mask, False)
         # padding slots (past the layout's width, and all-padding packed rows) see themselves
         key_end = cut(lay.key_end, 0)
-        key_end[:, big_w:] = np.arange(big_w + 1, w + 1, dtype=key_end.dtype)
+        key_end[:, cols:] = np.arange(cols + 1, w + 1, dtype=key_end.dtype)
         key_end[packed.size:] = np.arange(1, w + 1, dtype=key_end.dtype)
         index = block_key_index(mask, key_end, block)
-        a = block * bucket(index.shape[2] // block) if index.shape[2] else 0
+        a = key_index_width(index.shape[2], block)
         if marks is not None:   # m and wr were padded up above; A here; then raise the marks
             a = max(a, marks.get(key, (0, 0, 0))[2])
             marks[key] = tuple(max(x, y) for x, y in zip(marks.get(key, (0, 0, 0)), (m, wr, a)))
@@ -508,4 +538,4 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
 
 
 __all__ = ["PackedLayout", "pack_rows", "PackedMicroBatch", "packed_micro_batches",
-           "micro_row_counts", "block_key_index"]
+           "micro_row_counts", "micro_widths", "block_key_index", "key_index_width"]

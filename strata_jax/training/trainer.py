@@ -249,9 +249,10 @@ class Trainer:
         the batch shards (so a micro-batch shards over the data axes instead of being
         replicated, and holds about the tokens of a per-row micro-batch).
 
-        Why a fixed W: one packed row of the whole budget compiles a forward of budget / block
-        query blocks per layer and cannot shard over the data axes; a fixed W keeps the
-        compiled program the per-row one's size and P spreads the budget over devices. Why
+        Why a bounded W: one packed row of the whole budget compiles a forward of budget /
+        block query blocks per layer and cannot shard over the data axes; a bounded W keeps the
+        compiled program the per-row one's size and P spreads the budget over devices (each
+        micro-batch then runs at 3W / 4 or W, `prefix_tree.micro_widths`). Why
         powers of two: tp drifts from iteration to iteration, and every new (W, P) compiles
         the forward and backward again; rounded, a run meets one or two values.
         """
