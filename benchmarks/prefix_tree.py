@@ -15,7 +15,10 @@ Reported per batch: tokens the forward computes under each layout (per-row at th
 width; per-row length-grouped, an earlier path; packing without sharing, i.e. the rows' own
 tokens; only the instruction block shared; the full tree: the factors apart), then per path
 `Trainer.update` wall time (warm-up, i.e. compilation, reported apart) with its ratio to every
-other path, XLA compilations after warm-up and peak RSS; with ``--paths torch`` also
+other path, XLA compilations after warm-up, peak RSS (the process's, warm-up and its
+compilation included) and the peak of the timed updates alone (Linux: the peak is reset after
+the warm-up, `reset_peak_rss`: what a run holds once its programs are compiled or loaded from
+the compilation cache); with ``--paths torch`` also
 transformers/torch's per-row update of the same rows with the same LoRA (`torch_update`), the
 user's alternative. --out keeps the figures as JSON. Nothing here asserts a timing; the load is
 printed with each result. On a tiny model attention and per-call overhead dominate, so fewer
@@ -126,7 +129,30 @@ def torch_rows(batch) -> tuple[list, list]:
             [int(rm[r].sum()) for r in rows])
 
 
-def torch_update(model, params, batch, args) -> tuple[float, list[float], int]:
+def reset_peak_rss() -> None:
+    """Lower this process's peak resident set (Linux VmHWM) to its current one
+    (/proc/self/clear_refs "5"), so `peak_rss_gb` then reads the peak of what runs after,
+    e.g. the timed updates without the warm-up's compilation. A no-op elsewhere."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident set since it started or since `reset_peak_rss`, GiB
+    (VmHWM; getrusage's ru_maxrss where /proc is missing, which never resets)."""
+    try:
+        with open("/proc/self/status") as f:
+            kib = int(next(ln.split()[1] for ln in f if ln.startswith("VmHWM:")))
+    except (OSError, StopIteration):
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 2 ** 20
+
+
+def torch_update(model, params, batch, args, after_warmup=None
+                 ) -> tuple[float, list[float], int]:
     """The user's alternative: a transformers/torch per-row update of the same rows with the
     same LoRA (rank --lora on every projection, `benchmarks.iteration._add_lora`; full
     fine-tuning with --lora 0), the same weights (exported from `params` as an HF checkpoint).
@@ -140,6 +166,7 @@ def torch_update(model, params, batch, args) -> tuple[float, list[float], int]:
     except that with --kl > 0 and LoRA each micro-batch also runs the reference forward (the
     adapters scaled to 0, no gradient) and adds the KL penalty (k3 estimator) to its loss, as
     the strata-jax update does; without LoRA the torch step has no reference pass.
+    after_warmup: called between the warm-up update and the timed ones.
     Returns (warm-up s, [update s per repeat], tokens computed (micro-batch slots)).
     """
     import tempfile
@@ -221,6 +248,8 @@ def torch_update(model, params, batch, args) -> tuple[float, list[float], int]:
         return time.perf_counter() - t0
 
     warm = update()
+    if after_warmup is not None:
+        after_warmup()
     return warm, [update() for _ in range(args.repeats)], slots
 
 
@@ -343,9 +372,10 @@ def run_paths(args) -> list[dict]:
                                    int(batch.response_ids.shape[1])], **counts))
         for path in args.paths:
             if path == "torch":
-                warm, runs, slots = torch_update(model, params, batch, args)
+                warm, runs, slots = torch_update(model, params, batch, args, reset_peak_rss)
                 results.append(dict(batch=name, path=path, update_s=statistics.median(runs),
-                                    warmup_s=warm, tokens=slots, load=os.getloadavg()[0]))
+                                    warmup_s=warm, tokens=slots, load=os.getloadavg()[0],
+                                    timed_peak_rss_gb=peak_rss_gb()))
                 continue
             cfg = TrainConfig.from_config(c, mini_batch_size=args.mini,
                                           micro_batch_size=args.micro, remat=args.remat,
@@ -353,12 +383,17 @@ def run_paths(args) -> list[dict]:
             trainer = Trainer(model, cfg, per_row=path != "packed")
             state = trainer.init_state(params, jax.random.PRNGKey(1))
             marks = []
+
+            def after_warmup():
+                marks.append(compiles.count)
+                reset_peak_rss()
             state, warm, runs, m = time_updates(trainer, state, batch, params, args.repeats,
-                                                lambda: marks.append(compiles.count))
+                                                after_warmup)
             results.append(dict(batch=name, path=path, update_s=statistics.median(runs),
                                 warmup_s=warm, compilations=compiles.count - marks[0],
                                 token_fill=float(m["perf/update_token_fill"]),
-                                loss=float(m["train/loss"]), load=os.getloadavg()[0]))
+                                loss=float(m["train/loss"]), load=os.getloadavg()[0],
+                                timed_peak_rss_gb=peak_rss_gb()))
             del state, trainer
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     for r in results:   # the process's peak: a path's own only when it ran alone
@@ -410,9 +445,11 @@ def report(results: list[dict]) -> None:
                      f"{p['token_fill']:.2f}, loss {p['loss']:.6f}" if "loss" in p
                      else f", {p['tokens']} tokens computed")
             rss = "peak RSS" if p.get("rss_of", "path") == "path" else "process peak RSS"
+            alone = (f" (timed updates alone {p['timed_peak_rss_gb']:.2f} GB)"
+                     if "timed_peak_rss_gb" in p else "")
             print(f"  {label[path]:25s}: update {p['update_s']:7.2f} s"
                   + (f" (speed-up {', '.join(vs)})" if vs else "") + ", "
-                  f"warm-up {p['warmup_s']:.1f} s, {rss} {p['peak_rss_gb']:.2f} GB"
+                  f"warm-up {p['warmup_s']:.1f} s, {rss} {p['peak_rss_gb']:.2f} GB{alone}"
                   f"{extra}, load {p['load']:.1f}", flush=True)
 
 

@@ -202,12 +202,17 @@ def _row_sequences(prompt_ids, prompt_mask, response_ids, response_mask) -> list
 
 def _build_tree(seqs: list[np.ndarray]) -> tuple[list[_Node], list[int], list[int]]:
     """Radix tree of the sequences. Returns (nodes, roots, end_node): roots = node ids under
-    the virtual empty root (first-appearance order), end_node[r] = node where row r's sequence
-    ends (-1 for an empty row). Children are ordered by the first row that reaches them."""
+    the virtual empty root, end_node[r] = node where row r's sequence ends (-1 for an empty
+    row). Children are ordered by their tokens (the rows are visited in lexicographic order of
+    their sequences), so the tree, and with it the packing and every compiled shape, depends
+    on the set of rows only, not on their order: the update draws its mini-batches shuffled
+    anew every iteration, and a layout that followed the shuffle met new shapes (new programs)
+    on the same rows."""
     nodes: list[_Node] = []
     roots: list[int] = []
     end_node = [-1] * len(seqs)
-    stack = [(-1, [r for r, s in enumerate(seqs) if s.size], 0)]
+    rows = sorted((r for r, s in enumerate(seqs) if s.size), key=lambda r: seqs[r].tolist())
+    stack = [(-1, rows, 0)]
     while stack:
         parent, members, depth = stack.pop()
         groups: dict[int, list[int]] = {}
@@ -465,8 +470,9 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     capped at Tr; P from `micro_row_counts`. Two widths, not one: a packed row's tokens
     never split, so with rows of a third of W or more many packed rows end well short of W
     (two rows of 700 tokens fill 1400 of 2048 and a third does not fit), where a width
-    bucketed freely per micro-batch multiplied the programs by every other shape's values. Real rows without any token (no prompt, no response) are left out: they hold
-    nothing to score.
+    bucketed freely per micro-batch multiplied the programs by every other shape's values.
+    Real rows without any token (no prompt, no response) are left out: they hold nothing to
+    score.
     Raises ValueError as `pack_rows` (a row longer than max_width, malformed masks) and
     `micro_row_counts`.
     """
