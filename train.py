@@ -263,7 +263,10 @@ def _iteration_metrics(c, result, metrics, env_failures, compiles, *, rollout_s,
     m["perf/env_steps_per_s"] = steps / max(rollout_s, 1e-9)
     generated = float(np.sum(np.asarray(result.batch.response_mask)))
     m["perf/sampler_tokens_per_s"] = generated / max(result.stats.get("time/sampler_s", 0), 1e-9)
-    m["perf/train_tokens_per_s"] = m.get("train/tokens", 0.0) / max(update_s, 1e-9)
+    # train/tokens is a mean over the iteration's optimizer steps: x steps = every response
+    # token the update trained on (each epoch's pass counted), over the update's wall time
+    trained = m.get("train/tokens", 0.0) * m.get("optimizer_steps", 1.0)
+    m["perf/train_tokens_per_s"] = trained / max(update_s, 1e-9)
     m.update(summarize(result.trajectories, c.env.name, prefix="train"))
     return m
 

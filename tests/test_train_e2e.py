@@ -75,6 +75,20 @@ def reference_run(tmp_path_factory):
     return c, out
 
 
+def _documented_metrics() -> list[str]:
+    """Regexes of the metric names docs/metrics.md's tables list in backticks (first column):
+    `<name>` placeholders match one path component, a trailing `...` any rest."""
+    pats = []
+    with open(os.path.join(ROOT, "docs", "metrics.md")) as f:
+        for line in f:
+            if not line.startswith("| `"):
+                continue
+            for name in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
+                pat = re.escape(name).replace(r"\.\.\.", ".*")   # re.escape keeps < >
+                pats.append(re.sub(r"<[^>]+>", "[^/]+", pat))
+    return pats
+
+
 def test_tiny_run_writes_metrics_checkpoints_and_real_observations(reference_run):
     c, out = reference_run
     assert f"done: step {ITERS}" in out.stdout and "fresh run in" in out.stderr
@@ -87,6 +101,16 @@ def test_tiny_run_writes_metrics_checkpoints_and_real_observations(reference_run
                 "perf/env_steps_per_s", "perf/sampler_tokens_per_s", "compile/count",
                 "adv/action_mean", "mem/host_peak_rss_gb"):
         assert tag in rows[-1], tag
+    # every logged key is documented in docs/metrics.md's tables (`<task>`: any one name)
+    documented = _documented_metrics()
+    missing = sorted(k for k in rows[-1] if k not in ("step", "time") and not any(
+        re.fullmatch(pat, k) for pat in documented))
+    assert not missing, f"metrics not in docs/metrics.md: {missing}"
+    # the update's throughput counts every optimizer step's tokens over the update's time
+    last = rows[-1]
+    assert last["optimizer_steps"] >= 1 and last["train/tokens"] > 0
+    np.testing.assert_allclose(last["perf/train_tokens_per_s"], last["train/tokens"]
+                               * last["optimizer_steps"] / last["time/update_s"], rtol=1e-6)
     # a high-water mark: never falls, and jax + the tiny model hold more than 200 MiB
     peaks = [r["mem/host_peak_rss_gb"] for r in rows]
     assert peaks == sorted(peaks) and peaks[0] > 0.2, peaks
