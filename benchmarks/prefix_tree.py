@@ -142,13 +142,10 @@ def reset_peak_rss() -> None:
 
 def peak_rss_gb() -> float:
     """This process's peak resident set since it started or since `reset_peak_rss`, GiB
-    (VmHWM; getrusage's ru_maxrss where /proc is missing, which never resets)."""
-    try:
-        with open("/proc/self/status") as f:
-            kib = int(next(ln.split()[1] for ln in f if ln.startswith("VmHWM:")))
-    except (OSError, StopIteration):
-        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kib / 2 ** 20
+    (`strata_jax.metrics.memory_metrics`' host peak: VmHWM, or ru_maxrss where /proc is
+    missing, which never resets)."""
+    from strata_jax.metrics import memory_metrics
+    return memory_metrics(devices=[])["mem/host_peak_rss_gb"]
 
 
 def torch_update(model, params, batch, args, after_warmup=None

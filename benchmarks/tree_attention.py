@@ -6,9 +6,9 @@ the attention's share of it (the attention rule of docs/design.md §12.1).
     python -m benchmarks.tree_attention --batches benchmarks/results/prefix_tree/batches/sciworld_strata_iter0.npz --micro 4
 
 The batch is `benchmarks/prefix_tree.py`'s StraTA-shaped one (same flags' defaults), or a
-dumped update batch (--batches: a SampleBatch .npz, e.g. a real ScienceWorld one, trimmed to its
-real prompt and response columns), packed with a token budget of --micro x (Tp + Tr) columns
-(--width: the packed row width instead, as train.pack_width); the widest packed row is timed
+dumped update batch (--batches: a SampleBatch .npz, e.g. a real ScienceWorld one, trimmed as
+the update trims it, `batching.trim_padding`), packed with a token budget of --micro x
+(Tp + Tr) columns (--width: the packed row width instead, as train.pack_width); the widest packed row is timed
 against --micro per-row rows of Tp + Tr columns, and per token (each variant's seconds over
 the real tokens it holds). Variants, each the median of --repeats runs after one
 warm-up, the runs taken round-robin over the variants (a change in the machine's load hits
@@ -51,6 +51,8 @@ def main() -> None:
 
     from benchmarks.prefix_tree import strata_records
     from strata_jax.algos import make_sample_batch
+    from strata_jax.algos.batch import load_sample_batch
+    from strata_jax.training.batching import trim_padding
     from strata_jax.models import Qwen2Config, init_params
     from strata_jax.models.qwen2 import TreeMask, _attention, _decoder_layer, rope_cos_sin
     from strata_jax.training import prefix_tree
@@ -59,20 +61,15 @@ def main() -> None:
                       num_heads=14, num_kv_heads=2, head_dim=64, tie_word_embeddings=True)
     shape = argparse.Namespace(inst=56, goal=40, strategy=30, step=120, response=30, tasks=2,
                                strategies=2, episodes=2, steps=3)
-    if args.batches:
-        data = np.load(args.batches)
-        real = np.asarray(data["valid"], bool)
-        pm, rm = np.asarray(data["prompt_mask"], bool), np.asarray(data["response_mask"], bool)
-        keep_p = pm.shape[1] - int(pm.sum(1).max())    # trim all-padding columns
-        keep_r = int(rm.sum(1).max())
-        pi, pm = np.asarray(data["prompt_ids"])[:, keep_p:], pm[:, keep_p:]
-        ri, rm = np.asarray(data["response_ids"])[:, :keep_r], rm[:, :keep_r]
-        cfg = dataclasses.replace(cfg, vocab_size=int(max(pi.max(), ri.max())) + 1)
+    if args.batches:   # the update's own trimming: the batch's columns as the trainer sees them
+        batch = trim_padding(load_sample_batch(args.batches)[0])
     else:
         batch = make_sample_batch(strata_records(shape, cfg.vocab_size), row_multiple=args.micro)
-        pi, pm = np.asarray(batch.prompt_ids), np.asarray(batch.prompt_mask)
-        ri, rm = np.asarray(batch.response_ids), np.asarray(batch.response_mask)
-        real = np.asarray(batch.valid)
+    pi, pm = np.asarray(batch.prompt_ids), np.asarray(batch.prompt_mask, bool)
+    ri, rm = np.asarray(batch.response_ids), np.asarray(batch.response_mask, bool)
+    real = np.asarray(batch.valid, bool)
+    # the layer never reads the embedding: the vocabulary only has to hold the batch's ids
+    cfg = dataclasses.replace(cfg, vocab_size=max(cfg.vocab_size, int(max(pi.max(), ri.max())) + 1))
     tp, tr = pi.shape[1], ri.shape[1]
     width = args.width or args.micro * (tp + tr)
     lay = prefix_tree.pack_rows(pi[real], pm[real], ri[real], rm[real], max_width=width)
