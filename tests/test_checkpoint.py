@@ -58,7 +58,7 @@ def test_resume_equals_uninterrupted(setup, tmp_path):
         s, _ = trainer.update(s, iteration_batch(int(s.step)), ref_params=params)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2)
     ckpt.save(s, sampler_state={"task_index": 17, "order": [3, 1, 2]}, config={"algo": "grpo"},
-              trainer_state={"shape_marks": [["train", 2, 64, 8, 16, 0]]})
+              trainer_state={"shape_marks": [["train", 2, 64, 8, 16, 0, 24]]})
     ckpt.close()
     del s
     # A fresh trainer / checkpointer, as a new process would build them.
@@ -69,7 +69,7 @@ def test_resume_equals_uninterrupted(setup, tmp_path):
     assert meta["sampler_state"] == {"task_index": 17, "order": [3, 1, 2]}
     assert meta["config"] == {"algo": "grpo"}
     trainer2.set_host_state(meta["trainer_state"])
-    assert trainer2.shape_marks == {("train", 2, 64): (8, 16, 0)}
+    assert trainer2.shape_marks == {("train", 2, 64): (8, 16, 0, 24)}
     resumed, _ = trainer2.update(restored, iteration_batch(2), ref_params=params)
     assert int(resumed.step) == 3
     for a, b in zip(_leaves(resumed), _leaves(uninterrupted)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from strata_jax.algos.batch import bucket_size
 from strata_jax.training.prefix_tree import pack_rows
 
 
@@ -458,6 +459,40 @@ def test_packed_forward_equals_per_row(max_width, chunk, lora, remat):
     print("max relative gradient diff:", worst)
 
 
+def test_lm_head_on_response_slots_equals_all_positions():
+    """`response_logprobs` with slots (the LM head on the real response tokens only, in S rows
+    of n, padding entries included, then scattered back) gives every position's logprob and
+    entropy, 0 off the mask, and the same gradient, as the head on all B x Tr positions: each
+    position's logits depend on its own state only, so only summation order can differ."""
+    rows = tree_rows()
+    pi, pm, ri, rm = (jnp.asarray(x) for x in make_rows(rows))
+    params = perturbed_params(jax.random.key(5))
+    b, t = rm.shape
+    real = np.flatnonzero(np.asarray(rm).reshape(-1))
+    n = -(-(real.size + 3) // 2)                    # S = 2 rows, at least 3 padding entries
+    slots = np.full(2 * n, b * t, np.int32)
+    slots[:real.size] = real
+    slots = jnp.asarray(slots.reshape(2, n))
+
+    def f(p, sl):
+        h, _ = response_states(p, CFG, pi, pm, ri, rm)
+        lp, ent = response_logprobs(p, CFG, h, ri, rm, temperature=0.9, chunk_size=4, slots=sl)
+        return jnp.sum(lp * jnp.arange(1, t + 1)) + 0.1 * jnp.sum(ent), (lp, ent)
+
+    (l1, (lp1, ent1)), g1 = jax.jit(jax.value_and_grad(lambda p: f(p, None), has_aux=True))(
+        params)
+    (l2, (lp2, ent2)), g2 = jax.jit(jax.value_and_grad(lambda p: f(p, slots), has_aux=True))(
+        params)
+    m = np.asarray(rm).astype(bool)
+    assert np.abs(np.asarray(lp1)[m]).min() > 0
+    np.testing.assert_allclose(np.asarray(lp2), np.asarray(lp1), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(ent2), np.asarray(ent1), atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(np.asarray(lp2)[~m], 0.0)
+    np.testing.assert_array_equal(np.asarray(ent2)[~m], 0.0)
+    np.testing.assert_allclose(float(l2), float(l1), rtol=1e-6)
+    assert _grad_rel_diff(g2, g1) <= 1e-5
+
+
 def _grad_rel_diff(g_a, g_b):
     """Largest |a - b| / max|b| over the gradient leaves (each leaf has a nonzero scale)."""
     la, lb = jax.tree.leaves(g_a), jax.tree.leaves(g_b)
@@ -577,6 +612,16 @@ def test_packed_micro_batches_partition_the_rows(rows_per_micro, row_multiple):
             # a row's tokens all sit in one packed row
             assert len(set(mb.score_index[r, :n_r] // w) | {mb.last_index[r] // w}) == 1
         assert (mb.score_index[~mb.real] == 0).all() and (mb.last_index[~mb.real] == 0).all()
+        # the LM head's positions: every real response token (row r, column j) once, row-major,
+        # as r * wr + j, then m * wr padding; S = row_multiple rows, S x n a bucket of 8 x S
+        m, wr = mb.idx.size, mb.response_width
+        want = [r * wr + j for r in np.flatnonzero(mb.real)
+                for j in range(len(rows[mb.idx[r]][1]))]
+        slot = mb.response_slot
+        assert slot.dtype == np.int32 and slot.shape[0] == row_multiple
+        assert slot.size == bucket_size(max(len(want), 1), None, multiple=8 * row_multiple)
+        np.testing.assert_array_equal(slot.reshape(-1)[:len(want)], want)
+        assert (slot.reshape(-1)[len(want):] == m * wr).all()
     # every real row with tokens in exactly one micro-batch (the empty padding row in none)
     assert sorted(seen) == [i for i in range(9) if rows[i][0] or rows[i][1]]
 
@@ -610,17 +655,24 @@ def test_marks_pad_later_micro_batches_up_to_the_largest_shapes_met():
     kw = dict(max_width=40, rows_per_micro=1, block=8)
 
     def shape(mb):
-        return mb.idx.size, mb.response_width, mb.key_index.shape[2]
+        return mb.idx.size, mb.response_width, mb.key_index.shape[2], mb.response_slot.size
+
+    zero = (0, 0, 0, 0)
 
     def maxima(micro, key):
         out = {}
         for mb in micro:
             k = (key, mb.tokens.shape[0], mb.width)
-            out[k] = tuple(max(x, y) for x, y in zip(out.get(k, (0, 0, 0)), shape(mb)))
+            out[k] = tuple(max(x, y) for x, y in zip(out.get(k, zero), shape(mb)))
         return out
+
+    def slots(mb):        # (row, column) of each real response slot
+        s = mb.response_slot.reshape(-1)
+        s = s[s < mb.idx.size * mb.response_width]
+        return np.stack([s // mb.response_width, s % mb.response_width], 1)
     marks = {}
     first = packed_micro_batches(pi, pm, ri, rm, *every, marks=marks, mark_key="t", **kw)
-    # the marks: per (key, P, w) the largest (m, wr, A) of the first call's micro-batches
+    # the marks: per (key, P, w) the largest (m, wr, A, N) of the first call's micro-batches
     want = maxima(first, "t")
     assert marks == want
     plain = packed_micro_batches(pi, pm, ri, rm, *few, **kw)
@@ -636,12 +688,14 @@ def test_marks_pad_later_micro_batches_up_to_the_largest_shapes_met():
         assert a.width == b.width
         key = ("t", b.tokens.shape[0], b.width)
         # a (P, w) the first call met pads up to its marks; a new one keeps its own shapes
-        assert shape(a) == tuple(max(x, y) for x, y in zip(want.get(key, (0, 0, 0)),
-                                                           shape(b)))
+        assert shape(a) == tuple(max(x, y) for x, y in zip(want.get(key, zero), shape(b)))
         grew += shape(a) != shape(b)
         for f in ("tokens", "positions", "mask", "key_end"):
             np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
-        n, wr, k = shape(b)
+        n, wr, k, _ = shape(b)
+        # the same response tokens scored, each at its own (row, column); the rest padding
+        np.testing.assert_array_equal(slots(a), slots(b))
+        assert (a.response_slot.reshape(-1)[len(slots(b)):] == a.idx.size * a.response_width).all()
         np.testing.assert_array_equal(a.idx[:n], b.idx)
         np.testing.assert_array_equal(a.real[:n], b.real)
         assert not a.real[n:].any() and (a.idx[n:] == 0).all()
@@ -656,8 +710,7 @@ def test_marks_pad_later_micro_batches_up_to_the_largest_shapes_met():
     own = maxima(plain, "s")
     assert {k: v for k, v in marks.items() if k[0] == "s"} == own
     short = maxima(plain, "t")       # the short call raised what it met, per (P, w)
-    merged = {k: tuple(max(x, y) for x, y in zip(want.get(k, (0, 0, 0)),
-                                                 short.get(k, (0, 0, 0))))
+    merged = {k: tuple(max(x, y) for x, y in zip(want.get(k, zero), short.get(k, zero)))
               for k in {**want, **short}}
     assert {k: v for k, v in marks.items() if k[0] == "t"} == merged
     assert [shape(mb) for mb in other] == [shape(mb) for mb in plain]

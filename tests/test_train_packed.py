@@ -234,8 +234,11 @@ def test_update_padded_up_to_earlier_marks_equals_a_fresh_trainers(params):
     again = Trainer(TINY, cfg)
     again.set_host_state(json.loads(json.dumps(raised.host_state())))
     assert again.shape_marks == raised.shape_marks
-    with pytest.raises(ValueError, match=r"\[pass, P, W, m, wr, A\]"):
+    with pytest.raises(ValueError, match=r"\[pass, P, W, m, wr, A, N\]"):
         again.set_host_state({"shape_marks": [["train", 1, 64]]})
+    # a checkpoint written before the response-slot mark: N starts at 0
+    again.set_host_state({"shape_marks": [["train", 2, 64, 8, 16, 0]]})
+    assert again.shape_marks == {("train", 2, 64): (8, 16, 0, 0)}
 
 
 def test_packed_compilations_plateau_as_batches_drift(params, monkeypatch):
@@ -245,7 +248,7 @@ def test_packed_compilations_plateau_as_batches_drift(params, monkeypatch):
     (w one of the fixed width's two micro widths; P and m powers of two; A 0, one query
     block per packed row), and the
     gradient step and the scoring pass compile only in iterations that meet a shape not met
-    before; with the trainer's shape marks a (pass, P, w) only grows its (m, wr, A)."""
+    before; with the trainer's shape marks a (pass, P, w) only grows its (m, wr, A, N)."""
     import functools
 
     import logging
@@ -285,9 +288,10 @@ def test_packed_compilations_plateau_as_batches_drift(params, monkeypatch):
             before = programs()
             state, _ = trainer.update(state, batch, params)
             keys = {(mb.tokens.shape[0], mb.width, mb.idx.size, mb.response_width,
-                     mb.key_index.shape[2]) for _, mb in made}
+                     mb.key_index.shape[2], mb.response_slot.size) for _, mb in made}
             for pass_, mb in made:   # the shape marks: per (pass, P, w) shapes only grow
-                shape = (mb.idx.size, mb.response_width, mb.key_index.shape[2])
+                shape = (mb.idx.size, mb.response_width, mb.key_index.shape[2],
+                         mb.response_slot.size)
                 last = order.setdefault((pass_, mb.tokens.shape[0], mb.width), [shape])[-1]
                 assert all(x >= y for x, y in zip(shape, last)), (pass_, shape, last)
                 order[(pass_, mb.tokens.shape[0], mb.width)].append(shape)
@@ -304,8 +308,8 @@ def test_packed_compilations_plateau_as_batches_drift(params, monkeypatch):
     # few distinct shapes per (pass, P, w): the marks (the rest is new P values, each the
     # power of two of a last, partly filled micro-batch)
     assert all(len(set(v)) <= 3 for v in order.values()), order
-    assert all(w in (48, 64) and a == 0 for _, w, _, _, a in seen)
-    assert all(p & (p - 1) == 0 and m & (m - 1) == 0 for p, _, m, _, _ in seen)
+    assert all(w in (48, 64) and a == 0 for _, w, _, _, a, _ in seen)
+    assert all(p & (p - 1) == 0 and m & (m - 1) == 0 for p, _, m, _, _, _ in seen)
     # each shape compiles each program at most once (a fresh and a running accumulator share
     # one program: `steps.zero_carry` commits its scalars), and half the iterations compile
     # nothing though every one has other rows, widths and prompts

@@ -383,6 +383,13 @@ class PackedMicroBatch:
       score_index: [m, wr] int32 flat index p * w + c of the state that scores response column
         j of row i (0 for padding entries and columns).
       last_index: [m] int32 flat index of row i's last real token (0 for padding entries).
+      response_slot: [S, n] int32 flat index i * wr + j of each real response token (row i,
+        column j) of the micro-batch, row-major, padded with m * wr (no slot); S = the
+        row_multiple (the mesh's batch shards, so the LM head's positions shard like the packed
+        rows), S x n bucketed. The LM head runs on these positions only
+        (`scoring.response_logprobs`), not on all m x wr: the row count pads to a power of two
+        and the columns to the longest response, and a vocabulary-wide head on padding is
+        the most expensive padding there is.
       key_index: [P, ceil(w / block), A] int32 `block_key_index` of the packed rows (the
         block-sparse attention's keys per query block), padded with -1 to A = block x a power
         of two (a static shape with few values).
@@ -398,6 +405,7 @@ class PackedMicroBatch:
     key_end: np.ndarray
     score_index: np.ndarray
     last_index: np.ndarray
+    response_slot: np.ndarray
     key_index: np.ndarray
     block: int
 
@@ -456,8 +464,8 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     the query_chunk the forward will run (each micro-batch's `block_key_index` is built for
     it); response_floor: the response columns' buckets (`batching.response_columns`);
     marks: optional dict the caller keeps across calls (`Trainer.shape_marks`): per
-    (mark_key, P, w) the largest (m, wr, A) met so far; each micro-batch pads its m, wr (up to
-    Tr) and A up to them, then raises them. Padding rows, columns and key slots change no
+    (mark_key, P, w) the largest (m, wr, A, N) met so far; each micro-batch pads its m, wr (up
+    to Tr), A and its response slots N up to them, then raises them. Padding rows, columns and key slots change no
     number (masked), and a run then meets one program per (P, w) instead of one per
     combination of its drifting m, wr and A; mark_key separates callers whose programs differ
     (the scoring pass and the training step).
@@ -467,7 +475,8 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     W of the caller's per-run W: the smaller when it holds the micro-batch's fullest packed
     row); the row count m the next power of two; the key-index width A `key_index_width`
     (two sizes per octave of blocks, or 0); the response columns wr `response_columns`,
-    capped at Tr; P from `micro_row_counts`. Two widths, not one: a packed row's tokens
+    capped at Tr; the response slots N = S x n `bucket_size` of the real response tokens (a
+    multiple of 8 x row_multiple); P from `micro_row_counts`. Two widths, not one: a packed row's tokens
     never split, so with rows of a third of W or more many packed rows end well short of W
     (two rows of 700 tokens fill 1400 of 2048 and a third does not fit), where a width
     bucketed freely per micro-batch multiplied the programs by every other shape's values.
@@ -500,10 +509,16 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         w = next(x for x in widths if x >= int(fill[packed].max()))
         wr = min(tr, response_columns(int(rm[rows[sel]].sum(1).max()), response_floor))
         m = bucket(sel.size)
+        resp = rm[rows[sel], :wr]
+        n_slots = bucket_size(max(int(resp.sum()), 1), None, multiple=8 * row_multiple)
         key = (mark_key, int(n_p), int(w))
         if marks is not None and key in marks:
-            m_mark, wr_mark, _ = marks[key]
+            m_mark, wr_mark, _, n_mark = marks[key]
             m, wr = max(m, m_mark), max(wr, min(tr, wr_mark))
+            n_slots = max(n_slots, n_mark)
+        i_resp, j_resp = np.nonzero(resp)
+        slot = np.full(n_slots, m * wr, np.int32)
+        slot[:i_resp.size] = i_resp * wr + j_resp
         # flat big-layout index -> flat index in this micro-batch's [n_p, w] rows
         local_row = np.full(lay.tokens.shape[0], -1, np.int64)
         local_row[packed] = np.arange(packed.size)
@@ -533,12 +548,14 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         index = block_key_index(mask, key_end, block)
         a = key_index_width(index.shape[2], block)
         if marks is not None:   # m and wr were padded up above; A here; then raise the marks
-            a = max(a, marks.get(key, (0, 0, 0))[2])
-            marks[key] = tuple(max(x, y) for x, y in zip(marks.get(key, (0, 0, 0)), (m, wr, a)))
+            a = max(a, marks.get(key, (0, 0, 0, 0))[2])
+            marks[key] = tuple(max(x, y) for x, y in zip(marks.get(key, (0, 0, 0, 0)),
+                                                         (m, wr, a, n_slots)))
         index = np.pad(index, ((0, 0), (0, 0), (0, a - index.shape[2])), constant_values=-1)
         out.append(PackedMicroBatch(idx=mb_idx, real=mb_real, response_width=int(wr),
                                     tokens=tokens, positions=positions, mask=mask,
                                     key_end=key_end, score_index=score, last_index=last,
+                                    response_slot=slot.reshape(row_multiple, -1),
                                     key_index=index, block=int(block)))
     return out
 

@@ -81,8 +81,11 @@ class PackedInputs:
     packed index p * W + c of the state that scores response column j of micro-batch row i);
     last_index [m] int32 (flat packed index of row i's last real token); key_index
     optional [P, ceil(W / block), A] int32 (`prefix_tree.block_key_index`: each query block's
-    visible earlier keys, for the block-sparse attention; None: the dense tree rule); block
-    (static) the query block it was built for, the forward's query_chunk.
+    visible earlier keys, for the block-sparse attention; None: the dense tree rule);
+    response_slot optional [S, n] int32 (flat index i * Tr + j of each real response token,
+    m * Tr for padding: `response_logprobs` runs the LM head on those positions only; None: on
+    all m x Tr); block (static) the query block the key index was built for, the forward's
+    query_chunk.
     """
 
     tokens: jax.Array
@@ -92,6 +95,7 @@ class PackedInputs:
     score_index: jax.Array
     last_index: jax.Array
     key_index: jax.Array | None = None
+    response_slot: jax.Array | None = None
     block: int = dataclasses.field(metadata=dict(static=True), default=0)
 
 
@@ -134,14 +138,38 @@ def packed_response_states(params: Params, model: Qwen2Config, packed: PackedInp
 def response_logprobs(params: Params, model: Qwen2Config, hidden: jax.Array,
                       response_ids: jax.Array, response_mask: jax.Array, *,
                       temperature: float = 1.0, chunk_size: int = 64,
-                      compute_dtype: str = "float32") -> tuple[jax.Array, jax.Array]:
+                      compute_dtype: str = "float32",
+                      slots: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Per-token logprob and entropy [B, Tr] f32 of the response tokens (0 off the mask).
 
     logprob = log_softmax(logits / temperature)[token] (no top-p / top-k renormalisation,
-    docs/method.md §9.1); chunked over Tr by `token_logprobs_and_entropy`.
+    docs/method.md §9.1); chunked over Tr by `token_logprobs_and_entropy` (chunk_size
+    positions of each of the B rows per chunk).
+
+    hidden [B, Tr, D] (`response_states`), response_ids / response_mask [B, Tr].
+    slots: optional [S, n] int32 flat indices b * Tr + j of the positions to score (the real
+    response tokens, `PackedInputs.response_slot`), B * Tr for padding entries: the LM head
+    (a [D, V] matmul per position, V ~ 152k, the largest per-position cost of the update)
+    then runs on S x n positions, chunked over n, instead of on all B x Tr, and the results
+    are scattered back; positions not listed (all off the mask) are 0. Same values per
+    position (each position's logits depend on its own state only).
     """
     p = cast_params(params, compute_dtype)
-    lp, ent = token_logprobs_and_entropy(p, model, hidden, response_ids.astype(jnp.int32),
-                                         temperature=temperature, chunk_size=chunk_size)
+    ids = response_ids.astype(jnp.int32)
     m = response_mask.astype(bool)
-    return jnp.where(m, lp, 0.0), jnp.where(m, ent, 0.0)
+    if slots is None:
+        lp, ent = token_logprobs_and_entropy(p, model, hidden, ids, temperature=temperature,
+                                             chunk_size=chunk_size)
+        return jnp.where(m, lp, 0.0), jnp.where(m, ent, 0.0)
+    b, t, d = hidden.shape
+    safe = jnp.minimum(slots, b * t - 1)       # padding entries read a real slot, then drop
+    h = jnp.take(hidden.reshape(b * t, d), safe, axis=0)
+    lp, ent = token_logprobs_and_entropy(p, model, h, jnp.take(ids.reshape(-1), safe),
+                                         temperature=temperature, chunk_size=chunk_size)
+    flat = slots.reshape(-1)
+
+    def scatter(x):
+        out = jnp.zeros((b * t,), jnp.float32).at[flat].set(x.reshape(-1), mode="drop")
+        return out.reshape(b, t)
+
+    return jnp.where(m, scatter(lp), 0.0), jnp.where(m, scatter(ent), 0.0)

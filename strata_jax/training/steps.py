@@ -92,7 +92,8 @@ def _score_chunk(params, critic_params, ref_params, pi, pm, ri, rm, key, *, mode
     kind = cfg.critic_kind
     run = dict(compute_dtype=cfg.compute_dtype)
     lp_kw = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
-                 compute_dtype=cfg.compute_dtype)
+                 compute_dtype=cfg.compute_dtype,
+                 slots=None if packed is None else packed.response_slot)
     old = jnp.zeros(ri.shape, jnp.float32)
     last = None
     if use_old or kind == "head":
@@ -206,7 +207,8 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
                       mb.response_mask, packed, **run)
     lp, ent = response_logprobs(params, model, h, mb.response_ids, mb.response_mask,
                                 temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
-                                compute_dtype=cfg.compute_dtype)
+                                compute_dtype=cfg.compute_dtype,
+                                slots=None if packed is None else packed.response_slot)
     mask = loss_mask(mb)
     old = jax.lax.stop_gradient(lp) if on_policy else mb.old_logprobs
     loss, metrics = ppo_loss(

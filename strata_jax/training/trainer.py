@@ -89,7 +89,7 @@ class Trainer:
 
     Attributes:
       shape_marks: per (pass, P, W) of the packed update, the largest (rows, response columns,
-        key slots) its micro-batches have met (`prefix_tree.packed_micro_batches`' marks):
+        key slots, response slots) its micro-batches have met (`prefix_tree.packed_micro_batches`' marks):
         later micro-batches pad up to them, so the compiled programs plateau instead of
         following every drift of the batches. Host state, saved in the checkpoint's meta
         (`host_state` / `set_host_state`) so a resumed run pads as the uninterrupted one.
@@ -103,18 +103,21 @@ class Trainer:
 
     def host_state(self) -> dict:
         """The trainer's host state as a JSON-able dict (a checkpoint's "trainer_state"):
-        {"shape_marks": [[pass, P, W, m, wr, A], ...]}."""
+        {"shape_marks": [[pass, P, W, m, wr, A, N], ...]}."""
         marks = [[k[0], k[1], k[2], *v] for k, v in sorted(self.shape_marks.items(),
                                                             key=lambda kv: str(kv[0]))]
         return {"shape_marks": marks}
 
     def set_host_state(self, host: dict | None) -> None:
         """Restore `host_state`'s dict (None, or a checkpoint from before it existed, leaves
-        the marks empty). Raises ValueError on a mark that is not [pass, P, W, m, wr, A]."""
+        the marks empty; a mark of an older checkpoint without N gets N = 0, raised by the
+        next micro-batch). Raises ValueError on a mark that is not [pass, P, W, m, wr, A, N]."""
         marks = {}
         for row in (host or {}).get("shape_marks") or []:
-            if len(row) != 6:
-                raise ValueError(f"a shape mark must be [pass, P, W, m, wr, A]; got {row!r}")
+            if len(row) == 6:
+                row = [*row, 0]
+            if len(row) != 7:
+                raise ValueError(f"a shape mark must be [pass, P, W, m, wr, A, N]; got {row!r}")
             marks[(row[0], int(row[1]), int(row[2]))] = tuple(int(x) for x in row[3:])
         self.shape_marks = marks
 
@@ -275,7 +278,7 @@ class Trainer:
         index sharded over the batch shards (P is a multiple of them), the gather indices
         replicated."""
         arrays = (mb.tokens, mb.positions, mb.mask, mb.key_end, mb.score_index, mb.last_index,
-                  mb.key_index)
+                  mb.key_index, mb.response_slot)
         if self.mesh is None:
             return PackedInputs(*(jnp.asarray(x) for x in arrays), block=mb.block)
         rep = NamedSharding(self.mesh, PartitionSpec())
