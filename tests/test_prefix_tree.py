@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata_jax.algos.batch import bucket_size
-from strata_jax.training.prefix_tree import pack_rows
+from strata_jax.training.prefix_tree import pack_rows, response_slots
 
 
 def make_rows(rows: list[tuple[list[int], list[int]]], tp: int | None = None,
@@ -459,6 +458,21 @@ def test_packed_forward_equals_per_row(max_width, chunk, lora, remat):
     print("max relative gradient diff:", worst)
 
 
+def test_response_slots_hand_values():
+    """N: a two-per-octave bucket of max(n, slots / 2, mark), a multiple of 8 x row_multiple,
+    capped at the slots (rounded up to that multiple)."""
+    assert response_slots(40, 128) == 64          # the floor: half the slots
+    assert response_slots(65, 128) == 96          # 3 x 2^5
+    assert response_slots(100, 128) == 128
+    assert response_slots(200, 384) == 256        # the ScienceWorld shape: 8 rows x 48
+    assert response_slots(300, 384) == 384
+    assert response_slots(10, 48, 8) == 64        # 8 shards: a multiple of 64, the cap 64
+    assert response_slots(5, 128, 1, 96) == 96     # a mark raises it
+    assert response_slots(5, 64, 1, 96) == 64      # never past the slots
+    # from the floor up a (P, w) meets at most three sizes, whatever n drifts through
+    assert {response_slots(n, 256) for n in range(257)} == {128, 192, 256}
+
+
 def test_lm_head_on_response_slots_equals_all_positions():
     """`response_logprobs` with slots (the LM head on the real response tokens only, in S rows
     of n, padding entries included, then scattered back) gives every position's logprob and
@@ -619,7 +633,8 @@ def test_packed_micro_batches_partition_the_rows(rows_per_micro, row_multiple):
                 for j in range(len(rows[mb.idx[r]][1]))]
         slot = mb.response_slot
         assert slot.dtype == np.int32 and slot.shape[0] == row_multiple
-        assert slot.size == bucket_size(max(len(want), 1), None, multiple=8 * row_multiple)
+        assert slot.size == response_slots(len(want), m * wr, row_multiple)
+        assert len(want) <= slot.size <= -(-m * wr // (8 * row_multiple)) * 8 * row_multiple
         np.testing.assert_array_equal(slot.reshape(-1)[:len(want)], want)
         assert (slot.reshape(-1)[len(want):] == m * wr).all()
     # every real row with tokens in exactly one micro-batch (the empty padding row in none)

@@ -162,6 +162,25 @@ def micro_widths(max_width: int) -> tuple[int, int]:
     return -(-(3 * max_width // 4) // 8) * 8, max_width
 
 
+def response_slots(n: int, slots: int, row_multiple: int = 1, mark: int = 0) -> int:
+    """N, the positions the LM head runs on for n real response tokens in a micro-batch of
+    `slots` = m x wr response slots: `bucket_size` of max(n, slots / 2, mark), a multiple of
+    8 x row_multiple, at most `slots` rounded up to that multiple.
+
+    Why the floor slots / 2: N is a static shape, and a run's response lengths drift; from
+    slots / 2 up there are three sizes (slots / 2, 3 slots / 4 or the power of two between,
+    slots), so with the shape marks (`mark`, the largest N met) a (P, w) compiles at most two
+    more programs for N over a whole run, while the head still skips up to half of the
+    padding (rows padded to a power of two, columns to the longest response).
+
+    >>> response_slots(40, 128), response_slots(100, 128), response_slots(200, 384)
+    (64, 128, 256)
+    """
+    unit = 8 * row_multiple
+    cap = -(-slots // unit) * unit
+    return min(cap, bucket_size(max(n, slots // 2, mark, 1), None, multiple=unit))
+
+
 def _last_real(ti: np.ndarray) -> np.ndarray:
     """[R] int32 entry of each row's last non-negative column of ti [R, T] (0 if none)."""
     real = ti >= 0
@@ -475,8 +494,8 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     W of the caller's per-run W: the smaller when it holds the micro-batch's fullest packed
     row); the row count m the next power of two; the key-index width A `key_index_width`
     (two sizes per octave of blocks, or 0); the response columns wr `response_columns`,
-    capped at Tr; the response slots N = S x n `bucket_size` of the real response tokens (a
-    multiple of 8 x row_multiple); P from `micro_row_counts`. Two widths, not one: a packed row's tokens
+    capped at Tr; the response slots N = S x n `response_slots` of the real response tokens;
+    P from `micro_row_counts`. Two widths, not one: a packed row's tokens
     never split, so with rows of a third of W or more many packed rows end well short of W
     (two rows of 700 tokens fill 1400 of 2048 and a third does not fit), where a width
     bucketed freely per micro-batch multiplied the programs by every other shape's values.
@@ -509,13 +528,13 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         w = next(x for x in widths if x >= int(fill[packed].max()))
         wr = min(tr, response_columns(int(rm[rows[sel]].sum(1).max()), response_floor))
         m = bucket(sel.size)
-        resp = rm[rows[sel], :wr]
-        n_slots = bucket_size(max(int(resp.sum()), 1), None, multiple=8 * row_multiple)
         key = (mark_key, int(n_p), int(w))
+        n_mark = 0
         if marks is not None and key in marks:
             m_mark, wr_mark, _, n_mark = marks[key]
             m, wr = max(m, m_mark), max(wr, min(tr, wr_mark))
-            n_slots = max(n_slots, n_mark)
+        resp = rm[rows[sel], :wr]
+        n_slots = response_slots(int(resp.sum()), m * wr, row_multiple, n_mark)
         i_resp, j_resp = np.nonzero(resp)
         slot = np.full(n_slots, m * wr, np.int32)
         slot[:i_resp.size] = i_resp * wr + j_resp
@@ -561,4 +580,5 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
 
 
 __all__ = ["PackedLayout", "pack_rows", "PackedMicroBatch", "packed_micro_batches",
-           "micro_row_counts", "micro_widths", "block_key_index", "key_index_width"]
+           "micro_row_counts", "micro_widths", "block_key_index", "key_index_width",
+           "response_slots"]
