@@ -405,7 +405,7 @@ class PackedMicroBatch:
       response_slot: [S, n] int32 flat index i * wr + j of each real response token (row i,
         column j) of the micro-batch, row-major, padded with m * wr (no slot); S = the
         row_multiple (the mesh's batch shards, so the LM head's positions shard like the packed
-        rows), S x n bucketed. The LM head runs on these positions only
+        rows), S x n = `response_slots`. The LM head runs on these positions only
         (`scoring.response_logprobs`), not on all m x wr: the row count pads to a power of two
         and the columns to the longest response, and a vocabulary-wide head on padding is
         the most expensive padding there is.
@@ -484,9 +484,10 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     it); response_floor: the response columns' buckets (`batching.response_columns`);
     marks: optional dict the caller keeps across calls (`Trainer.shape_marks`): per
     (mark_key, P, w) the largest (m, wr, A, N) met so far; each micro-batch pads its m, wr (up
-    to Tr), A and its response slots N up to them, then raises them. Padding rows, columns and key slots change no
-    number (masked), and a run then meets one program per (P, w) instead of one per
-    combination of its drifting m, wr and A; mark_key separates callers whose programs differ
+    to Tr), A and its response slots N up to them, then raises them. Padding rows, columns,
+    key slots and response slots change no number (masked or dropped), and a run then meets
+    one program per (P, w) instead of one per combination of its drifting m, wr, A and N;
+    mark_key separates callers whose programs differ
     (the scoring pass and the training step).
     Returns: [`PackedMicroBatch`], the fullest packed rows first. Static shapes, so that a
     run's compilations plateau after its first iterations (each new shape is a new compile of
