@@ -8,12 +8,12 @@ the attention's share of it (the attention rule of docs/design.md §12.1).
 The batch is `benchmarks/prefix_tree.py`'s StraTA-shaped one (same flags' defaults), or a
 dumped update batch (--batches: a SampleBatch .npz, e.g. a real ScienceWorld one, trimmed as
 the update trims it, `batching.trim_padding`), packed with a token budget of --micro x
-(Tp + Tr) columns (--width: the packed row width instead, as train.pack_width); the widest packed row is timed
-against --micro per-row rows of Tp + Tr columns, and per token (each variant's seconds over
-the real tokens it holds). Variants, each the median of --repeats runs after one
-warm-up, the runs taken round-robin over the variants (a change in the machine's load hits
-all of them alike), one fp32 decoder layer of the Qwen2.5-0.5B shape (gradient w.r.t. the
-layer input and weights of sum(out * g)):
+(Tp + Tr) columns (--width: the packed row width instead, as train.pack_width); the widest
+packed row is timed against --micro per-row rows of Tp + Tr columns, and per token (each
+variant's seconds over the real tokens it holds). Variants, each the median of --repeats
+runs after one warm-up, the runs taken round-robin over the variants (a change in the
+machine's load hits all of them alike), one fp32 decoder layer of the Qwen2.5-0.5B shape
+(gradient w.r.t. the layer input and weights of sum(out * g)):
 
   per-row      [micro, Tp + Tr], causal
   tree dense   [1, W], the tree rule over every key up to each query block's end
@@ -69,7 +69,8 @@ def main() -> None:
     ri, rm = np.asarray(batch.response_ids), np.asarray(batch.response_mask, bool)
     real = np.asarray(batch.valid, bool)
     # the layer never reads the embedding: the vocabulary only has to hold the batch's ids
-    cfg = dataclasses.replace(cfg, vocab_size=max(cfg.vocab_size, int(max(pi.max(), ri.max())) + 1))
+    top = int(max(pi.max(), ri.max()))
+    cfg = dataclasses.replace(cfg, vocab_size=max(cfg.vocab_size, top + 1))
     tp, tr = pi.shape[1], ri.shape[1]
     width = args.width or args.micro * (tp + tr)
     lay = prefix_tree.pack_rows(pi[real], pm[real], ri[real], rm[real], max_width=width)

@@ -530,10 +530,9 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         wr = min(tr, response_columns(int(rm[rows[sel]].sum(1).max()), response_floor))
         m = bucket(sel.size)
         key = (mark_key, int(n_p), int(w))
-        n_mark = 0
-        if marks is not None and key in marks:
-            m_mark, wr_mark, _, n_mark = marks[key]
-            m, wr = max(m, m_mark), max(wr, min(tr, wr_mark))
+        # the largest (m, wr, A, N) met for this (P, w): this micro-batch pads up to them
+        m_mark, wr_mark, a_mark, n_mark = (marks or {}).get(key, (0, 0, 0, 0))
+        m, wr = max(m, m_mark), max(wr, min(tr, wr_mark))
         resp = rm[rows[sel], :wr]
         n_slots = response_slots(int(resp.sum()), m * wr, row_multiple, n_mark)
         i_resp, j_resp = np.nonzero(resp)
@@ -566,10 +565,10 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         key_end[:, cols:] = np.arange(cols + 1, w + 1, dtype=key_end.dtype)
         key_end[packed.size:] = np.arange(1, w + 1, dtype=key_end.dtype)
         index = block_key_index(mask, key_end, block)
-        a = key_index_width(index.shape[2], block)
-        if marks is not None:   # m and wr were padded up above; A here; then raise the marks
-            a = max(a, marks.get(key, (0, 0, 0, 0))[2])
-            marks[key] = tuple(max(x, y) for x, y in zip(marks.get(key, (0, 0, 0, 0)),
+        a = max(key_index_width(index.shape[2], block), a_mark)
+        if marks is not None:   # raise the marks (wr and N may sit below a mark met at a
+            # larger Tr, where the cap at Tr or at m x wr kept them lower)
+            marks[key] = tuple(max(x, y) for x, y in zip((m_mark, wr_mark, a_mark, n_mark),
                                                          (m, wr, a, n_slots)))
         index = np.pad(index, ((0, 0), (0, 0), (0, a - index.shape[2])), constant_values=-1)
         out.append(PackedMicroBatch(idx=mb_idx, real=mb_real, response_width=int(wr),

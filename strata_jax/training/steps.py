@@ -84,6 +84,16 @@ def _states(params, model: Qwen2Config, pi, pm, ri, rm, packed: PackedInputs | N
     return packed_response_states(params, model, packed, **run)
 
 
+def _logprobs(params, model: Qwen2Config, h, ri, rm, packed: PackedInputs | None,
+              cfg: TrainConfig):
+    """`response_logprobs` of `_states`' h at cfg's temperature, chunk and dtype: per row, or
+    (packed given) with the LM head on the packed micro-batch's real response tokens only
+    (`PackedInputs.response_slot`). (logprob, entropy) [B, Tr] f32, 0 off the mask."""
+    return response_logprobs(params, model, h, ri, rm, temperature=cfg.temperature,
+                             chunk_size=cfg.logprob_chunk, compute_dtype=cfg.compute_dtype,
+                             slots=None if packed is None else packed.response_slot)
+
+
 def _score_chunk(params, critic_params, ref_params, pi, pm, ri, rm, key, *, model: Qwen2Config,
                  cfg: TrainConfig, use_ref: bool, use_old: bool,
                  packed: PackedInputs | None = None):
@@ -91,19 +101,16 @@ def _score_chunk(params, critic_params, ref_params, pi, pm, ri, rm, key, *, mode
     already effective: `_scoring_params`); packed: the rows' packed layout (`_states`)."""
     kind = cfg.critic_kind
     run = dict(compute_dtype=cfg.compute_dtype)
-    lp_kw = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
-                 compute_dtype=cfg.compute_dtype,
-                 slots=None if packed is None else packed.response_slot)
     old = jnp.zeros(ri.shape, jnp.float32)
     last = None
     if use_old or kind == "head":
         h, last = _states(params, model, pi, pm, ri, rm, packed, **run)
         if use_old:
-            old, _ = response_logprobs(params, model, h, ri, rm, **lp_kw)
+            old, _ = _logprobs(params, model, h, ri, rm, packed, cfg)
     ref = jnp.zeros_like(old)
     if use_ref:
         hr, _ = _states(ref_params, model, pi, pm, ri, rm, packed, **run)
-        ref, _ = response_logprobs(ref_params, model, hr, ri, rm, **lp_kw)
+        ref, _ = _logprobs(ref_params, model, hr, ri, rm, packed, cfg)
     v = s = jnp.zeros(old.shape[:1], jnp.float32)
     if kind != "none":
         if kind == "separate":
@@ -205,10 +212,7 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
     run = dict(remat=cfg.remat, compute_dtype=cfg.compute_dtype, scan_layers=cfg.scan_layers)
     h, last = _states(params, model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
                       mb.response_mask, packed, **run)
-    lp, ent = response_logprobs(params, model, h, mb.response_ids, mb.response_mask,
-                                temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
-                                compute_dtype=cfg.compute_dtype,
-                                slots=None if packed is None else packed.response_slot)
+    lp, ent = _logprobs(params, model, h, mb.response_ids, mb.response_mask, packed, cfg)
     mask = loss_mask(mb)
     old = jax.lax.stop_gradient(lp) if on_policy else mb.old_logprobs
     loss, metrics = ppo_loss(

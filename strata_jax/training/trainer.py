@@ -90,9 +90,10 @@ class Trainer:
     Attributes:
       shape_marks: per (pass, P, W) of the packed update, the largest (rows, response columns,
         key slots, response slots) its micro-batches have met
-        (`prefix_tree.packed_micro_batches`' marks): later micro-batches pad up to them, so the compiled programs plateau instead of
-        following every drift of the batches. Host state, saved in the checkpoint's meta
-        (`host_state` / `set_host_state`) so a resumed run pads as the uninterrupted one.
+        (`prefix_tree.packed_micro_batches`' marks): later micro-batches pad up to them, so
+        the compiled programs plateau instead of following every drift of the batches. Host
+        state, saved in the checkpoint's meta (`host_state` / `set_host_state`) so a resumed
+        run pads as the uninterrupted one.
     """
 
     model: Qwen2Config
