@@ -27,6 +27,7 @@ tokens need not mean less time there; judge the packed path on a real model shap
     python -m benchmarks.prefix_tree                          # tiny random model, quick
     python -m benchmarks.prefix_tree --shape 0.5b --lora 16   # the 0.5B shape, random weights
     python -m benchmarks.prefix_tree --model /path/qwen05-hf --lora 16 --repeats 2
+    python -m benchmarks.prefix_tree --shape 0.5b --repeats 0   # warm-up only: its peak RSS
     python -m benchmarks.prefix_tree --model qwen2.5-coder-0.5b-instruct --lora 16 --remat dots \
         --algo strata --micro 8 --mini 40 --paths per_row packed torch \
         --batches benchmarks/results/learning_study/keep25/run_strata_s0/batches/iter_0000.npz
@@ -370,9 +371,12 @@ def run_paths(args) -> list[dict]:
         for path in args.paths:
             if path == "torch":
                 warm, runs, slots = torch_update(model, params, batch, args, reset_peak_rss)
-                results.append(dict(batch=name, path=path, update_s=statistics.median(runs),
-                                    warmup_s=warm, tokens=slots, load=os.getloadavg()[0],
-                                    timed_peak_rss_gb=peak_rss_gb()))
+                r = dict(batch=name, path=path, warmup_s=warm, tokens=slots,
+                         update_s=statistics.median(runs) if runs else None,
+                         load=os.getloadavg()[0])
+                if runs:
+                    r["timed_peak_rss_gb"] = peak_rss_gb()
+                results.append(r)
                 continue
             cfg = TrainConfig.from_config(c, mini_batch_size=args.mini,
                                           micro_batch_size=args.micro, remat=args.remat,
@@ -386,11 +390,13 @@ def run_paths(args) -> list[dict]:
                 reset_peak_rss()
             state, warm, runs, m = time_updates(trainer, state, batch, params, args.repeats,
                                                 after_warmup)
-            results.append(dict(batch=name, path=path, update_s=statistics.median(runs),
-                                warmup_s=warm, compilations=compiles.count - marks[0],
-                                token_fill=float(m["perf/update_token_fill"]),
-                                loss=float(m["train/loss"]), load=os.getloadavg()[0],
-                                timed_peak_rss_gb=peak_rss_gb()))
+            r = dict(batch=name, path=path, update_s=statistics.median(runs) if runs else None,
+                     warmup_s=warm, compilations=compiles.count - marks[0],
+                     token_fill=float(m["perf/update_token_fill"]),
+                     loss=float(m["train/loss"]), load=os.getloadavg()[0])
+            if runs:   # with --repeats 0 the peak since the reset is nothing's
+                r["timed_peak_rss_gb"] = peak_rss_gb()
+            results.append(r)
             del state, trainer
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     for r in results:   # the process's peak: a path's own only when it ran alone
@@ -437,14 +443,16 @@ def report(results: list[dict]) -> None:
         timed = {p["path"]: p for p in results if p["batch"] == name and p["path"] != "counts"}
         for path, p in timed.items():
             vs = [f"vs {o} {timed[o]['update_s'] / p['update_s']:.2f}x" for o in timed
-                  if o != path]
+                  if o != path and p["update_s"] and timed[o]["update_s"]]
             extra = (f", {p['compilations']} compilations after warm-up, token fill "
                      f"{p['token_fill']:.2f}, loss {p['loss']:.6f}" if "loss" in p
                      else f", {p['tokens']} tokens computed")
             rss = "peak RSS" if p.get("rss_of", "path") == "path" else "process peak RSS"
             alone = (f" (timed updates alone {p['timed_peak_rss_gb']:.2f} GB)"
                      if "timed_peak_rss_gb" in p else "")
-            print(f"  {label[path]:25s}: update {p['update_s']:7.2f} s"
+            upd = (f"{p['update_s']:7.2f} s" if p["update_s"] is not None
+                   else "not timed (--repeats 0)")
+            print(f"  {label[path]:25s}: update {upd}"
                   + (f" (speed-up {', '.join(vs)})" if vs else "") + ", "
                   f"warm-up {p['warmup_s']:.1f} s, {rss} {p['peak_rss_gb']:.2f} GB{alone}"
                   f"{extra}, load {p['load']:.1f}", flush=True)
