@@ -64,11 +64,14 @@ def reference_run(tmp_path_factory):
     slower on 2 cores; sharded runs are test_distributed.py's). It trains the tiny variant's
     warm start into a module-wide cache dir, which the preempted run then loads."""
     c = tiny_config(tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("warm_start"))
+    # The later runs of this module load the programs this one compiled (the same model
+    # shapes): a compilation cache changes no number (test_determinism.py), only start-up time.
+    c.compilation_cache_dir = str(tmp_path_factory.mktemp("jax_cache"))
     # log.* may differ from the preempted run's (a resume may change it)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config=configs/sciworld.py:tiny",
            f"--config.workdir={c.workdir}", f"--config.iterations={ITERS}",
            f"--config.sft.cache_dir={c.sft.cache_dir}", "--config.log.dump_batches=1",
-           f"--config.compilation_cache_dir={tmp_path_factory.mktemp('jax_cache')}"]
+           f"--config.compilation_cache_dir={c.compilation_cache_dir}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
                          env=ONE_DEVICE)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -175,7 +178,7 @@ def test_sigterm_then_restart_matches_uninterrupted_run(reference_run, tmp_path)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config=configs/sciworld.py:tiny",
            f"--config.workdir={workdir}", f"--config.iterations={ITERS}",
            f"--config.sft.cache_dir={c_ref.sft.cache_dir}",   # the reference run's warm start
-           f"--config.compilation_cache_dir={tmp_path / 'jax_cache'}"]
+           f"--config.compilation_cache_dir={c_ref.compilation_cache_dir}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=ONE_DEVICE)
     metrics = workdir / "metrics.jsonl"
@@ -251,13 +254,15 @@ def _deterministic_rows(path):
             for r in read_jsonl(path)]
 
 
-def test_kill_9_after_an_eval_row_resumes_without_logging_it_twice(tmp_path):
+def test_kill_9_after_an_eval_row_resumes_without_logging_it_twice(reference_run, tmp_path):
     # the warm start off, 3 iterations, a checkpoint every iteration, eval every 2: kill -9 as
-    # soon as the step-2 eval row is in metrics.jsonl, rerun the same command
+    # soon as the step-2 eval row is in metrics.jsonl, rerun the same command (the reference
+    # run's compiled programs: same model shapes)
     workdir = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config=configs/sciworld.py:tiny",
            f"--config.workdir={workdir}", "--config.iterations=3", "--config.model.warm_start=",
-           "--config.ckpt.every=1", "--config.eval.every=2"]
+           "--config.ckpt.every=1", "--config.eval.every=2",
+           f"--config.compilation_cache_dir={reference_run[0].compilation_cache_dir}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=ONE_DEVICE)
     metrics = workdir / "metrics.jsonl"
