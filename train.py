@@ -44,6 +44,7 @@ def run(c) -> dict:
     distributed.initialize(c)
     ex.validate(c)             # every field, before anything is built or written
     ex.use_compilation_cache(c)
+    ex.use_host_allocator(c)
     distributed.check_config(c)
     ex.resolve(c)
     ex.check_env(c)            # e.g. the WebShop server answers

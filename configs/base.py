@@ -28,6 +28,12 @@ def get_base_config() -> ml_collections.ConfigDict:
     # jax's persistent compilation cache: a restarted / resumed / repeated run loads its compiled
     # programs instead of compiling them again ("" = off). Beside the runs, like sft.cache_dir.
     c.compilation_cache_dir = "runs/jax_cache"
+    # Host memory (Linux / glibc): > 0 fixes glibc's mmap threshold at this many MiB, so every
+    # freed buffer of that size or more goes back to the OS instead of staying resident in the
+    # heap (glibc otherwise raises the threshold after each freed large buffer, up to 32 MiB).
+    # Lowers a CPU run's peak RSS (docs/performance.md#memory); its time cost is not yet
+    # measured, so 0 (glibc's own policy) stays the default.
+    c.host_mmap_threshold_mb = 0.0
 
     # --- Model -----------------------------------------------------------------------------
     c.model = ml_collections.ConfigDict()

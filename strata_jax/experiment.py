@@ -101,6 +101,44 @@ def use_compilation_cache(c: Any) -> str | None:
     return path
 
 
+# glibc's mallopt parameter number of M_MMAP_THRESHOLD (malloc.h).
+_M_MMAP_THRESHOLD = -3
+
+
+def use_host_allocator(c: Any) -> bool:
+    """Fix glibc's mmap threshold at ``c.host_mmap_threshold_mb`` MiB (0: leave glibc's policy).
+
+    XLA:CPU mallocs the buffers of every program it runs. glibc maps large requests with mmap
+    and unmaps them on free, but after each freed mapped chunk it raises its threshold to that
+    chunk's size (up to 32 MiB on 64-bit), so later buffers below it come from the heap arenas,
+    whose freed pages stay resident: a run of several programs with buffers of many sizes (the
+    packed update's micro-batch shapes) holds more than its largest program needs. A fixed
+    threshold (``mallopt(M_MMAP_THRESHOLD)``, what ``MALLOC_MMAP_THRESHOLD_`` sets) turns that
+    adjustment off. Process-wide; call once at start-up (train.py, eval.py, the warm start).
+    Source: glibc malloc(3) / mallopt(3), "M_MMAP_THRESHOLD"; figures: docs/results.md.
+    Returns True when set, False when 0 or not glibc (a warning then: nothing else changes).
+    Raises ConfigError for a threshold above glibc's 32 MiB maximum (mallopt refuses it).
+    """
+    mb = float(c.get("host_mmap_threshold_mb", 0.0) or 0.0)
+    if mb <= 0:
+        return False
+    size = int(mb * 2 ** 20)
+    if size > 32 * 2 ** 20:
+        raise ConfigError(f"host_mmap_threshold_mb={mb:g} exceeds glibc's 32 MiB maximum; use "
+                          "1-32 (or 0 for glibc's own policy)")
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, size))
+    except (OSError, AttributeError):
+        ok = False
+    if not ok:
+        log.warning("host_mmap_threshold_mb=%g: this C library has no glibc mallopt; host "
+                    "memory keeps its allocator's own policy", mb)
+    return ok
+
+
 def build_mesh(c: Any) -> jax.sharding.Mesh:
     """The device mesh of ``c.mesh`` (axes data / fsdp / tensor, -1 = the rest)."""
     return sharding.make_mesh(dict(c.mesh))

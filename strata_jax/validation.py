@@ -32,6 +32,7 @@ _ENV_KWARGS = ("server_url", "data_dir", "jvm_max_heap_mb", "fetch_valid_actions
 # (`config_sources` of TrainConfig, RolloutConfig, SFTConfig). configs/base.py holds each.
 ASSEMBLY_KEYS = (
     "seed", "workdir", "iterations", "compilation_cache_dir",   # experiment.use_compilation_cache
+    "host_mmap_threshold_mb",                                       # experiment.use_host_allocator
     "model.path", "model.preset", "model.dtype", "model.tokenizer", "model.warm_start",
     "env.name", "env.split", "env.tasks", "env.max_steps", "env.max_prompt_tokens",
     "env.history_length", "env.num_workers", "env.step_timeout_s", "env.eval_list",
@@ -128,6 +129,7 @@ def validate(c: Any) -> None:
         at_least(f"rollout.{name}", 1)
     at_least("rollout.cohorts", 0)
     at_least("rollout.prefix_cache_mb", 0)     # 0 = off (no prefix KV kept across calls)
+    at_least("host_mmap_threshold_mb", 0)      # 0 = glibc's own (adaptive) threshold
     for name in ("max_steps", "max_prompt_tokens", "num_workers"):
         at_least(f"env.{name}", 1)
     at_least("env.history_length", 0)
@@ -219,6 +221,7 @@ MEMORY_KNOBS = (
 RESUME_MAY_CHANGE = (
     "workdir", "iterations",          # extending a run is a resume
     "compilation_cache_dir",          # where compiled programs are cached: speed only
+    "host_mmap_threshold_mb",         # how freed host memory is returned: memory, same results
     "mesh.*", "distributed.*",        # restore reshards onto any mesh / process count
     "env.num_workers",                # live envs: episodes run in waves, per-row keys are global
                                       # (a decode call's rows change, so float rounding may)

@@ -191,6 +191,7 @@ def export_warm_start(c: Any, out: str = "", force: bool = False,
     Raises experiment.ConfigError for a config that cannot run (`experiment.validate`)."""
     ex.validate(c)
     ex.use_compilation_cache(c)
+    ex.use_host_allocator(c)
     ex.resolve(c)
     tokenizer = ex.build_tokenizer(c)
     model_cfg, params = ex.build_model(c, tokenizer, None)

@@ -48,6 +48,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
 
     ex.validate(c)
     ex.use_compilation_cache(c)
+    ex.use_host_allocator(c)
     ex.resolve(c)
     try:
         tt = TestTimeConfig.from_config(c)
