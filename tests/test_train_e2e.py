@@ -218,9 +218,10 @@ def test_sigterm_then_restart_matches_uninterrupted_run(reference_run, tmp_path)
     assert moved > 1e-4, "iteration 3 must move the params far more than the tolerance"
     assert diff <= 1e-6, diff
     assert meta["sampler_state"] == ref_meta["sampler_state"] is not None
-    # the restart loaded the first process's compiled programs (persistent compilation cache)
+    # both processes loaded compiled programs from the module's persistent compilation cache
+    # (the reference run wrote them; the restart's last row counts its own process's loads)
     first, *_, last = read_jsonl(os.path.join(str(workdir), "metrics.jsonl"))
-    assert first["compile/cache_hits"] == 0 and last["compile/cache_hits"] >= 5, last
+    assert first["compile/cache_hits"] >= 5 and last["compile/cache_hits"] >= 5, last
     # the logs: metrics.jsonl and the TensorBoard events read back (with TensorBoard's purge on
     # restart) hold one point per step, equal to the uninterrupted run's
     want = _deterministic_rows(os.path.join(c_ref.workdir, "metrics.jsonl"))
