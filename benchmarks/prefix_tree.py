@@ -371,12 +371,8 @@ def run_paths(args) -> list[dict]:
         for path in args.paths:
             if path == "torch":
                 warm, runs, slots = torch_update(model, params, batch, args, reset_peak_rss)
-                r = dict(batch=name, path=path, warmup_s=warm, tokens=slots,
-                         update_s=statistics.median(runs) if runs else None,
-                         load=os.getloadavg()[0])
-                if runs:
-                    r["timed_peak_rss_gb"] = peak_rss_gb()
-                results.append(r)
+                results.append(_result(runs, batch=name, path=path, warmup_s=warm,
+                                       tokens=slots))
                 continue
             cfg = TrainConfig.from_config(c, mini_batch_size=args.mini,
                                           micro_batch_size=args.micro, remat=args.remat,
@@ -390,13 +386,10 @@ def run_paths(args) -> list[dict]:
                 reset_peak_rss()
             state, warm, runs, m = time_updates(trainer, state, batch, params, args.repeats,
                                                 after_warmup)
-            r = dict(batch=name, path=path, update_s=statistics.median(runs) if runs else None,
-                     warmup_s=warm, compilations=compiles.count - marks[0],
-                     token_fill=float(m["perf/update_token_fill"]),
-                     loss=float(m["train/loss"]), load=os.getloadavg()[0])
-            if runs:   # with --repeats 0 the peak since the reset is nothing's
-                r["timed_peak_rss_gb"] = peak_rss_gb()
-            results.append(r)
+            results.append(_result(runs, batch=name, path=path, warmup_s=warm,
+                                   compilations=compiles.count - marks[0],
+                                   token_fill=float(m["perf/update_token_fill"]),
+                                   loss=float(m["train/loss"])))
             del state, trainer
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     for r in results:   # the process's peak: a path's own only when it ran alone
@@ -427,6 +420,17 @@ def run_children(args, argv: list[str]) -> list[dict]:
         have_counts = any(r["path"] == "counts" for r in results)
         results += [r for r in got if r["path"] != "counts" or not have_counts]
     return results
+
+
+def _result(runs: list[float], **fields) -> dict:
+    """One path's result row: `fields`, the median of the timed updates' seconds (None with
+    --repeats 0), the load, and the timed updates' peak RSS (GiB; only when some ran: with
+    --repeats 0 the peak since the reset after the warm-up belongs to nothing)."""
+    r = dict(fields, update_s=statistics.median(runs) if runs else None,
+             load=os.getloadavg()[0])
+    if runs:
+        r["timed_peak_rss_gb"] = peak_rss_gb()
+    return r
 
 
 def report(results: list[dict]) -> None:

@@ -129,7 +129,11 @@ def validate(c: Any) -> None:
         at_least(f"rollout.{name}", 1)
     at_least("rollout.cohorts", 0)
     at_least("rollout.prefix_cache_mb", 0)     # 0 = off (no prefix KV kept across calls)
-    at_least("host_mmap_threshold_mb", 0)      # 0 = glibc's own (adaptive) threshold
+    mmap_mb = c.host_mmap_threshold_mb   # MiB, fractions allowed; 0 = glibc's own policy
+    if isinstance(mmap_mb, bool) or not isinstance(mmap_mb, (int, float)) or \
+            not 0 <= mmap_mb <= 32:
+        raise ConfigError(f"host_mmap_threshold_mb must be a number of MiB in 0-32 (glibc's "
+                          f"maximum; 0 = glibc's own policy), got {mmap_mb!r}")
     for name in ("max_steps", "max_prompt_tokens", "num_workers"):
         at_least(f"env.{name}", 1)
     at_least("env.history_length", 0)

@@ -86,9 +86,10 @@ def _states(params, model: Qwen2Config, pi, pm, ri, rm, packed: PackedInputs | N
 
 def _logprobs(params, model: Qwen2Config, h, ri, rm, packed: PackedInputs | None,
               cfg: TrainConfig):
-    """`response_logprobs` of `_states`' h at cfg's temperature, chunk and dtype: per row, or
-    (packed given) with the LM head on the packed micro-batch's real response tokens only
-    (`PackedInputs.response_slot`). (logprob, entropy) [B, Tr] f32, 0 off the mask."""
+    """`response_logprobs` of `_states`' h [B, Tr, D] (ri / rm [B, Tr] int32 / bool) at cfg's
+    temperature, chunk and dtype: per row, or (packed given) with the LM head on the packed
+    micro-batch's real response tokens only (`PackedInputs.response_slot`). Returns (logprob,
+    entropy) [B, Tr] f32, 0 off the mask."""
     return response_logprobs(params, model, h, ri, rm, temperature=cfg.temperature,
                              chunk_size=cfg.logprob_chunk, compute_dtype=cfg.compute_dtype,
                              slots=None if packed is None else packed.response_slot)
