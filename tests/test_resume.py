@@ -25,7 +25,7 @@ MAY_CHANGE = {"workdir", "iterations", "compilation_cache_dir", "env.num_workers
               "train.score_rows", "train.logprob_chunk", "train.trim_padding",
               "distributed.coordinator_address", "distributed.num_processes",
               "distributed.process_id", "distributed.local_device_ids",
-              "distributed.initialization_timeout_s"}
+              "distributed.initialization_timeout_s", "host_mmap_threshold_mb"}
 MUST_MATCH_EXAMPLES = {"seed", "algo", "model.path", "model.warm_start", "env.split", "env.tasks",
                        "rollout.temperature", "rollout.num_strategies", "adv.std_ddof",
                        "loss.kl_coef", "optim.lr", "optim.mini_batch_size", "lora.rank",
