@@ -28,6 +28,7 @@ tokens need not mean less time there; judge the packed path on a real model shap
     python -m benchmarks.prefix_tree --shape 0.5b --lora 16   # the 0.5B shape, random weights
     python -m benchmarks.prefix_tree --model /path/qwen05-hf --lora 16 --repeats 2
     python -m benchmarks.prefix_tree --shape 0.5b --repeats 0   # warm-up only: its peak RSS
+    python -m benchmarks.prefix_tree --rss-trace   # where the resident peak falls (compile / run)
     python -m benchmarks.prefix_tree --model qwen2.5-coder-0.5b-instruct --lora 16 --remat dots \
         --algo strata --micro 8 --mini 40 --paths per_row packed torch \
         --batches benchmarks/results/learning_study/keep25/run_strata_s0/batches/iter_0000.npz
@@ -36,6 +37,7 @@ tokens need not mean less time there; judge the packed path on a real model shap
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import statistics
@@ -310,6 +312,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--in-process", action="store_true", help="time every path in this process "
                     "(default: one child process per path, so each path's peak RSS is its own)")
+    ap.add_argument("--rss-trace", action="store_true", help="sample the resident set every "
+                    "0.1 s with what runs (benchmarks/_rss_trace.py; CPU dispatch made "
+                    "synchronous so a label names the program that runs): each path's row gets "
+                    "its peak's phase and the highest per phase")
     ap.add_argument("--out", default="", help="write the results as JSON here")
     ap.add_argument("--child-json", default="", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -347,12 +353,15 @@ def run_paths(args) -> list[dict]:
     import numpy as np
 
     import configs.base as base
+    from benchmarks._rss_trace import RssTrace, sync_dispatch
     from benchmarks._timing import time_updates
     from strata_jax.metrics import CompileCounter
     from strata_jax.models import Qwen2Config, init_params, load_checkpoint
     from strata_jax.training import TrainConfig, Trainer
 
     compiles = CompileCounter.install()
+    if args.rss_trace:
+        sync_dispatch()
     if args.model:   # a local dir, a GGUF file or a fetched model's name
         model, params = load_checkpoint(args.model)
     else:
@@ -384,12 +393,14 @@ def run_paths(args) -> list[dict]:
             def after_warmup():
                 marks.append(compiles.count)
                 reset_peak_rss()
-            state, warm, runs, m = time_updates(trainer, state, batch, params, args.repeats,
-                                                after_warmup)
+            with RssTrace() if args.rss_trace else contextlib.nullcontext() as trace:
+                state, warm, runs, m = time_updates(trainer, state, batch, params,
+                                                    args.repeats, after_warmup)
+            extra = dict(rss_trace=trace.summary()) if trace is not None else {}
             results.append(_result(runs, batch=name, path=path, warmup_s=warm,
                                    compilations=compiles.count - marks[0],
                                    token_fill=float(m["perf/update_token_fill"]),
-                                   loss=float(m["train/loss"])))
+                                   loss=float(m["train/loss"]), **extra))
             del state, trainer
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     for r in results:   # the process's peak: a path's own only when it ran alone
@@ -460,6 +471,12 @@ def report(results: list[dict]) -> None:
                   + (f" (speed-up {', '.join(vs)})" if vs else "") + ", "
                   f"warm-up {p['warmup_s']:.1f} s, {rss} {p['peak_rss_gb']:.2f} GB{alone}"
                   f"{extra}, load {p['load']:.1f}", flush=True)
+            if p.get("rss_trace"):
+                tr = p["rss_trace"]
+                print(f"    resident peak {tr['peak_gb']:.2f} GB at {tr['peak_at_s']:.0f} s in "
+                      f"{tr['peak_label']}; compiling {tr['compile_peak_gb']:.2f} GB, executing "
+                      f"{tr['exec_peak_gb']:.2f} GB; by phase: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in tr["by_label"].items()), flush=True)
 
 
 def main(argv=None) -> None:
