@@ -310,32 +310,67 @@ def _mask_block_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     return _attention_block(q, k, v, _block_mask(allowed, q0, q0 + q.shape[3], k.shape[1]))
 
 
-def _sparse_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, tree: TreeMask,
-                            q0: int) -> jax.Array:
-    """`_attention_block` of the queries q [B,K,G,C,Dh] in slots q0..q0+C-1 over only the keys
-    they can see under the tree rule: the A keys of ``tree.index[:, q0 // block]`` (gathered
-    from k, v [B,S,K,Dh]) and the block's own C slots. Scores are [.., C, A + C] instead of
-    [.., C, q0 + C]. The gather runs here, inside the caller's checkpoint, so the backward pass
-    keeps only k, v and the O(S) rule (memory as the dense rule's); its gradient is autodiff's
-    scatter-add of the gathered keys' cotangents. Same values as the dense rule: the same
-    visible keys, whose scores and softmax are computed the same way; the keys left out
-    would get probability exactly 0 (a padding query sees no key either way and gets a
-    uniform, finite, never read distribution)."""
+def _sparse_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
+                            end: jax.Array, idx: jax.Array, q0: jax.Array) -> jax.Array:
+    """`_attention_block` of the queries q [B,K,G,C,Dh] in slots q0..q0+C-1 (q0 int32, may be
+    traced) over only the keys they can see under the tree rule: the A keys idx [B, A] int32
+    (the block's row of ``TreeMask.index``, -1 padding; gathered from k, v [B,S,K,Dh]) and the
+    block's own C slots; valid [B,S] bool and end [B,S] int32 are the `TreeMask`'s. Scores are
+    [.., C, A + C] instead of [.., C, q0 + C]. The gather runs here, inside the caller's
+    checkpoint, so the backward pass keeps only k, v and the O(S) rule (memory as the dense
+    rule's); its gradient is autodiff's scatter-add of the gathered keys' cotangents. Same
+    values as the dense rule: the same visible keys, whose scores and softmax are computed the
+    same way; the keys left out would get probability exactly 0 (a padding query sees no key
+    either way and gets a uniform, finite, never read distribution)."""
     c = q.shape[3]
-    idx = tree.index[:, q0 // tree.block]                      # [B, A]
     rows = jnp.arange(idx.shape[0])[:, None]
     safe = jnp.maximum(idx, 0)                                 # -1 padding: slot 0, masked
-    own = jnp.arange(q0, q0 + c)
+    own = q0 + jnp.arange(c)
+    cut = lambda x: jax.lax.dynamic_slice_in_dim(x, q0, c, axis=1)  # noqa: E731  the own slots
     slot = jnp.concatenate([safe, jnp.broadcast_to(own, (idx.shape[0], c))], axis=1)
-    valid = jnp.concatenate([tree.valid[rows, safe] & (idx >= 0), tree.valid[:, q0:q0 + c]],
-                            axis=1)
-    end = jnp.concatenate([tree.end[rows, safe], tree.end[:, q0:q0 + c]], axis=1)
-    kk = jnp.concatenate([k[rows, safe], k[:, q0:q0 + c]], axis=1)
-    vv = jnp.concatenate([v[rows, safe], v[:, q0:q0 + c]], axis=1)
+    ok = jnp.concatenate([valid[rows, safe] & (idx >= 0), cut(valid)], axis=1)
+    ends = jnp.concatenate([end[rows, safe], cut(end)], axis=1)
+    kk = jnp.concatenate([k[rows, safe], cut(k)], axis=1)
+    vv = jnp.concatenate([v[rows, safe], cut(v)], axis=1)
     q_slot = own[None, :, None]
-    allowed = (valid[:, None, :] & (slot[:, None, :] <= q_slot)
-               & (q_slot < end[:, None, :]))
+    allowed = ok[:, None, :] & (slot[:, None, :] <= q_slot) & (q_slot < ends[:, None, :])
     return _attention_block(q, kk, vv, allowed)
+
+
+def _tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, tree: TreeMask) -> jax.Array:
+    """Block-sparse tree attention of q [B,K,G,T,Dh] over k, v [B,T,K,Dh] under a `TreeMask`
+    with an index: every query block of tree.block slots attends its A indexed earlier keys
+    and its own slots (`_sparse_block_attention`), the blocks as one ``lax.map`` over a
+    checkpointed body. Returns [B,K,G,T,Dh] in q.dtype.
+
+    Why a loop and not one unrolled block per query block: a packed row has W / block blocks
+    (16 at W = 2048) in every layer, and unrolled they multiply the forward's and backward's
+    program by that count, so XLA's compile time and the compiler's own memory (the process's
+    peak on CPU) grew with the packed width. As a loop the program holds one block whatever W.
+    Every block uses the index, the first ones too (whose causal slice would be at most as
+    large): the same visible keys, so the same values up to float summation order. T is padded
+    to whole blocks (padding queries see no key; their rows are cut off)."""
+    b, kh, g, t, dh = q.shape
+    c = tree.block
+    nb = -(-t // c)
+    pad = nb * c - t
+    valid, end = tree.valid, tree.end
+    if pad:
+        q = jnp.pad(q, ((0, 0),) * 3 + ((0, pad), (0, 0)))
+        k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (k, v))
+        valid, end = jnp.pad(valid, ((0, 0), (0, pad))), jnp.pad(end, ((0, 0), (0, pad)))
+    blocks = q.reshape(b, kh, g, nb, c, dh).transpose(3, 0, 1, 2, 4, 5)   # [nb, B,K,G,C,Dh]
+    index = tree.index.transpose(1, 0, 2)                                # [nb, B, A]
+    starts = jnp.arange(nb, dtype=jnp.int32) * c
+
+    @jax.checkpoint
+    def one(xs):
+        qj, idx, q0 = xs
+        return _sparse_block_attention(qj, k, v, valid, end, idx, q0)
+
+    out = jax.lax.map(one, (blocks, index, starts))                      # [nb, B,K,G,C,Dh]
+    out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kh, g, nb * c, dh)
+    return out[:, :, :, :t]
 
 
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array | TreeMask,
@@ -359,9 +394,9 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array | Tr
 
     A `TreeMask` with an index (block-sparse tree attention) goes further: block j scores only
     its A indexed earlier keys and its own slots (`_sparse_block_attention`) whenever
-    A < j * query_chunk, so a packed row's attention grows as T x (A + query_chunk) instead of
-    T^2 / 2 (the keys of unrelated subtrees are never scored); earlier blocks keep the causal
-    slice, which is then no larger. Raises ValueError when the index's block is not
+    (`_tree_attention`: the blocks as one loop), so a packed row's attention grows as
+    T x (A + query_chunk) instead of T^2 / 2 (the keys of unrelated subtrees are never
+    scored). Raises ValueError when the index's block is not
     query_chunk or its shape is not [B, ceil(T / query_chunk), A].
     Source: HF transformers Qwen2 attention (repeat_kv + eager softmax attention), same values.
     """
@@ -376,7 +411,6 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array | Tr
     tree = allowed if isinstance(allowed, TreeMask) else None
     if tree is not None and first_slot != 0:
         raise ValueError("a TreeMask is the rule of a packed forward without a cache")
-    n_anc = 0
     if tree is not None and tree.index is not None:
         nblocks = -(-t // query_chunk)
         if tree.block != query_chunk:
@@ -386,21 +420,17 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array | Tr
         if tree.index.shape[:2] != (b, nblocks):
             raise ValueError(f"tree key index must be [B, nblocks, A] = [{b}, {nblocks}, A] for "
                              f"T={t}, query_chunk={query_chunk}; got {tree.index.shape}")
-        n_anc = tree.index.shape[2]
     if t <= query_chunk:
         s = keys(t)
         out = _mask_block_attention(q, k[:, :s], v[:, :s], allowed, 0)
+    elif tree is not None and tree.index is not None:
+        out = _tree_attention(q, k, v, tree)
     else:
         block = jax.checkpoint(_mask_block_attention, static_argnums=(4,))
-        sparse = jax.checkpoint(_sparse_block_attention, static_argnums=(4,))
         outs = []
         for i in range(0, t, query_chunk):
             e = min(t, i + query_chunk)
             s = keys(e)
-            if tree is not None and tree.index is not None and n_anc < i:
-                # fewer keys than the causal slice's i earlier slots: gather them
-                outs.append(sparse(q[:, :, :, i:e], k, v, tree, i))
-                continue
             part = allowed if tree is not None else allowed[:, i:e, :s]
             outs.append(block(q[:, :, :, i:e], k[:, :s], v[:, :s], part,
                               i if tree is not None else 0))
