@@ -313,9 +313,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--in-process", action="store_true", help="time every path in this process "
                     "(default: one child process per path, so each path's peak RSS is its own)")
     ap.add_argument("--rss-trace", action="store_true", help="sample the resident set every "
-                    "0.1 s with what runs (benchmarks/_rss_trace.py; CPU dispatch made "
-                    "synchronous so a label names the program that runs): each path's row gets "
-                    "its peak's phase and the highest per phase")
+                    "0.1 s with what runs (benchmarks/_rss_trace.py: compilations exactly, "
+                    "executions as the Python call that waits, dispatch stays asynchronous so "
+                    "the update's time is the usual one): each path's row gets its peak's "
+                    "phase and the highest per phase")
     ap.add_argument("--out", default="", help="write the results as JSON here")
     ap.add_argument("--child-json", default="", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -353,15 +354,13 @@ def run_paths(args) -> list[dict]:
     import numpy as np
 
     import configs.base as base
-    from benchmarks._rss_trace import RssTrace, sync_dispatch
+    from benchmarks._rss_trace import RssTrace
     from benchmarks._timing import time_updates
     from strata_jax.metrics import CompileCounter
     from strata_jax.models import Qwen2Config, init_params, load_checkpoint
     from strata_jax.training import TrainConfig, Trainer
 
     compiles = CompileCounter.install()
-    if args.rss_trace:
-        sync_dispatch()
     if args.model:   # a local dir, a GGUF file or a fetched model's name
         model, params = load_checkpoint(args.model)
     else:
