@@ -1,14 +1,13 @@
 """Where a process's resident memory peaks: a sampling thread that records the resident set
-(Linux /proc/self/statm) with what the main thread is doing at that moment, so a peak can be
+(Linux /proc/self/status) with what the main thread is doing at that moment, so a peak can be
 put on a phase (a compilation, or the execution of one of the update's functions).
 
 Labels: "compile:<fn>" while XLA compiles (a backend compile frame is on the main thread's
 stack; <fn> the innermost strata_jax function above it), else the innermost strata_jax
 function on the stack ("exec:<fn>"). JAX dispatches CPU programs asynchronously, so an
 execution label names the Python call that was waiting, not necessarily the program whose
-buffers are live; `sync_dispatch()` turns the asynchrony off for an exact attribution (it
-also stops two programs from overlapping, so the peak can only fall, never rise).
-jax + the standard library only, so it runs on a bare accelerator image.
+buffers are live (``jax.config.update("jax_cpu_enable_async_dispatch", False)`` makes it
+exact, at the cost of host / device overlap). Compile labels are exact either way.
 """
 from __future__ import annotations
 
@@ -17,24 +16,16 @@ import sys
 import threading
 import time
 
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # frames of JAX's backend compile (jax._src.compiler); present on the stack while XLA compiles
-_COMPILE_FRAMES = ("backend_compile", "compile_or_get_cached", "_cached_compilation")
+_COMPILE_FRAMES = ("backend_compile", "backend_compile_and_load", "compile_or_get_cached",
+                   "_cached_compilation")
 
 
 def rss_gb() -> float:
-    """This process's current resident set, GiB (Linux; 0.0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE / 2 ** 30
-    except OSError:
-        return 0.0
-
-
-def sync_dispatch() -> None:
-    """Make CPU dispatch synchronous (each program finishes before its call returns)."""
-    import jax
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    """This process's current resident set, GiB (`strata_jax.metrics.memory_metrics`'
+    ``mem/host_rss_gb``: Linux /proc; 0.0 elsewhere)."""
+    from strata_jax.metrics import memory_metrics
+    return memory_metrics(devices=[]).get("mem/host_rss_gb", 0.0)
 
 
 def _label(frame) -> str:

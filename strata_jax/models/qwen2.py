@@ -349,7 +349,9 @@ def _tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, tree: TreeMask) ->
     peak on CPU) grew with the packed width. As a loop the program holds one block whatever W.
     Every block uses the index, the first ones too (whose causal slice would be at most as
     large): the same visible keys, so the same values up to float summation order. T is padded
-    to whole blocks (padding queries see no key; their rows are cut off)."""
+    to whole blocks (padding queries see no key; their rows are cut off). tree.index must be
+    [B, ceil(T / tree.block), A] (`_attention` checks it and raises ValueError). Source: the
+    tree rule of design.md §12.1; the per-block gather as `_sparse_block_attention`."""
     b, kh, g, t, dh = q.shape
     c = tree.block
     nb = -(-t // c)
