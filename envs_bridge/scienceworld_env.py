@@ -31,6 +31,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
+import socket
+import subprocess
 import tempfile
 from typing import Any
 
@@ -155,6 +158,62 @@ def load_eval_list(path: str, split: str = "test") -> list[Task]:
 DETERMINISTIC_JVM_OPTS = ("-XX:+UnlockExperimentalVMOptions", "-XX:hashCode=2")
 
 
+# The simulator jar's classes are Java 8 class files; Java 17 is the runtime the project tests.
+MIN_JAVA = 8
+
+
+def java_major_version(text: str) -> int | None:
+    """The major version in the first line of ``java -version`` output ("1.8.0_392" -> 8,
+    "17.0.15" -> 17, "21" -> 21), or None when the text holds no quoted version."""
+    m = re.search(r'version "(\d+)(?:\.(\d+))?', text)
+    if m is None:
+        return None
+    major = int(m.group(1))
+    return int(m.group(2) or 0) if major == 1 else major
+
+
+def check_java_runtime(java: str | None = None, timeout_s: float = 30.0) -> None:
+    """Start-up check of what the simulator needs from the host: a Java runtime (``java`` on
+    PATH, at least `MIN_JAVA`) and loopback, over which py4j connects Python and the JVM.
+
+    Args:
+      java: the java executable (None: ``java`` on PATH).
+      timeout_s: limit for ``java -version``.
+    Raises:
+      EnvError with one line that says what is missing and what to install or fix.
+    """
+    exe = java or shutil.which("java")
+    if exe is None:
+        raise EnvError("ScienceWorld needs a Java runtime on PATH and `java` was not found: "
+                       "install Java 17 (Debian / Ubuntu: apt install openjdk-17-jre-headless) "
+                       "or put its bin/ on PATH")
+    try:
+        out = subprocess.run([exe, "-version"], capture_output=True, text=True,
+                             timeout=timeout_s)
+        text = (out.stderr or "") + (out.stdout or "")
+    except (OSError, subprocess.SubprocessError) as e:
+        raise EnvError(f"ScienceWorld needs a working Java runtime; `{exe} -version` failed "
+                       f"({e}): reinstall Java 17 or fix PATH") from None
+    major = java_major_version(text)
+    if major is None or out.returncode != 0:
+        first = text.strip().splitlines()[0] if text.strip() else f"exit {out.returncode}"
+        raise EnvError(f"ScienceWorld needs a working Java runtime; `{exe} -version` said "
+                       f"{first!r}: reinstall Java 17 or fix PATH")
+    if major < MIN_JAVA:
+        raise EnvError(f"ScienceWorld needs Java {MIN_JAVA} or newer (17 is tested); `{exe}` is "
+                       f"Java {major}: install Java 17 and put it first on PATH")
+    try:   # py4j's gateway and callback server both listen on 127.0.0.1
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as srv:
+            srv.bind(("127.0.0.1", 0))
+            srv.listen(1)
+            with socket.create_connection(srv.getsockname(), timeout=5):
+                pass
+    except OSError as e:
+        raise EnvError(f"ScienceWorld's Java bridge (py4j) connects over loopback and "
+                       f"127.0.0.1 cannot be reached here ({e}): bring the loopback interface "
+                       "up (ip link set lo up) or run where it is") from None
+
+
 def _launch(max_heap_mb: int | None, deterministic: bool = True):
     """Start a ScienceWorld JVM with a heap cap; returns the package's env object.
 
@@ -225,6 +284,12 @@ class ScienceWorldEnv(TextEnv):
         self._desc = ""
         self._score = 0
         self.ambiguous_log: list[tuple[str, str]] = []
+
+    @staticmethod
+    def preflight(**_: Any) -> None:
+        """Start-up check (called by the entry points before anything is built):
+        `check_java_runtime`. Raises EnvError in one line naming what to install or fix."""
+        check_java_runtime()
 
     @staticmethod
     def task_list(split: str, include_excluded: bool = False) -> list[Task]:

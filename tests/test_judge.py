@@ -31,3 +31,37 @@ def test_parse_bad_steps():
 def test_judge_flags():
     np.testing.assert_array_equal(judge_flags((1, 4), 5), [True, False, False, True, False])
     np.testing.assert_array_equal(judge_flags((), 3), [False] * 3)
+
+
+def test_first_block_rule_equals_the_lazy_block_search():
+    """The two-scan parser takes the same first block as ``<bad_steps>(.*?)</bad_steps>``
+    searched with IGNORECASE | DOTALL, on nested, unclosed, stray and mixed-case tags."""
+    import re
+    lazy = re.compile(r"<bad_steps>(.*?)</bad_steps>", re.IGNORECASE | re.DOTALL)
+
+    def reference(text, t):
+        m = lazy.search(text)
+        return parse_bad_steps(f"<bad_steps>{m.group(1)}</bad_steps>", t) if m else ()
+
+    rng = np.random.default_rng(0)
+    pieces = ["<bad_steps>", "</bad_steps>", "<BAD_STEPS>", "</Bad_Steps>", "1", "2, 3", " ",
+              "none", "x", "\n", "</bad_steps", "<bad_steps"]
+    for _ in range(2000):
+        text = "".join(rng.choice(pieces, size=rng.integers(0, 8)))
+        assert parse_bad_steps(text, 5) == reference(text, 5), text
+
+
+def test_a_verdict_of_many_unclosed_blocks_parses_in_linear_time():
+    """20,000 unclosed opening tags: the lazy search rescanned the rest at every one (minutes,
+    holding the GIL); the two scans read the text twice. In a subprocess with a generous bound,
+    so a regression fails instead of hanging the suite."""
+    import os
+    import subprocess
+    import sys
+    code = ("from strata_jax.rollout import parse_bad_steps\n"
+            "print(parse_bad_steps('<bad_steps>1, ' * 20_000, 5))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "()"
