@@ -1,10 +1,10 @@
 """The rollout options beyond the paper, measured on real weights: strategy revision, test-time
 strategy scaling, a separate judge model, each against the paper's one-strategy eval.
 
-    python -m benchmarks.options                            # the fetched 0.5B, every cell
-    python -m benchmarks.options --cells paper revise_every3 tts2_judge
-    python -m benchmarks.options --episodes 2 --max-steps 15
-    python -m benchmarks.options --table                    # the table from the cache
+    python -m studies.options.run                            # the fetched 0.5B, every cell
+    python -m studies.options.run --cells paper revise_every3 tts2_judge
+    python -m studies.options.run --episodes 2 --max-steps 15
+    python -m studies.options.run --table                    # the table from the cache
 
 Every cell is one ``eval.py --no_checkpoint`` run of the same model on the same tasks (the
 ScienceWorld dev split restricted to the families whose gold path has at most 11 steps, as in
@@ -39,11 +39,11 @@ import os
 import re
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._cells import cached_cell, run_cells, write_summary  # noqa: E402
-from benchmarks.test_time import family_rows  # noqa: E402
-from benchmarks.zero_shot import add_budget_args, cell_variant  # noqa: E402
+from studies.cells import cached_cell, run_cells, write_summary  # noqa: E402
+from studies.test_time_scaling.run import family_rows  # noqa: E402
+from studies.zero_shot.run import add_budget_args, cell_variant  # noqa: E402
 
 TTS_PROBE = 3
 # name -> (config overrides, eval.py flags); "{judge}" is replaced by --judge
