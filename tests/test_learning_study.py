@@ -1,4 +1,5 @@
-"""The memory_key learning study's statistics (studies/memory_key/stats.py) on hand-computed cases."""
+"""The memory_key learning study's statistics (studies/memory_key/stats.py) on hand-computed
+cases, and its episode reading, queue and report."""
 from __future__ import annotations
 
 import math
@@ -189,8 +190,8 @@ def test_train_set_reaches_the_runs_only(tmp_path):
 
 def test_report_of_the_kept_study_reproduces_its_tests(tmp_path, monkeypatch):
     """The committed study (StraTA and GRPO, seeds 0 and 1, 10 iterations each, and their
-    starts), as --results keeps them, gives the report its write-up (studies/memory_key/README.md) quotes: StraTA 13 / 48
-    -> 47 / 48 and 32 / 48 with their Fisher and McNemar p-values and training curves, GRPO's
+    starts), as --results keeps them, gives the report its write-up (studies/memory_key/README.md)
+    quotes: StraTA 13 / 48 -> 47 / 48 and 32 / 48 with their Fisher and McNemar p-values and training curves, GRPO's
     10 / 48 -> 8 / 48 and 0 / 48, the mean gains; the figure's eval points sit at iterations 0
     and 10 (seed 1's runs were re-run with --remat full: a memory knob, still the same jobs);
     the json and the figure are written."""

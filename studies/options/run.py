@@ -8,8 +8,8 @@ strategy scaling, a separate judge model, each against the paper's one-strategy 
 
 Every cell is one ``eval.py --no_checkpoint`` run of the same model on the same tasks (the
 ScienceWorld dev split restricted to the families whose gold path has at most 11 steps, as in
-zero_shot.py; ``--env memory_key`` for the 3-digit vault code) with StraTA prompting, the
-eval protocol (one strategy per task, temperature ``eval.temperature`` = 0.4) and the
+studies/zero_shot/run.py; ``--env memory_key`` for the 3-digit vault code) with StraTA
+prompting, the eval protocol (one strategy per task, temperature ``eval.temperature`` = 0.4) and the
 action-format examples in the prompt (without them the 0.5B model fails the strategy format on
 every ScienceWorld task: docs/results.md). Only the option differs:
 
@@ -66,7 +66,7 @@ FRACTIONS = ("invalid_step_frac", "env_rejected_frac", "strategy_format_fail_fra
 
 
 def cell_command(args, name: str) -> list[str]:
-    """eval.py argv of one cell: zero_shot.py's StraTA cell with the format examples, plus
+    """eval.py argv of one cell: the zero-shot study's StraTA cell with the format examples, plus
     the cell's option."""
     overrides, flags = CELLS[name]
     cfg, variant = cell_variant(

@@ -1,11 +1,12 @@
 """Test-time strategy scaling: success vs S and its token cost, per task family.
 
-    python -m studies.test_time_scaling.run --config=configs/sciworld.py:tiny,real --no-checkpoint \\
-        --set env.tasks=find-animal+find-plant env.max_steps=15 --episodes 4
-    python -m studies.test_time_scaling.run --config=configs/sciworld.py:tiny,stapo --choices critic judge
+    python -m studies.test_time_scaling.run --config=configs/sciworld.py:tiny,real \\
+        --no-checkpoint --set env.tasks=find-animal+find-plant env.max_steps=15 --episodes 4
+    python -m studies.test_time_scaling.run --config=configs/sciworld.py:tiny,stapo \\
+        --choices critic judge
     python -m studies.test_time_scaling.run --config=configs/builtin.py:tiny --no-checkpoint \\
         --set model.warm_start= --episodes 1 --samples 1 2          # a CPU smoke run
-    python -m studies.test_time_scaling.run --config=... --table            # the table from the cache
+    python -m studies.test_time_scaling.run --config=... --table    # the table from the cache
 
 Cells: (S, chooser, probe length) for S in ``--samples`` (default 1 2 4 8), every chooser of
 ``--choices`` (S = 1 is the one-strategy eval protocol whatever the chooser: one cell) and every
