@@ -4,7 +4,7 @@ iterations, through `Trainer.update`: new XLA compilations per iteration, by pro
 A real run's iterations differ in row count and in their longest prompts and responses, and
 every new static shape compiles the update again (minutes per program for the 0.5B on CPU).
 This replays the batches a run dumped (``log.dump_batches``: the sampler's own ids, e.g.
-benchmarks/results/learning_study/*/run_*/batches/*.npz) as --iterations iterations, each a
+studies/memory_key/results/*/run_*/batches/*.npz) as --iterations iterations, each a
 seeded random 50-100% of one batch's valid rows (so the row count and the widths drift as in a
 run), on a small model with the batches' vocabulary (compilations depend on shapes, not on the
 model's size; their seconds do), for each update path and response floor asked. Printed per
@@ -14,7 +14,7 @@ off clears the trainer's shape marks before every iteration (what the update did
 kept them).
 
     python -m benchmarks.compilations --algo strata --micro 8 --mini 40 \\
-        --batches benchmarks/results/learning_study/keep25/run_strata_s0/batches/*.npz
+        --batches studies/memory_key/results/keep25/run_strata_s0/batches/*.npz
 
 Measures, never asserts (the plateau itself is a test: tests/test_train_packed.py).
 """

@@ -7,7 +7,7 @@ step of every episode of a strategy has the same observation, later steps their 
 responses of --response tokens. So the tree has the levels instruction -> task -> strategy ->
 step, as in a real StraTA batch. Or, with --batches, real update batches a run dumped
 (``log.dump_batches``: the sampler's own ids, e.g. the 0.5B's StraTA memory_key batches under
-benchmarks/results/learning_study/*/run_*/batches/), replayed with the run's training settings
+studies/memory_key/results/*/run_*/batches/), replayed with the run's training settings
 (--micro, --mini, --lora, --algo). Each path runs in its own child process (one after
 another), so the peak RSS printed is that path's own; --in-process runs them in one.
 
@@ -31,7 +31,7 @@ tokens need not mean less time there; judge the packed path on a real model shap
     python -m benchmarks.prefix_tree --rss-trace   # where the resident peak falls (compile / run)
     python -m benchmarks.prefix_tree --model qwen2.5-coder-0.5b-instruct --lora 16 --remat dots \
         --algo strata --micro 8 --mini 40 --paths per_row packed torch \
-        --batches benchmarks/results/learning_study/keep25/run_strata_s0/batches/iter_0000.npz
+        --batches studies/memory_key/results/keep25/run_strata_s0/batches/iter_0000.npz
     python -m benchmarks.prefix_tree --shape 1.5b --lora 16 --rows 16 --batches ...  # 1.5B shape
 """
 from __future__ import annotations

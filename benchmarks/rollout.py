@@ -60,7 +60,8 @@ def main() -> None:
         from strata_jax.models import Qwen2Config
         from strata_jax.rollout import SamplerPolicy
         from strata_jax.sampling import Sampler
-        from tests.rollout_fixtures import FORCED_CONFIG, FORCED_TEXT, forced_output_params
+        from strata_jax.rollout.scripted import (FORCED_CONFIG, FORCED_TEXT,
+                                                 forced_output_params)
         cfg = Qwen2Config(**FORCED_CONFIG)
         policy = SamplerPolicy(Sampler(cfg, max_cache_len=4096),
                                forced_output_params(cfg, tok, FORCED_TEXT))

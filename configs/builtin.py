@@ -1,15 +1,15 @@
 """StraTA on a built-in text env (default `memory_key`, whose vault code is shown ONLY in the first
-observation; envs_bridge/builtin.py). The CPU learning benchmark's setting (benchmarks/learning.py).
+observation; envs_bridge/builtin.py). The CPU learning study's setting (studies/learning/run.py).
 
 Command (CPU; behaviour cloning: 1500 steps, once, then cached):
     python sft.py   --config=configs/builtin.py:tiny           # warm start only (cached)
     python train.py --config=configs/builtin.py:tiny           # StraTA from the warm start
     python train.py --config=configs/builtin.py:tiny,grpo,matched   # GRPO, same episode budget
-    python benchmarks/learning.py                               # StraTA vs GRPO curves + PNG
+    python -m studies.learning.run                              # StraTA vs GRPO curves + PNG
 Expected: under non-cumulative prompts (history window 2) the code scrolls out of the prompt
 before the vault, so a policy without a strategy can only guess it (1 in 10 with the tiny
 variant's 1-digit code, 1 in 1000 with 3); StraTA's strategy, written at step 1, can carry it.
-Measured numbers: docs/results.md (benchmarks/learning.py).
+Measured numbers: studies/learning/README.md.
 
 Variants (comma-separated, configs/base.py:apply_variant): :tiny, an algo (:grpo, ...),
 :matched, ablations, key=value (e.g. ``env.name=grid_nav``).

@@ -10,8 +10,8 @@ Variants (comma-separated, see configs/base.py:apply_variant):
                  tokenizer, behaviour-cloned on the gold paths of 2 ScienceWorld train tasks
                  (250 SFT steps, cached in runs/warm_start/<fingerprint>), then sigma=2, N=2, M=2, 4 env steps,
                  32 new tokens, 3 iterations; minutes on a laptop-class CPU (the warm start
-                 once, then the iterations). Its figures: docs/results.md, "The tiny
-                 main job".
+                 once, then the iterations). Its figures:
+                 benchmarks/results/tiny_main_job/README.md.
     :grpo / :gigpo / :rloo / :ppo / :dapo / :stapo    baselines (group_size 8 episodes / task)
     :matched     baselines with the StraTA episode budget (group_size = N*M = 32)
     :vanilla / :diverse / :judgment / :full    StraTA ablations;  :mean   top-delta -> mean

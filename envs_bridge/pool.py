@@ -29,8 +29,8 @@ by killing the worker. Both backends have the same API and give identical transc
 every reset / step outcome carries the env's `PromptPieces` read in the same env call (in
 the worker for processes), so prompts never depend on the backend.
 The JVMs do the work, so neither backend scales past about one worker per core and the two
-step at the same rate (benchmarks/envs.py; docs/results.md); threads win on memory and
-simplicity, hence the default.
+step at the same rate (benchmarks/envs.py; benchmarks/results/envs/README.md); threads win
+on memory and simplicity, hence the default.
 
 Failures
 --------

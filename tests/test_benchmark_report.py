@@ -27,7 +27,7 @@ def test_zero_shot_family_rows_from_trajectories(tmp_path):
     """Per-family figures of the zero-shot table, hand-counted from two written episodes."""
     import json
 
-    from benchmarks.zero_shot import family_rows
+    from studies.zero_shot.run import family_rows
     step = lambda invalid, rejected: {"invalid": invalid, "env_rejected": rejected}  # noqa: E731
     eps = [dict(task_id="find-plant", success=True, crashed=False, episode_return=1.0,
                 strategy_raw="<strategy>x</strategy>", strategy_format_ok=True,
@@ -55,7 +55,7 @@ def test_learning_real_runs_are_valid_configs(preset, tmp_path):
     matched episode budget: StraTA N*M episodes per task = GRPO's group."""
     import argparse
 
-    from benchmarks.learning_real import PRESETS, run_variant
+    from studies.learning_real.run import PRESETS, run_variant
     from configs import builtin, sciworld
     from strata_jax import experiment as ex
     args = argparse.Namespace(out=str(tmp_path), model="qwen2.5-coder-0.5b-instruct", rank=16,
@@ -80,7 +80,7 @@ def test_test_time_cells_and_family_rows():
     """S = 1 is one cell (the protocol) whatever the choosers; per-family figures by name."""
     import argparse
 
-    from benchmarks.test_time import cell_name, cells, family_rows
+    from studies.test_time_scaling.run import cell_name, cells, family_rows
     args = argparse.Namespace(samples=[1, 2, 4], choices=["judge", "critic"], probe_steps=[0, 3])
     got = [cell_name(*c) for c in cells(args)]
     assert got == ["s1", "s2_judge", "s2_critic", "s2_judge_probe3", "s2_critic_probe3",
@@ -95,7 +95,7 @@ def test_test_time_cells_and_family_rows():
 def test_cached_cell_runs_once_and_does_not_cache_a_failure(tmp_path):
     """A cell runs its command once; the next call reads the cache; a failed cell is retried."""
     import sys
-    from benchmarks._cells import cached_cell
+    from studies.cells import cached_cell
     counter = tmp_path / "runs.txt"
     cmd = [sys.executable, "-c",
            f"open({str(counter)!r}, 'a').write('x'); print('wrote 7')"]
@@ -118,7 +118,7 @@ def test_cached_cell_runs_once_and_does_not_cache_a_failure(tmp_path):
 
 def test_learning_real_fingerprint_ignores_what_a_resume_may_change(tmp_path):
     import json
-    from benchmarks.learning_real import fingerprint
+    from studies.learning_real.run import fingerprint
 
     def run(name, step, **cfg):
         meta = tmp_path / name / "ckpt" / str(step) / "meta"
@@ -140,7 +140,7 @@ def test_options_cells_differ_from_the_paper_eval_only_in_their_option(env, tmp_
     """Every cell of the beyond-the-paper benchmark is an eval.py command whose config (the
     eval.py flags applied) differs from the paper cell's in exactly its option's fields and the
     workdir (the comparison is fair), and that eval accepts."""
-    from benchmarks.options import CELLS, build_parser, cell_command
+    from studies.options.run import CELLS, build_parser, cell_command
     from configs import builtin, sciworld
     from strata_jax import experiment as ex
     from strata_jax.evaluation.scaling import TestTimeConfig
@@ -194,7 +194,7 @@ def test_run_cells_table_reads_only_the_cache(tmp_path):
     runs (through `run`, which is where cached_cell decides cache or subprocess)."""
     import json
 
-    from benchmarks._cells import run_cells
+    from studies.cells import run_cells
     (tmp_path / "b.json").write_text(json.dumps({"cell": "b", "x": 2}))
     ran = []
     run = lambda k: ran.append(k) or {"cell": k}  # noqa: E731
@@ -257,7 +257,7 @@ def test_summary_lists_every_cached_cell_not_only_this_runs(tmp_path):
     import argparse
     import json
 
-    from benchmarks._cells import write_summary
+    from studies.cells import write_summary
 
     for name in ("b__x", "a__y"):
         (tmp_path / f"{name}.json").write_text(json.dumps({"cell": name, "success": 0.5}))

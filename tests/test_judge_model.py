@@ -11,6 +11,7 @@ from strata_jax.algos.batch import KIND_ACTION
 from strata_jax.models import Qwen2Config, export_params, load_tokenizer
 from strata_jax.rollout import (PromptBuilder, RolloutConfig, ScriptedPolicy, build_judge_model,
                                 collect_rollout)
+from strata_jax.rollout.scripted import FORCED_CONFIG, forced_output_params
 from tests import rollout_fixtures as fx
 
 # What the judge checkpoint writes after any prompt (its weights force it): step 2 is bad. The
@@ -27,8 +28,8 @@ def tok():
 
 @pytest.fixture(scope="module")
 def judge_dir(tmp_path_factory, tok):
-    cfg = Qwen2Config(**fx.FORCED_CONFIG)
-    params = fx.forced_output_params(cfg, tok, JUDGE_TEXT)
+    cfg = Qwen2Config(**FORCED_CONFIG)
+    params = forced_output_params(cfg, tok, JUDGE_TEXT)
     return export_params(params, cfg, str(tmp_path_factory.mktemp("judge")))
 
 

@@ -1,20 +1,13 @@
-"""benchmarks/learning.py's aggregation: per-iteration mean and min-max over seeds,
-ScienceWorld score = 100 x mean return, runs cut to the shortest; the plot is a real PNG."""
-import importlib.util
-import os
-
+"""The tiny-model learning study's aggregation (studies/learning/run.py): per-iteration mean
+and min-max over seeds, ScienceWorld score = 100 x mean return, runs cut to the shortest; the
+plot is a real PNG."""
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def learning():
-    spec = importlib.util.spec_from_file_location(
-        "learning_benchmark", os.path.join(ROOT, "benchmarks", "learning.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from studies.learning import run
+    return run
 
 
 def _run(env, algo, seed, success, ret, wall=10.0):

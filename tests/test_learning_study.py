@@ -1,11 +1,12 @@
-"""The learning study's statistics (benchmarks/_stats.py) on hand-computed cases."""
+"""The memory_key learning study's statistics (studies/memory_key/stats.py) on hand-computed
+cases, and its episode reading, queue and report."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from benchmarks import _stats as st
+from studies.memory_key import stats as st
 
 
 def test_wilson_interval_matches_the_formula():
@@ -69,7 +70,7 @@ def _traj(strategy, actions, success, code="6-1-6", invalid=()):
 
 
 def test_names_code_needs_a_code_word_and_the_digits_in_order():
-    from benchmarks.learning_study import names_code
+    from studies.memory_key.episodes import names_code
     assert names_code("2. Enter the code 6-1-6 at the vault", "616")
     assert names_code("remember: vault code 616", "616")
     assert names_code("enter 6, 1, 6", "616")
@@ -81,7 +82,7 @@ def test_names_code_needs_a_code_word_and_the_digits_in_order():
 
 
 def test_episode_rows_carrying_and_leaks():
-    from benchmarks.learning_study import episode_rows, summary, task_code
+    from studies.memory_key.episodes import episode_rows, summary, task_code
     walk = ["go north"] * 4
     carried = _traj("1. go north (4 times)\n2. enter 616", walk + ["enter 616"], True)
     assert task_code(carried) == "616"
@@ -117,7 +118,7 @@ def test_queue_keeps_finished_jobs_for_a_fresh_clone(tmp_path):
     import json
     import os
 
-    import benchmarks.learning_study as ls
+    from studies.memory_key import queue as ls
     args = argparse.Namespace(out=str(tmp_path / "runs"), results=str(tmp_path / "kept"),
                               keep_every=1.0)
     wd = tmp_path / "runs" / "run_strata_s0"
@@ -172,11 +173,12 @@ def test_queue_keeps_finished_jobs_for_a_fresh_clone(tmp_path):
 def test_train_set_reaches_the_runs_only(tmp_path):
     """--train-set overrides go into the RL runs and their final evals; the warm start's and
     the start evals' command lines stay those of a study without it (their kept results count)."""
-    import benchmarks.learning_study as ls
+    from studies.memory_key import queue
+    from studies.memory_key.run import build_parser
     base = ["--warm-start", "mask", "--out", str(tmp_path / "runs"), "--seeds", "1"]
-    plain = {j["name"]: j["argv"] for j in ls.jobs(ls.build_parser().parse_args(base))}
-    args = ls.build_parser().parse_args(base + ["--train-set", "train.pack_prefixes=true"])
-    got = {j["name"]: j["argv"] for j in ls.jobs(args)}
+    plain = {j["name"]: j["argv"] for j in queue.jobs(build_parser().parse_args(base))}
+    args = build_parser().parse_args(base + ["--train-set", "train.pack_prefixes=true"])
+    got = {j["name"]: j["argv"] for j in queue.jobs(args)}
     assert list(got) == ["warm_start", "start_strata", "start_flat", "run_strata_s0",
                          "final_strata_s0", "run_grpo_s0", "final_grpo_s0"]
     for name, argv in got.items():
@@ -188,8 +190,8 @@ def test_train_set_reaches_the_runs_only(tmp_path):
 
 def test_report_of_the_kept_study_reproduces_its_tests(tmp_path, monkeypatch):
     """The committed study (StraTA and GRPO, seeds 0 and 1, 10 iterations each, and their
-    starts), as --results keeps them, gives the report docs/results.md quotes: StraTA 13 / 48
-    -> 47 / 48 and 32 / 48 with their Fisher and McNemar p-values and training curves, GRPO's
+    starts), as --results keeps them, gives the report its write-up (studies/memory_key/README.md)
+    quotes: StraTA 13 / 48 -> 47 / 48 and 32 / 48 with their Fisher and McNemar p-values and training curves, GRPO's
     10 / 48 -> 8 / 48 and 0 / 48, the mean gains; the figure's eval points sit at iterations 0
     and 10 (seed 1's runs were re-run with --remat full: a memory knob, still the same jobs);
     the json and the figure are written."""
@@ -197,27 +199,28 @@ def test_report_of_the_kept_study_reproduces_its_tests(tmp_path, monkeypatch):
     import os
     import shutil
 
-    import benchmarks.learning_study as ls
-    monkeypatch.chdir(ls.REPO)   # the kept argv names the checkout's runs/study_k50
-    args = ls.build_parser().parse_args([
+    from studies.memory_key import queue, report
+    from studies.memory_key.run import build_parser
+    monkeypatch.chdir(queue.REPO)   # the kept argv names the checkout's runs/study_k50
+    args = build_parser().parse_args([
         "--warm-start", "mask", "--plan-code-keep", "0.5", "--no-guesses", "--sigma", "4",
         "--sft-steps", "20", "--sft-lr", "2e-5", "--sft-episodes", "32", "--seeds", "2",
         "--n", "4", "--m", "2", "--lr", "2e-5", "--iterations", "10", "--micro", "4",
         "--out", "runs/study_k50",
-        "--results", "benchmarks/results/learning_study/k50_t06_lr2e5_m4",
+        "--results", "studies/memory_key/results/k50_t06_lr2e5_m4",
         "--train-set", "loss.entropy_coef=0", "rollout.temperature=0.6",
         "train.pack_prefixes=true"])
-    queue = ls.jobs(args)
-    kept = [j for j in queue if ls.is_kept(args, j, queue)]
+    jobs = queue.jobs(args)
+    kept = [j for j in jobs if queue.is_kept(args, j, jobs)]
     assert {j["name"] for j in kept} == {"start_strata", "start_flat"} | {
         f"{kind}_{algo}_s{seed}" for kind in ("run", "final") for algo in ("strata", "grpo")
         for seed in (0, 1)}
     out = tmp_path / "study"   # the kept files where the report reads them, not in runs/
     for j in kept:
-        shutil.copytree(ls.kept_dir(args, j), out / os.path.basename(os.path.dirname(j["done"])),
-                        dirs_exist_ok=True)
+        shutil.copytree(queue.kept_dir(args, j),
+                        out / os.path.basename(os.path.dirname(j["done"])), dirs_exist_ok=True)
     args.out = str(out)
-    res = ls.report(args)
+    res = report.report(args)
     assert res["policies"]["start_strata"]["k"] == 13 and res["policies"]["strata_s0"]["k"] == 47
     t = res["tests"]["strata_s0"]
     assert (t["only_trained"], t["only_start"]) == (34, 0)
@@ -238,9 +241,9 @@ def test_report_of_the_kept_study_reproduces_its_tests(tmp_path, monkeypatch):
     assert res["gains"]["strata"] == pytest.approx((47 + 32 - 2 * 13) / 96)
     assert res["gains"]["grpo"] == pytest.approx((8 + 0 - 2 * 10) / 96)
     assert res["gains"]["strata_minus_grpo"] == pytest.approx((47 + 32 - 26 - 8 + 20) / 96)
-    assert [(it, p["k"]) for it, p in ls.eval_points(res, "strata")] == [(0, 13), (10, 47),
+    assert [(it, p["k"]) for it, p in report.eval_points(res, "strata")] == [(0, 13), (10, 47),
                                                                          (10, 32)]
-    assert [(it, p["k"]) for it, p in ls.eval_points(res, "grpo")] == [(0, 10), (10, 8), (10, 0)]
+    assert [(it, p["k"]) for it, p in report.eval_points(res, "grpo")] == [(0, 10), (10, 8), (10, 0)]
     assert json.load(open(out / "learning_study.json"))["tests"]
     assert os.path.getsize(out / "learning_study.png") > 10_000
 
@@ -249,7 +252,7 @@ def test_a_memory_knob_does_not_make_another_setting():
     """A job re-run with a smaller micro-batch or another remat policy (after an OOM) still
     matches its kept result; any other override, or the same knob's name inside another
     token's value, does not."""
-    import benchmarks.learning_study as ls
+    from studies.memory_key import queue as ls
     base = ["eval.py", "--config=configs/builtin.py:tiny,real,strata,optim.lr=2e-05,"
             "optim.micro_batch_size=8,model.remat=dots", "--split=test"]
     knobs = [base[0], base[1].replace("micro_batch_size=8", "micro_batch_size=4")

@@ -1,6 +1,6 @@
 """Docstrings and comments of the library, the env bridge and the configs say why, not what a
-machine measured on a date: measured numbers live in docs/results.md and the benchmark scripts
-that produce them (benchmarks/ is exempt). A citation ("Hu et al. 2021") is not a measurement."""
+machine measured on a date: measured numbers live in the write-ups docs/results.md indexes and
+in the benchmark and study scripts that produce them (benchmarks/ and studies/ are exempt). A citation ("Hu et al. 2021") is not a measurement."""
 from __future__ import annotations
 
 import io
@@ -70,5 +70,6 @@ def test_no_library_env_or_config_prose_quotes_a_measurement():
                     with open(path, encoding="utf-8") as f:
                         for line, text in offences(f.read()):
                             bad.append(f"{os.path.relpath(path, ROOT)}:{line}: {text!r}")
-    assert not bad, ("measurements belong in docs/results.md or the benchmark that makes them:\n"
+    assert not bad, ("measurements belong in a write-up (docs/results.md indexes them) or the "
+                     "benchmark that makes them:\n"
                      + "\n".join(bad))

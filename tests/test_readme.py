@@ -1,6 +1,7 @@
 """The README is a front door and the docs a manual: short, free of dated measurements, every
-relative link resolves, CI runs the README's test command, and every train / eval / sft command
-the README and docs/running.md show parses and validates (without running)."""
+relative link (README, docs, the study and benchmark write-ups) resolves to a file and anchor,
+docs/results.md indexes every write-up, CI runs the README's test command, and every train /
+eval / sft command the README and docs/running.md show parses and validates (without running)."""
 from __future__ import annotations
 
 import os
@@ -10,9 +11,22 @@ import shlex
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ["README.md", "benchmarks/README.md"] + [
+
+def _write_ups() -> list[str]:
+    """Every study's and every benchmark's write-up: studies/<name>/README.md and
+    benchmarks/results/<name>/README.md (docs/results.md is their index)."""
+    out = []
+    for top in ("studies", os.path.join("benchmarks", "results")):
+        for name in sorted(os.listdir(os.path.join(ROOT, top))):
+            if os.path.exists(os.path.join(ROOT, top, name, "README.md")):
+                out.append(os.path.join(top, name, "README.md"))
+    return out
+
+
+WRITE_UPS = _write_ups()
+PAGES = ["README.md", "benchmarks/README.md", "studies/README.md"] + [
     os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs")))
-    if f.endswith(".md")]
+    if f.endswith(".md")] + WRITE_UPS
 # Pages a link may name before they are written (none today).
 PENDING: set[str] = set()
 
@@ -67,21 +81,50 @@ def anchors(text: str) -> set[str]:
             for h in re.findall(r"^#+ (.*)$", text, re.M)}
 
 
-@pytest.mark.parametrize("page", PAGES)
-def test_relative_links_resolve(page):
-    text = _read(page)
+def broken_links(page: str, root: str = ROOT) -> list[str]:
+    """The relative link targets of markdown page `page` (a path under `root`) that name no
+    existing file, or a heading anchor the named .md file (or the page itself) does not have."""
+    def read(rel):
+        with open(os.path.join(root, rel), encoding="utf-8") as f:
+            return f.read()
     missing = []
-    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+    for target in re.findall(r"\]\(([^)\s]+)\)", read(page)):
         if re.match(r"[a-z]+:", target):
             continue
         rel, _, anchor = target.partition("#")
         path = os.path.normpath(os.path.join(os.path.dirname(page), rel)) if rel else page
-        if not os.path.exists(os.path.join(ROOT, path)):
+        if not os.path.exists(os.path.join(root, path)):
             if path not in PENDING:
                 missing.append(target)
-        elif anchor and path.endswith(".md") and anchor not in anchors(_read(path)):
+        elif anchor and path.endswith(".md") and anchor not in anchors(read(path)):
             missing.append(target)
+    return missing
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_relative_links_resolve(page):
+    missing = broken_links(page)
     assert not missing, f"{page}: {missing}"
+
+
+def test_results_index_links_every_write_up():
+    """docs/results.md is the index: it links every study's and benchmark's write-up, and each
+    write-up links back to it."""
+    index = _read("docs/results.md")
+    linked = {os.path.normpath(os.path.join("docs", t.partition("#")[0]))
+              for t in re.findall(r"\]\(([^)\s]+)\)", index)}
+    assert len(WRITE_UPS) >= 15
+    assert [w for w in WRITE_UPS if w not in linked] == []
+    for w in WRITE_UPS:
+        assert os.path.relpath("docs/results.md", os.path.dirname(w)) in _read(w), w
+
+
+def test_link_check_catches_a_broken_link_and_anchor(tmp_path):
+    """The link check above can fail: a missing file and a missing anchor are both reported."""
+    (tmp_path / "a.md").write_text("# Title\n[ok](b.md#there) [gone](c.md) [bad](b.md#nowhere)"
+                                   " [self](#title) ![img](b.md)\n")
+    (tmp_path / "b.md").write_text("## There\n")
+    assert broken_links("a.md", str(tmp_path)) == ["c.md", "b.md#nowhere"]
 
 
 def test_anchor_rule_matches_github():

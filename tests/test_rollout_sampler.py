@@ -1,6 +1,6 @@
 """The rollout through the REAL sampler: `SamplerPolicy` (shared-prefix generation, mean-pooled
 embeddings) and a StraTA iteration on real ScienceWorld with a tiny model whose outputs are
-forced to a valid action text by its weights (tests/rollout_fixtures.forced_output_params)."""
+forced to a valid action text by its weights (strata_jax.rollout.scripted.forced_output_params)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +15,8 @@ from strata_jax.algos.batch import KIND_ACTION, KIND_STRATEGY
 from strata_jax.models import Qwen2Config, forward, init_params, load_tokenizer
 from strata_jax.rollout import (PromptBuilder, RolloutConfig, SamplerPolicy, collect_rollout,
                                 row_keys)
+from strata_jax.rollout.scripted import FORCED_CONFIG, FORCED_TEXT, forced_output_params
 from strata_jax.sampling import Sampler, SamplingParams
-from tests import rollout_fixtures as fx
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,8 @@ def tok():
 
 @pytest.fixture(scope="module")
 def forced():
-    cfg = Qwen2Config(**fx.FORCED_CONFIG)
-    params = fx.forced_output_params(cfg, load_tokenizer(), fx.FORCED_TEXT)
+    cfg = Qwen2Config(**FORCED_CONFIG)
+    params = forced_output_params(cfg, load_tokenizer(), FORCED_TEXT)
     return cfg, params
 
 
@@ -62,7 +62,7 @@ def test_forced_model_through_sampler(tok, forced):
                          row_keys(0, [(1,), (2,)]))
         for r in g:
             assert r.finish_reason == "stop"
-            assert tok.decode(r.token_ids) == fx.FORCED_TEXT + "<|im_end|>"
+            assert tok.decode(r.token_ids) == FORCED_TEXT + "<|im_end|>"
 
 
 # The issue's reply, shortened and re-cased to fit the forced model (at most 31 distinct tokens,
@@ -76,8 +76,8 @@ def forced_reply():
     """A forced model that writes a complete action, then a fabricated observation and a
     second action (the second block's case differs only so that every token pair has one
     successor, which the forced construction needs)."""
-    cfg = Qwen2Config(**fx.FORCED_CONFIG)
-    return cfg, fx.forced_output_params(cfg, load_tokenizer(), ISSUE_REPLY)
+    cfg = Qwen2Config(**FORCED_CONFIG)
+    return cfg, forced_output_params(cfg, load_tokenizer(), ISSUE_REPLY)
 
 
 def test_sampler_stops_at_the_end_of_the_first_action_block(tok, forced_reply):
@@ -153,7 +153,7 @@ def test_strata_iteration_on_scienceworld(tok, forced):
             assert st.action == "look around" and not st.invalid
             assert st.info["invalid"] is False  # the simulator accepted it
         assert "This room is called the" in tr.observations[-1]
-        assert tr.verdict == fx.FORCED_TEXT and tr.bad_steps == ()  # unparsable verdict
+        assert tr.verdict == FORCED_TEXT and tr.bad_steps == ()  # unparsable verdict
     for r in rows:
         resp = b.response_ids[r][b.response_mask[r]]
         tr = next(t for t in res.trajectories if t.spec.trajectory_id == b.trajectory_id[r])
@@ -161,7 +161,7 @@ def test_strata_iteration_on_scienceworld(tok, forced):
         np.testing.assert_array_equal(resp, st.generation.token_ids)
         np.testing.assert_allclose(b.sampler_logprobs[r][b.response_mask[r]], st.generation.logprobs)
         # the stop string ends the response at </ACTION> (no <|im_end|> generated)
-        assert resp[-1] != 151645 and tok.decode(resp) == fx.FORCED_TEXT
+        assert resp[-1] != 151645 and tok.decode(resp) == FORCED_TEXT
         # the batch's token ids decode to the text whose action was sent to the env
         assert parse_action(tok.decode(resp)).action == st.action
         prompt = tok.decode(b.prompt_ids[r][b.prompt_mask[r]])

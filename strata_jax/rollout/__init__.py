@@ -9,7 +9,8 @@ Public API:
   judge:     parse_bad_steps, judge_flags, judge_stage, JudgeModel, build_judge_model
   revision:  RevisionConfig, StrategyReviser, revision_trigger
   keys:      row_keys, PURPOSE_STRATEGY / PURPOSE_ACTION / PURPOSE_JUDGE / PURPOSE_REVISION
-  policy:    Policy (protocol), SamplerPolicy, prefix_metrics;  scripted: ScriptedPolicy
+  policy:    Policy (protocol), SamplerPolicy, prefix_metrics
+  scripted:  ScriptedPolicy, forced_output_params, FORCED_CONFIG, FORCED_TEXT
   episodes:  EpisodeSpec, StepRecord, Trajectory, Revision, Interval, LoopStats, run_episodes,
              anchor_hash, env_rejected
   report:    rollout_stats, dump_trajectories
@@ -30,7 +31,8 @@ from strata_jax.rollout.report import dump_trajectories, rollout_stats
 from strata_jax.rollout.revision import RevisionConfig, StrategyReviser, revision_trigger
 from strata_jax.rollout.rollout import (RolloutConfig, RolloutResult, collect_rollout,
                                         dapo_rollout, make_prompt_builder, rollout)
-from strata_jax.rollout.scripted import ScriptedPolicy
+from strata_jax.rollout.scripted import (FORCED_CONFIG, FORCED_TEXT, ScriptedPolicy,
+                                         forced_output_params)
 from strata_jax.rollout.strategy import (StrategyCheck, StrategyGroup, check_strategy,
                                          farthest_point_selection, select_strategies,
                                          strategy_stage)
@@ -41,7 +43,8 @@ __all__ = [
     "parse_bad_steps", "judge_flags", "judge_stage", "JudgeModel", "build_judge_model",
     "RevisionConfig", "StrategyReviser", "revision_trigger", "row_keys", "PURPOSE_STRATEGY",
     "PURPOSE_ACTION", "PURPOSE_JUDGE", "PURPOSE_REVISION", "Policy", "SamplerPolicy",
-    "prefix_metrics", "ScriptedPolicy", "EpisodeSpec", "StepRecord", "Trajectory", "Revision",
+    "prefix_metrics", "ScriptedPolicy", "forced_output_params", "FORCED_CONFIG", "FORCED_TEXT",
+    "EpisodeSpec", "StepRecord", "Trajectory", "Revision",
     "Interval", "LoopStats", "run_episodes", "anchor_hash", "env_rejected", "RolloutConfig",
     "RolloutResult", "StrategyGroup", "make_prompt_builder", "collect_rollout", "dapo_rollout",
     "rollout", "rollout_stats", "dump_trajectories",

@@ -1,11 +1,12 @@
 """Test-time strategy scaling: success vs S and its token cost, per task family.
 
-    python -m benchmarks.test_time --config=configs/sciworld.py:tiny,real --no-checkpoint \\
-        --set env.tasks=find-animal+find-plant env.max_steps=15 --episodes 4
-    python -m benchmarks.test_time --config=configs/sciworld.py:tiny,stapo --choices critic judge
-    python -m benchmarks.test_time --config=configs/builtin.py:tiny --no-checkpoint \\
+    python -m studies.test_time_scaling.run --config=configs/sciworld.py:tiny,real \\
+        --no-checkpoint --set env.tasks=find-animal+find-plant env.max_steps=15 --episodes 4
+    python -m studies.test_time_scaling.run --config=configs/sciworld.py:tiny,stapo \\
+        --choices critic judge
+    python -m studies.test_time_scaling.run --config=configs/builtin.py:tiny --no-checkpoint \\
         --set model.warm_start= --episodes 1 --samples 1 2          # a CPU smoke run
-    python -m benchmarks.test_time --config=... --table            # the table from the cache
+    python -m studies.test_time_scaling.run --config=... --table    # the table from the cache
 
 Cells: (S, chooser, probe length) for S in ``--samples`` (default 1 2 4 8), every chooser of
 ``--choices`` (S = 1 is the one-strategy eval protocol whatever the chooser: one cell) and every
@@ -27,9 +28,9 @@ import os
 import re
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._cells import cached_cell, run_cells, write_summary  # noqa: E402
+from studies.cells import cached_cell, run_cells, write_summary  # noqa: E402
 
 
 def cells(args) -> list[tuple[int, str, int]]:

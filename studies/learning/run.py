@@ -1,7 +1,7 @@
 """Does it learn? StraTA vs GRPO from the same behaviour-cloning warm start, on CPU.
 
-    python -m benchmarks.learning                      # full: (a) 3 seeds x 8 it, (b) 1 seed x 5 it
-    python -m benchmarks.learning --iterations 3 --seeds 1 --sw-iterations 2   # short check
+    python -m studies.learning.run            # full: (a) 3 seeds x 8 it, (b) 1 seed x 5 it
+    python -m studies.learning.run --iterations 3 --seeds 1 --sw-iterations 2   # short check
 
 (a) memory_key (configs/builtin.py:tiny; the 1-digit vault code is shown ONLY in the first
     observation, so a policy without memory succeeds by guessing 1 time in 10),

@@ -1,8 +1,8 @@
-"""One cached benchmark cell = one subprocess whose result is kept as ``<out>/<name>.json``.
+"""One cached study cell = one subprocess whose result is kept as ``<out>/<name>.json``.
 
-The real-model benchmarks (zero_shot.py, test_time.py) run many cells of several minutes each
-on a CPU box; a stopped run must continue with the cells it has not finished. This is the one
-place that decides "read the cached cell, or run it and time it".
+The real-model studies (zero_shot, options, test_time_scaling) run many cells of several
+minutes each on a CPU box; a stopped run must continue with the cells it has not finished.
+This is the one place that decides "read the cached cell, or run it and time it".
 """
 from __future__ import annotations
 

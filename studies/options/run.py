@@ -1,15 +1,15 @@
 """The rollout options beyond the paper, measured on real weights: strategy revision, test-time
 strategy scaling, a separate judge model, each against the paper's one-strategy eval.
 
-    python -m benchmarks.options                            # the fetched 0.5B, every cell
-    python -m benchmarks.options --cells paper revise_every3 tts2_judge
-    python -m benchmarks.options --episodes 2 --max-steps 15
-    python -m benchmarks.options --table                    # the table from the cache
+    python -m studies.options.run                            # the fetched 0.5B, every cell
+    python -m studies.options.run --cells paper revise_every3 tts2_judge
+    python -m studies.options.run --episodes 2 --max-steps 15
+    python -m studies.options.run --table                    # the table from the cache
 
 Every cell is one ``eval.py --no_checkpoint`` run of the same model on the same tasks (the
 ScienceWorld dev split restricted to the families whose gold path has at most 11 steps, as in
-zero_shot.py; ``--env memory_key`` for the 3-digit vault code) with StraTA prompting, the
-eval protocol (one strategy per task, temperature ``eval.temperature`` = 0.4) and the
+studies/zero_shot/run.py; ``--env memory_key`` for the 3-digit vault code) with StraTA
+prompting, the eval protocol (one strategy per task, temperature ``eval.temperature`` = 0.4) and the
 action-format examples in the prompt (without them the 0.5B model fails the strategy format on
 every ScienceWorld task: docs/results.md). Only the option differs:
 
@@ -39,11 +39,11 @@ import os
 import re
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._cells import cached_cell, run_cells, write_summary  # noqa: E402
-from benchmarks.test_time import family_rows  # noqa: E402
-from benchmarks.zero_shot import add_budget_args, cell_variant  # noqa: E402
+from studies.cells import cached_cell, run_cells, write_summary  # noqa: E402
+from studies.test_time_scaling.run import family_rows  # noqa: E402
+from studies.zero_shot.run import add_budget_args, cell_variant  # noqa: E402
 
 TTS_PROBE = 3
 # name -> (config overrides, eval.py flags); "{judge}" is replaced by --judge
@@ -66,7 +66,7 @@ FRACTIONS = ("invalid_step_frac", "env_rejected_frac", "strategy_format_fail_fra
 
 
 def cell_command(args, name: str) -> list[str]:
-    """eval.py argv of one cell: zero_shot.py's StraTA cell with the format examples, plus
+    """eval.py argv of one cell: the zero-shot study's StraTA cell with the format examples, plus
     the cell's option."""
     overrides, flags = CELLS[name]
     cfg, variant = cell_variant(

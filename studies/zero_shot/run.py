@@ -1,9 +1,9 @@
 """Zero-shot table: a real Qwen2.5 checkpoint on ScienceWorld's short families and memory_key.
 
-    python -m benchmarks.zero_shot                              # fetched 0.5B, flat and StraTA
-    python -m benchmarks.zero_shot --models qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
-    python -m benchmarks.zero_shot --episodes 4 --max-steps 15 --set rollout.max_action_tokens=128
-    python -m benchmarks.zero_shot --table                      # print the table from the cache
+    python -m studies.zero_shot.run                              # fetched 0.5B, flat and StraTA
+    python -m studies.zero_shot.run --models qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
+    python -m studies.zero_shot.run --episodes 4 --max-steps 15 --set rollout.max_action_tokens=128
+    python -m studies.zero_shot.run --table                      # print the table from the cache
 
 Cells: (model, env, prompting). env is ScienceWorld's dev split restricted to the families whose
 gold path has at most 11 steps (docs/method.md §11.1), or memory_key with the 3-digit vault code
@@ -24,9 +24,9 @@ import os
 import resource
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._cells import cached_cell, run_cells, write_summary  # noqa: E402
+from studies.cells import cached_cell, run_cells, write_summary  # noqa: E402
 
 # ScienceWorld families with gold paths of at most 11 steps (docs/method.md §11.1).
 SHORT_FAMILIES = ("find-non-living-thing", "lifespan-longest-lived", "lifespan-shortest-lived",

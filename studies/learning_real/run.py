@@ -1,9 +1,9 @@
 """Does it learn with real weights? StraTA vs GRPO from the pretrained Qwen2.5-Coder-0.5B-Instruct.
 
-    python -m benchmarks.learning_real                       # CPU preset, in the background:
-    nohup python -m benchmarks.learning_real > runs/learning_real.log 2>&1 &
-    python -m benchmarks.learning_real --preset accelerator  # paper N=4, M=8 on one GPU / TPU
-    python -m benchmarks.learning_real --replot              # tables + plot from the saved runs
+    python -m studies.learning_real.run                       # CPU preset, in the background:
+    nohup python -m studies.learning_real.run > runs/learning_real.log 2>&1 &
+    python -m studies.learning_real.run --preset accelerator  # paper N=4, M=8 on one GPU / TPU
+    python -m studies.learning_real.run --replot              # tables + plot from the saved runs
 
 Every run is one ``train.py`` invocation on its own run folder (``--out/<env>/<algo>_s<seed>``)
 with checkpoints after every iteration, so a stopped benchmark continues where each run was when
@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SW_TASKS = ("find-non-living-thing", "lifespan-longest-lived", "lifespan-shortest-lived")
 
@@ -161,7 +161,7 @@ def main() -> int:
     if args.sw_seeds >= 0:
         p["sw_seeds"] = args.sw_seeds
     os.makedirs(args.out, exist_ok=True)
-    from benchmarks.learning import plot, summarise
+    from studies.learning.run import plot, summarise
     runs = []
     for env in [e for e in args.envs.split(",") if e]:
         seeds = p["seeds"] if env == "memory_key" else p["sw_seeds"]

@@ -1,0 +1,253 @@
+"""The memory_key study's job queue: the train / eval / sft subprocesses in order, each on its
+own workdir, skipped when its result exists (here or kept under --results), resumed where it
+stopped, and its outputs kept under --results for a fresh clone."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+def variant(args, algo: str, workdir: str, extra: tuple[str, ...] = ()) -> str:
+    """The config variant string (configs/builtin.py) every job of the study shares, for
+    prompting / training with `algo` in `workdir`."""
+    toks = ["tiny", "real", algo, f"model.path={args.model}", f"workdir={workdir}",
+            f"seed={args.seed_base}",
+            f"env.code_digits={args.digits}", "env.code_attempts=1",
+            f"env.max_steps={args.max_steps}", "rollout.format_examples=true",
+            "rollout.max_action_tokens=96", "rollout.max_strategy_tokens=128",
+            "rollout.max_judge_tokens=32", "env.max_prompt_tokens=1536",
+            # every eval episode live at once: memory_key steps are instant, and one decode
+            # call of 48 rows reads the weights once per token where three waves of 16 read
+            # them three times
+            f"env.num_workers={max(16, args.eval_episodes)}",
+            f"model.dtype={args.dtype}", f"rollout.sampler_dtype={args.dtype}",
+            f"train.compute_dtype={args.dtype}", "eval.temperature=0.4",
+            "log.dump_trajectories=1000"]
+    if args.warm_start in ("mask", "mask-actions"):
+        toks += ["model.warm_start=sft", "sft.plan_code=mask", f"sft.episodes={args.sft_episodes}",
+                 f"sft.plan_code_keep={args.plan_code_keep}",
+                 f"sft.train_strategies={args.warm_start == 'mask'}",
+                 f"sft.steps={args.sft_steps}", f"sft.batch_size={args.sft_batch}",
+                 f"sft.lr={args.sft_lr}",
+                 "sft.warmup_steps=5", "sft.noise=0.1", "sft.log_every=10",
+                 "sft.strategy_mode=both"]
+        if args.no_guesses:   # only when set: the kept jobs' command lines stay the same
+            toks += ["sft.clone_guesses=false"]
+    elif args.warm_start:
+        toks += [f"model.warm_start={args.warm_start}"]
+    toks += list(extra) + list(args.set)
+    return ",".join(toks)
+
+
+def train_extra(args, algo: str, seed: int) -> tuple[str, ...]:
+    n, m = args.n, args.m
+    rows_hint = args.tasks * n * m * args.max_steps
+    out = (f"seed={seed}", f"iterations={args.iterations}", f"lora.rank={args.rank}",
+           f"lora.alpha={args.rank * 4}", f"lora.lr={args.lr}", f"optim.lr={args.lr}",
+           f"rollout.tasks_per_batch={args.tasks}", f"rollout.num_strategies={n}",
+           f"rollout.episodes_per_strategy={m}", f"rollout.oversample={args.sigma}",
+           "ckpt.every=1", "ckpt.keep=2", "eval.every=0", f"model.remat={args.remat}",
+           # the first iterations' update batches, replayed by benchmarks/prefix_tree.py
+           "log.dump_batches=2",
+           f"optim.micro_batch_size={args.micro}",
+           # --updates-per-iteration optimizer steps over one iteration's rows (about: the row
+           # count is known only after the rollout): more updates, no more rollouts
+           f"optim.mini_batch_size={max(args.micro, rows_hint // args.updates_per_iteration)}")
+    return out + (("matched",) if algo != "strata" else ()) + tuple(args.train_set)
+
+
+def jobs(args) -> list[dict]:
+    """The queue in order: name, argv, the file whose existence marks the job done."""
+    py, out = sys.executable, os.path.abspath(args.out)
+    cfg = os.path.join(REPO, "configs", "builtin.py")
+    split, e = "test", args.eval_episodes
+    q = []
+    if args.warm_start in ("mask", "mask-actions"):
+        wd = os.path.join(out, "warm_start")
+        # its weights (runs/warm_start) are not kept: a fresh clone trains them again (cached
+        # by fingerprint, deterministic), so its kept meta never marks it done
+        q.append(dict(name="warm_start", done=os.path.join(wd, "DONE"), touch=True, local=True,
+                      argv=[py, os.path.join(REPO, "sft.py"),
+                            f"--config={cfg}:{variant(args, 'strata', wd)}"]))
+    for prompting, algo in (("strata", "strata"), ("flat", "grpo")):
+        wd = os.path.join(out, f"start_{prompting}")
+        q.append(dict(name=f"start_{prompting}", done=os.path.join(wd, f"eval_{split}_step0.json"),
+                      argv=[py, os.path.join(REPO, "eval.py"),
+                            f"--config={cfg}:{variant(args, algo, wd)}", "--no_checkpoint",
+                            f"--split={split}", f"--episodes_per_family={e}"]))
+    for seed in range(args.seeds):
+        for algo in args.algos:
+            wd = os.path.join(out, f"run_{algo}_s{seed}")
+            v = variant(args, algo, wd, train_extra(args, algo, seed))
+            # a kept run without its kept final eval is played again: its checkpoint, which
+            # the final eval reads, is not kept
+            q.append(dict(name=f"run_{algo}_s{seed}", done=os.path.join(wd, "DONE"), touch=True,
+                          kept_with=f"final_{algo}_s{seed}",
+                          argv=[py, os.path.join(REPO, "train.py"), f"--config={cfg}:{v}"]))
+            q.append(dict(name=f"final_{algo}_s{seed}",
+                          done=os.path.join(wd, f"eval_{split}_step{args.iterations}.json"),
+                          argv=[py, os.path.join(REPO, "eval.py"), f"--config={cfg}:{v}",
+                                f"--split={split}", f"--episodes_per_family={e}"]))
+    return q
+
+
+# What each finished job leaves in its workdir that the study reads, kept under --results
+# (committed) so that a later session's queue, on a fresh clone without runs/, skips it and the
+# report reads it. Checkpoints are not kept: an unfinished run starts again in a new session.
+KEEP = dict(sft=("sft_meta.json",), eval=("eval_*.json", "eval_*_trajectories.jsonl"),
+            train=("metrics.jsonl", "trajectories.jsonl", "batches/*.npz"))
+
+
+def job_key(job: dict) -> list[str]:
+    """The job's argv with the checkout's paths made relative: what must match for a kept
+    result to stand for this job (another setting of the study is another job)."""
+    return [a.replace(REPO + os.sep, "").replace(REPO, ".") for a in job["argv"][1:]]
+
+
+def same_setting(a: list[str], b: list[str]) -> bool:
+    """Whether two `job_key`s name the same setting: equal but for `MEMORY_KNOBS` overrides in
+    their ``--config=<file>:<tokens>`` argument (`strata_jax.validation.MEMORY_KNOBS`: a
+    resume may change them, so a run re-run with less memory after an OOM is the same job)
+    and for retired fields (`strata_jax.config.RETIRED`: ignored by the run, so a kept job
+    that set one is the job without it). Imported here: the queue process stays free of jax,
+    beside the runs it starts."""
+    from strata_jax.config import RETIRED
+    from strata_jax.validation import MEMORY_KNOBS
+    skip = set(MEMORY_KNOBS) | set(RETIRED)
+
+    def strip(argv):
+        out = []
+        for x in argv:
+            if x.startswith("--config=") and ":" in x:
+                head, tokens = x.split(":", 1)
+                x = head + ":" + ",".join(t for t in tokens.split(",")
+                                          if t.split("=", 1)[0] not in skip)
+            out.append(x)
+        return out
+    return a is not None and b is not None and strip(a) == strip(b)
+
+
+def kept_dir(args, job: dict) -> str:
+    """--results/<job name>: where `keep` copies the job's outputs."""
+    return os.path.join(args.results, job["name"])
+
+
+def marker(job: dict) -> str:
+    """The file in the job's workdir that records the argv it finished with (`job_key`)."""
+    return os.path.join(os.path.dirname(job["done"]), f".{job['name']}.argv.json")
+
+
+def finished_here(job: dict) -> bool:
+    """Whether the job finished in this checkout's workdir with this argv: its done file and a
+    matching `marker` (another setting of the study on the same --out is another job)."""
+    if not (os.path.exists(job["done"]) and os.path.exists(marker(job))):
+        return False
+    return same_setting(json.load(open(marker(job))), job_key(job))
+
+
+def is_kept(args, job: dict, queue: list[dict]) -> bool:
+    """Whether --results holds this job's outputs from the same argv (`job_key`), and, for a
+    train run, its final eval's too (`jobs`: kept_with); never for a `local` job."""
+    meta = os.path.join(kept_dir(args, job), "job.json")
+    if job.get("local") or not os.path.exists(meta):
+        return False
+    if not same_setting(json.load(open(meta)).get("argv"), job_key(job)):
+        return False
+    partner = [j for j in queue if j["name"] == job.get("kept_with")]
+    return all(is_kept(args, j, queue) for j in partner)
+
+
+def keep(args, job: dict, finished: bool) -> None:
+    """Copy the job's outputs (`KEEP`, by the script it runs; relative paths kept) from its
+    workdir to --results/<job>; `finished` marks it done there (a running train job's curve is
+    kept as it grows, not marked done)."""
+    import glob
+    import shutil
+    wd, dst = os.path.dirname(job["done"]), kept_dir(args, job)
+    script = os.path.basename(job["argv"][1])[:-len(".py")]
+    if script == "sft":   # the export folder (and its meta) is the one the log names
+        log = os.path.join(args.out, job["name"] + ".log")
+        text = open(log).read() if os.path.exists(log) else ""
+        found = re.findall(r"^(?:trained|cached): (\S+)", text, re.MULTILINE)
+        wd = os.path.join(REPO, found[-1]) if found else wd
+    files = [f for pat in KEEP[script] for f in glob.glob(os.path.join(wd, pat))]
+    if not files:
+        return
+    for f in files:   # the same relative path (a run's dumped update batches: batches/)
+        rel = os.path.relpath(f, wd)
+        os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
+        shutil.copy2(f, os.path.join(dst, rel))
+    if finished:
+        with open(os.path.join(dst, "job.json"), "w") as f:
+            json.dump(dict(argv=job_key(job), finished=time.strftime("%Y-%m-%d %H:%M:%S")), f,
+                      indent=1)
+
+
+def restore(args, job: dict) -> None:
+    """Copy a kept job's outputs back into its workdir (a fresh clone, or the workdir of
+    another setting: kept files overwrite) and write its argv `marker`, so later jobs and the
+    report find them where the run left them."""
+    import shutil
+    src, wd = kept_dir(args, job), os.path.dirname(job["done"])
+    os.makedirs(wd, exist_ok=True)
+    for root, _, names in os.walk(src):
+        for f in names:
+            rel = os.path.relpath(os.path.join(root, f), src)
+            if rel != "job.json":
+                os.makedirs(os.path.dirname(os.path.join(wd, rel)), exist_ok=True)
+                shutil.copy2(os.path.join(src, rel), os.path.join(wd, rel))
+    with open(marker(job), "w") as f:
+        json.dump(job_key(job), f)
+
+
+def run_queue(args) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    queue = jobs(args)
+    for job in queue:
+        if args.only and not job["name"].startswith(tuple(args.only)):
+            continue
+        if is_kept(args, job, queue):
+            print(f"[{job['name']}] done (kept in {kept_dir(args, job)})", flush=True)
+            restore(args, job)
+            continue
+        if finished_here(job):
+            print(f"[{job['name']}] done", flush=True)
+            keep(args, job, finished=True)
+            continue
+        log = os.path.join(args.out, job["name"] + ".log")
+        print(f"[{job['name']}] {' '.join(job['argv'][1:])}  (log {log})", flush=True)
+        t0, load0 = time.time(), open("/proc/loadavg").read().split()[0]
+        with open(log, "a") as f:
+            proc = subprocess.Popen(job["argv"], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+            while True:   # keep a train run's curve as it grows (--results is committed)
+                try:
+                    rc = proc.wait(timeout=args.keep_every)
+                    break
+                except subprocess.TimeoutExpired:
+                    keep(args, job, finished=False)
+        wall = time.time() - t0
+        load1 = open("/proc/loadavg").read().split()[0]
+        row = dict(job=job["name"], rc=rc, wall_s=round(wall, 1), load_start=load0,
+                   load_end=load1, finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+        for path in (os.path.join(args.out, "jobs.jsonl"), os.path.join(args.results,
+                                                                         "jobs.jsonl")):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if rc != 0:
+            keep(args, job, finished=False)
+            print(f"[{job['name']}] exit {rc} after {wall:.0f} s; see {log}; stopping the queue",
+                  flush=True)
+            return
+        if job.get("touch"):
+            os.makedirs(os.path.dirname(job["done"]), exist_ok=True)
+            open(job["done"], "w").close()
+        with open(marker(job), "w") as f:
+            json.dump(job_key(job), f)
+        keep(args, job, finished=True)
+        print(f"[{job['name']}] finished in {wall:.0f} s (load {load0} -> {load1})", flush=True)
