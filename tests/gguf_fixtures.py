@@ -182,3 +182,27 @@ def gguf_key(key: str) -> bytes:
     import struct
     raw = key.encode()
     return struct.pack("<Q", len(raw)) + raw
+
+
+def gguf_string_kv(key: str, value: str) -> bytes:
+    """One metadata entry of type STRING (8), raw bytes for `hostile_gguf`'s `kv`."""
+    import struct
+    return gguf_key(key) + struct.pack("<I", 8) + gguf_key(value)
+
+
+def gguf_uint8_array_kv(key: str, n: int) -> bytes:
+    """One metadata entry: an ARRAY (9) of `n` uint8 (0) zeros, raw bytes for `kv`."""
+    import struct
+    return gguf_key(key) + struct.pack("<IIQ", 9, 0, n) + b"\0" * n
+
+
+def gguf_array_kv(key: str, item_type: int, items: list) -> bytes:
+    """One metadata entry: an ARRAY (9) of `items` of GGUF value type `item_type` (8: str,
+    5: int32), raw bytes for `hostile_gguf`'s `kv`."""
+    import struct
+    head = gguf_key(key) + struct.pack("<IIQ", 9, item_type, len(items))
+    if item_type == 8:
+        return head + b"".join(gguf_key(t) for t in items)
+    if item_type == 5:
+        return head + struct.pack(f"<{len(items)}i", *items)
+    raise ValueError(f"no recipe for GGUF value type {item_type}")

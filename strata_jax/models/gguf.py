@@ -79,6 +79,10 @@ MAX_HIDDEN = 1 << 16
 MAX_VOCAB = 1 << 18             # tokenizer arrays (tokens, token types, scores, merges)
 MAX_CONTEXT = 1 << 20
 MAX_ARRAY_ITEMS = 1 << 16       # any other metadata array
+# All metadata arrays together. A Qwen2.5 file carries three tokenizer arrays of about 152k
+# items each (tokens, token types, merges) and little else, well under half of this; many
+# arrays each under the bounds above must not add up to what keeps the reader busy for minutes.
+MAX_METADATA_ITEMS = 1 << 20
 MAX_KV = 1 << 16                # metadata entries (a real file has a few dozen)
 MAX_TENSORS = 16 * MAX_LAYERS + 16
 MAX_DIMS = 4                    # GGML_MAX_DIMS
@@ -95,13 +99,17 @@ def check_header(path: str) -> None:
 
     Every count and length is checked against the bytes left in the file and against the
     bounds above (metadata entries <= MAX_KV, tensors <= MAX_TENSORS, tokenizer arrays <=
-    MAX_VOCAB items, other arrays <= MAX_ARRAY_ITEMS, no nested arrays, tensors of 1 to
-    MAX_DIMS dims of a known storage type whose data lies inside the file) before the
-    reference reader, which parses everything in its constructor and trusts the counts, sees
-    the file. A hostile count is refused after reading a few bytes; a real Qwen2 file is
-    walked once (its string arrays item by item, a fraction of the reader's own parse time).
+    MAX_VOCAB items, other arrays <= MAX_ARRAY_ITEMS, all arrays together <=
+    MAX_METADATA_ITEMS, no nested arrays, tensors of 1 to MAX_DIMS dims of a known storage type
+    whose data lies inside the file), and ``general.architecture`` must be a string naming one
+    of SUPPORTED_ARCHITECTURES, before the reference reader, which parses everything in its
+    constructor (an object per array item) and trusts the counts, sees the file. A hostile
+    count is refused after reading a few bytes, and at most MAX_METADATA_ITEMS array items are
+    walked before a refusal; a real Qwen2 file is walked once (its string arrays item by item,
+    a fraction of the reader's own parse time).
 
-    Raises GGUFError naming the file, the offending entry and the bound.
+    Raises GGUFError naming the file, the offending entry and the bound (or the missing or
+    unsupported architecture).
     """
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -151,6 +159,8 @@ def check_header(path: str) -> None:
 
         count(n_kv, 13, MAX_KV, "the metadata table")
         alignment = 32
+        arch: Any = None            # general.architecture: its value, or its type if no string
+        items = 0                   # array items so far, against MAX_METADATA_ITEMS
         for _ in range(n_kv):
             key = string("a metadata key").decode("utf-8", "replace")
             kind = unpack("I", 4)
@@ -159,11 +169,16 @@ def check_header(path: str) -> None:
                 if key == "general.alignment":
                     alignment = value
             elif kind == _STRING:
-                string(f"metadata {key!r}")
+                value = string(f"metadata {key!r}")
             elif kind == _ARRAY:
                 item = unpack("I", 4)
                 n = unpack("Q", 8)
                 limit = MAX_VOCAB if key.startswith("tokenizer.") else MAX_ARRAY_ITEMS
+                items += n
+                # (an array over its own bound is named by `count` below)
+                if items > MAX_METADATA_ITEMS and n <= limit:
+                    raise bad(f"metadata array {key!r} brings the metadata arrays to {items} "
+                              f"items (at most {MAX_METADATA_ITEMS} in all are accepted)")
                 if item in _SCALARS:
                     count(n, _SCALARS[item][1], limit, f"metadata array {key!r}")
                     pos += n * _SCALARS[item][1]
@@ -181,6 +196,8 @@ def check_header(path: str) -> None:
                               "and unknown types are refused)")
             else:
                 raise bad(f"metadata {key!r} has unknown value type {kind}")
+            if key == "general.architecture":
+                arch = value.decode("utf-8", "replace") if kind == _STRING else kind
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or \
                 alignment & (alignment - 1) or alignment > 1 << 16:
             raise bad(f"general.alignment is {alignment!r} (a power of two up to 65536)")
@@ -212,6 +229,27 @@ def check_header(path: str) -> None:
             if data + offset + n_bytes > size:
                 raise bad(f"tensor {name!r} ({n_bytes} bytes at offset {offset}) lies past "
                           f"the end of the file ({size} bytes): truncated")
+    check_architecture(path, arch)
+
+
+def check_architecture(path: str, arch: Any) -> None:
+    """Refuse a file whose ``general.architecture`` (`arch`: the string, the value type of a
+    non-string entry, or None when the key is absent) is not one of SUPPORTED_ARCHITECTURES.
+
+    Raises GGUFError naming the file and what to use instead.
+    """
+    if arch is None:
+        raise GGUFError(f"{path}: GGUF metadata has no 'general.architecture', so it is not a "
+                        "model file written by llama.cpp's converter; use a Qwen2 / Qwen2.5 "
+                        "GGUF (python -m strata_jax.models.fetch --list names some)")
+    if not isinstance(arch, str):
+        raise GGUFError(f"{path}: GGUF metadata 'general.architecture' has value type {arch} "
+                        "(a string is required): a damaged or hostile file; re-download or "
+                        "re-convert it")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported; strata-jax "
+                        f"ports {', '.join(SUPPORTED_ARCHITECTURES)} (Qwen2 / Qwen2.5) models "
+                        "only")
 
 
 def is_gguf(path: str) -> bool:
@@ -273,10 +311,7 @@ def _field(reader: Any, key: str, default: Any = None, required: bool = True) ->
 
 def _arch(reader: Any) -> str:
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(f"{reader.data.filename}: GGUF architecture {arch!r} is not supported; "
-                         f"strata-jax ports {', '.join(SUPPORTED_ARCHITECTURES)} (Qwen2 / Qwen2.5) "
-                         "models only")
+    check_architecture(reader.data.filename, arch)   # `check_header` did; kept for any reader
     return arch
 
 
