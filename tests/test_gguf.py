@@ -16,6 +16,7 @@ from strata_jax.models import Qwen2Config, export_params, forward, load_checkpoi
     load_tokenizer, logits_from_hidden
 from strata_jax.models import fetch as fetch_mod
 from strata_jax.models import gguf as gguf_mod
+from strata_jax.models import gguf_header
 from strata_jax.models.gguf import gguf_config, gguf_name_to_hf, gguf_tensors
 from strata_jax.models.loading import resolve_checkpoint
 from tests.gguf_fixtures import (KQUANT_CONFIG, byte_symbols, gguf_key, hf_from_gguf,
@@ -188,7 +189,7 @@ def _no_reader(monkeypatch) -> list:
         calls.append(path)
         raise AssertionError("the reference reader parsed a file the pre-scan should refuse")
     monkeypatch.setattr(gguf, "GGUFReader", reader)
-    gguf_mod._reader.cache_clear()
+    gguf_header._reader.cache_clear()
     return calls
 
 
@@ -303,7 +304,7 @@ def test_sizes_are_bounded_and_match_the_tensors(small_model, tmp_path, key, val
 def test_a_vocabulary_above_the_bound_is_refused(small_model, tmp_path, monkeypatch):
     path = write_qwen2_gguf(small_model, str(tmp_path / "v.gguf"))
     gguf_config(path)   # parsed (and cached) under the real bounds: the config check is next
-    monkeypatch.setattr(gguf_mod, "MAX_VOCAB", 511)   # the fixture's vocabulary is 512
+    monkeypatch.setattr(gguf_header, "MAX_VOCAB", 511)   # the fixture's vocabulary is 512
     with pytest.raises(gguf_mod.GGUFError, match=r"token_embd.weight has 512 rows, above the 511"):
         gguf_config(path)
 

@@ -236,7 +236,7 @@ def checkpoint_config(ckpt: str) -> Qwen2Config:
 
 def _checkpoint_tensors(ckpt_dir: str) -> dict[str, Any]:
     """``{HF tensor name: ref}`` of a local checkpoint; each ref has ``shape``, ``dtype`` and
-    ``read()`` (`TensorRef` for safetensors, `gguf.GGUFTensorRef` for a GGUF file)."""
+    ``read()`` (`TensorRef` for safetensors, `gguf_tensors.GGUFTensorRef` for a GGUF file)."""
     if os.path.isfile(ckpt_dir):
         return gguf.gguf_tensors(ckpt_dir)
     index = os.path.join(ckpt_dir, "model.safetensors.index.json")
