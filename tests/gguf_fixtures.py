@@ -20,6 +20,8 @@ KQUANT_CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num
                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                      rope_theta=1e6, rms_norm_eps=1e-6)
 
+# llama.cpp's per-layer names, written out here rather than taken from
+# strata_jax.models.weights: the writer is the independent side of the parity tests.
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",

@@ -126,6 +126,20 @@ def test_tensor_names_map_to_hf():
     assert gguf_name_to_hf("blk.0.attn_qkv.weight") is None
 
 
+def test_every_weight_name_agrees_with_the_gguf_packages_name_map():
+    """The weight table's GGUF names are those llama.cpp's own HF -> GGUF map gives."""
+    import gguf
+
+    from strata_jax.models.weights import checkpoint_names, gguf_name
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 3)
+    names = list(checkpoint_names(3, tie_word_embeddings=False))
+    assert len(names) == 3 + 3 * 12
+    for path, hf in names:
+        ours = gguf_name(path[-1], path[1] if path[0] == "layers" else None)
+        assert tmap.get_name(hf, try_suffixes=(".weight", ".bias")) == ours
+        assert gguf_name_to_hf(ours) == hf
+
+
 @pytest.fixture(scope="module")
 def small_model():
     return make_hf_model(seed=2, **PARITY_CONFIGS["tied_gqa2"])

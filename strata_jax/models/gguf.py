@@ -39,16 +39,16 @@ from strata_jax.models.gguf_header import (GGUF_MAGIC, MAX_ARRAY_ITEMS, MAX_CONT
                                            SUPPORTED_ARCHITECTURES, GGUFError, architecture,
                                            check_architecture, check_header, is_gguf,
                                            metadata_field, open_gguf)
-from strata_jax.models.gguf_tensors import (GGUFTensorRef, gguf_block_index, gguf_name_to_hf,
-                                            gguf_tensors)
+from strata_jax.models.gguf_tensors import GGUFTensorRef, gguf_tensors
 from strata_jax.models.gguf_tokenizer import gguf_tokenizer
+from strata_jax.models.weights import gguf_block_index, gguf_name, gguf_name_to_hf
 
 __all__ = [
     "GGUF_MAGIC", "SUPPORTED_ARCHITECTURES", "GGUFError", "MAX_LAYERS", "MAX_HEADS",
     "MAX_HIDDEN", "MAX_VOCAB", "MAX_CONTEXT", "MAX_ARRAY_ITEMS", "MAX_METADATA_ITEMS", "MAX_KV",
     "MAX_TENSORS", "MAX_DIMS", "check_header", "check_architecture", "is_gguf", "open_gguf",
     "metadata_field", "architecture", "gguf_config", "GGUFTensorRef", "gguf_name_to_hf",
-    "gguf_tensors", "gguf_tokenizer",
+    "gguf_name", "gguf_block_index", "gguf_tensors", "gguf_tokenizer",
 ]
 
 
@@ -119,27 +119,27 @@ def gguf_config(path: str) -> Qwen2Config:
     context = _positive_int(get("context_length"), f"{arch}.context_length", file,
                             header.MAX_CONTEXT)
     tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise GGUFError(f"{file}: no token_embd.weight tensor; not a Qwen2 model file")
+    embed = gguf_name("embed")
+    if embed not in tensors:
+        raise GGUFError(f"{file}: no {embed} tensor; not a Qwen2 model file")
     # GGUF shapes are [in, out]: the embedding is [D, V], a projection [D_in, D_out].
     width = lambda name: [int(d) for d in tensors[name].shape]  # noqa: E731
-    vocab = width("token_embd.weight")[-1]
+    vocab = width(embed)[-1]
     if vocab > header.MAX_VOCAB:
-        raise GGUFError(f"{file}: token_embd.weight has {vocab} rows, above the "
+        raise GGUFError(f"{file}: {embed} has {vocab} rows, above the "
                         f"{header.MAX_VOCAB} a Qwen2 vocabulary can have: a damaged or hostile "
                         "file; re-download or re-convert it")
-    _agree(file, f"{arch}.embedding_length", hidden, "token_embd.weight",
-           width("token_embd.weight")[0])
+    _agree(file, f"{arch}.embedding_length", hidden, embed, width(embed)[0])
     present = {i for i in map(gguf_block_index, tensors) if i is not None}
     if present != set(range(len(present))) or len(present) != layers:
         raise GGUFError(f"{file}: GGUF metadata '{arch}.block_count' is {layers} but the file "
                         f"holds tensors of {len(present)} layers"
                         f"{'' if present == set(range(len(present))) else ' (not numbered 0..n-1)'}"
                         ": an inconsistent file; re-download or re-convert it")
-    for name, key, value in (("blk.0.attn_q.weight", "attention.head_count", heads * key_len),
-                             ("blk.0.attn_k.weight", "attention.head_count_kv",
+    for name, key, value in ((gguf_name("q_proj", 0), "attention.head_count", heads * key_len),
+                             (gguf_name("k_proj", 0), "attention.head_count_kv",
                               kv_heads * key_len),
-                             ("blk.0.ffn_up.weight", "feed_forward_length", ffn)):
+                             (gguf_name("up_proj", 0), "feed_forward_length", ffn)):
         if name in tensors:
             _agree(file, f"{arch}.{key}" + (" x key_length" if "head" in key else ""), value,
                    name, width(name)[-1])
@@ -155,7 +155,7 @@ def gguf_config(path: str) -> Qwen2Config:
             num_heads=heads, num_kv_heads=kv_heads, head_dim=key_len,
             # float32 metadata: 1e-6 is stored as 9.99999997e-07; round to float32 precision.
             rope_theta=float(np.float32(theta)), rms_norm_eps=float(f"{np.float32(eps):.7g}"),
-            tie_word_embeddings="output.weight" not in tensors,
+            tie_word_embeddings=gguf_name("lm_head") not in tensors,
             max_position_embeddings=context)
     except ValueError as e:
         raise GGUFError(f"{file}: {e}") from e

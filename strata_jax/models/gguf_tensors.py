@@ -6,58 +6,22 @@ read with plain file reads at its offset and dequantized to float32 on demand.
 host array, dequantized with ``gguf.quants``), so `loading.load_params` places them one at a
 time. Reads bypass the reader's memory map, so loaded pages do not stay resident.
 
-Tensor names: llama.cpp ``gguf-py/gguf/constants.py`` (MODEL_ARCH.QWEN2, ``TENSOR_NAMES``).
-Qwen2's q/k weights are stored unpermuted (llama.cpp's converter permutes only LLaMA-style
-rotary layouts), so no inverse permutation is applied; the transformers parity tests pin that.
+Tensor names: the weight table (`strata_jax.models.weights`). Qwen2's q/k weights are stored
+unpermuted (llama.cpp's converter permutes only LLaMA-style rotary layouts), so no inverse
+permutation is applied; the transformers parity tests pin that.
 """
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import numpy as np
 
 from strata_jax.models.gguf_header import GGUFError, architecture, open_gguf
+from strata_jax.models.weights import gguf_name_to_hf
 
-# llama.cpp tensor names -> HF Qwen2 names ("{i}" is the layer index).
-_TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Precomputed RoPE frequencies some converters add; the port computes its own from rope_theta.
 _IGNORED = ("rope_freqs.weight",)
-
-
-def gguf_name_to_hf(name: str) -> str | None:
-    """HF Qwen2 tensor name of a llama.cpp tensor name (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``); None for names the port does not use."""
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    m = _BLOCK_RE.match(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None
-
-
-def gguf_block_index(name: str) -> int | None:
-    """Layer index of a llama.cpp per-layer tensor name (``blk.3.attn_q.weight`` -> 3); None
-    for a top-level name."""
-    m = _BLOCK_RE.match(name)
-    return int(m.group(1)) if m else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +72,9 @@ class GGUFTensorRef:
 def gguf_tensors(path: str) -> dict[str, GGUFTensorRef]:
     """``{HF Qwen2 tensor name: GGUFTensorRef}`` of every weight in a GGUF file.
 
-    Raises GGUFError (a ValueError) for another architecture or a tensor name the Qwen2 port does not know
-    (named in the message). ``rope_freqs.weight`` is ignored (the port computes RoPE itself).
+    Names map through the weight table (`weights.gguf_name_to_hf`). Raises GGUFError (a
+    ValueError) for another architecture or a tensor name the Qwen2 port does not know (named
+    in the message). ``rope_freqs.weight`` is ignored (the port computes RoPE itself).
     """
     reader = open_gguf(path)
     architecture(reader)
