@@ -20,6 +20,8 @@ KQUANT_CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num
                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                      rope_theta=1e6, rms_norm_eps=1e-6)
 
+# llama.cpp's per-layer names, written out here rather than taken from
+# strata_jax.models.weights: the writer is the independent side of the parity tests.
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -182,3 +184,27 @@ def gguf_key(key: str) -> bytes:
     import struct
     raw = key.encode()
     return struct.pack("<Q", len(raw)) + raw
+
+
+def gguf_string_kv(key: str, value: str) -> bytes:
+    """One metadata entry of type STRING (8), raw bytes for `hostile_gguf`'s `kv`."""
+    import struct
+    return gguf_key(key) + struct.pack("<I", 8) + gguf_key(value)
+
+
+def gguf_uint8_array_kv(key: str, n: int) -> bytes:
+    """One metadata entry: an ARRAY (9) of `n` uint8 (0) zeros, raw bytes for `kv`."""
+    import struct
+    return gguf_key(key) + struct.pack("<IIQ", 9, 0, n) + b"\0" * n
+
+
+def gguf_array_kv(key: str, item_type: int, items: list) -> bytes:
+    """One metadata entry: an ARRAY (9) of `items` of GGUF value type `item_type` (8: str,
+    5: int32), raw bytes for `hostile_gguf`'s `kv`."""
+    import struct
+    head = gguf_key(key) + struct.pack("<IIQ", 9, item_type, len(items))
+    if item_type == 8:
+        return head + b"".join(gguf_key(t) for t in items)
+    if item_type == 5:
+        return head + struct.pack(f"<{len(items)}i", *items)
+    raise ValueError(f"no recipe for GGUF value type {item_type}")

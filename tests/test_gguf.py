@@ -16,6 +16,7 @@ from strata_jax.models import Qwen2Config, export_params, forward, load_checkpoi
     load_tokenizer, logits_from_hidden
 from strata_jax.models import fetch as fetch_mod
 from strata_jax.models import gguf as gguf_mod
+from strata_jax.models import gguf_header
 from strata_jax.models.gguf import gguf_config, gguf_name_to_hf, gguf_tensors
 from strata_jax.models.loading import resolve_checkpoint
 from tests.gguf_fixtures import (KQUANT_CONFIG, byte_symbols, gguf_key, hf_from_gguf,
@@ -125,6 +126,20 @@ def test_tensor_names_map_to_hf():
     assert gguf_name_to_hf("blk.0.attn_qkv.weight") is None
 
 
+def test_every_weight_name_agrees_with_the_gguf_packages_name_map():
+    """The weight table's GGUF names are those llama.cpp's own HF -> GGUF map gives."""
+    import gguf
+
+    from strata_jax.models.weights import checkpoint_names, gguf_name
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 3)
+    names = list(checkpoint_names(3, tie_word_embeddings=False))
+    assert len(names) == 3 + 3 * 12
+    for path, hf in names:
+        ours = gguf_name(path[-1], path[1] if path[0] == "layers" else None)
+        assert tmap.get_name(hf, try_suffixes=(".weight", ".bias")) == ours
+        assert gguf_name_to_hf(ours) == hf
+
+
 @pytest.fixture(scope="module")
 def small_model():
     return make_hf_model(seed=2, **PARITY_CONFIGS["tied_gqa2"])
@@ -178,14 +193,18 @@ def test_bad_files_are_named(tmp_path):
         gguf_config(str(truncated))
 
 
-def _no_reader(monkeypatch):
-    """Make the reference reader fail the test if it is ever reached."""
+def _no_reader(monkeypatch) -> list:
+    """Make the reference reader fail the test if it is ever reached; returns the list of the
+    paths it was called with (empty when the pre-scan refused the file first)."""
     import gguf
+    calls = []
 
-    def reader(*a, **k):
+    def reader(path, *a, **k):
+        calls.append(path)
         raise AssertionError("the reference reader parsed a file the pre-scan should refuse")
     monkeypatch.setattr(gguf, "GGUFReader", reader)
-    gguf_mod._reader.cache_clear()
+    gguf_header._reader.cache_clear()
+    return calls
 
 
 def test_hostile_counts_are_refused_before_the_reader_parses(tmp_path, monkeypatch):
@@ -217,6 +236,68 @@ def test_hostile_counts_are_refused_before_the_reader_parses(tmp_path, monkeypat
         gguf_config(hostile_gguf(str(tmp_path / "t.gguf"), n_tensors=2**32, pad=64))
 
 
+def test_many_arrays_under_the_per_array_bound_are_refused_in_all(tmp_path, monkeypatch):
+    """Arrays each under MAX_ARRAY_ITEMS that sum past MAX_METADATA_ITEMS (the file that kept
+    the reference reader busy for minutes, building an object per item) are refused by the
+    pre-scan; the reader is never entered."""
+    from tests.gguf_fixtures import gguf_string_kv, gguf_uint8_array_kv
+    calls = _no_reader(monkeypatch)
+    n, per = 40, gguf_mod.MAX_ARRAY_ITEMS
+    assert n * per > gguf_mod.MAX_METADATA_ITEMS
+    # the first array that takes the running total past the bound is the one named
+    first = gguf_mod.MAX_METADATA_ITEMS // per
+    for arch in (b"", gguf_string_kv("general.architecture", "qwen2")):
+        kv = arch + b"".join(gguf_uint8_array_kv(f"general.a{i}", per) for i in range(n))
+        path = hostile_gguf(str(tmp_path / f"arrays{len(arch)}.gguf"), kv=kv,
+                            n_kv=n + bool(arch), pad=64)
+        with pytest.raises(gguf_mod.GGUFError) as e:
+            gguf_config(path)
+        assert str(e.value) == (
+            f"{path} is not a readable GGUF file (malformed or hostile): metadata array "
+            f"'general.a{first}' brings the metadata arrays to {(first + 1) * per} items (at "
+            f"most {gguf_mod.MAX_METADATA_ITEMS} in all are accepted); re-download or "
+            "re-convert it")
+    assert calls == []
+
+
+def test_the_metadata_bound_admits_a_qwen25_sized_tokenizer(tmp_path, monkeypatch):
+    """Qwen2.5's GGUF tokenizer: 151,936 tokens and token types, 151,387 merges (llama.cpp's
+    converter pads the token list to the embedding's rows) pass the pre-scan."""
+    from tests.gguf_fixtures import gguf_array_kv, gguf_string_kv
+    n_vocab, n_merges = 151_936, 151_387
+    kv = (gguf_string_kv("general.architecture", "qwen2")
+          + gguf_array_kv("tokenizer.ggml.tokens", 8, [f"t{i}" for i in range(n_vocab)])
+          + gguf_array_kv("tokenizer.ggml.token_type", 5, [1] * n_vocab)
+          + gguf_array_kv("tokenizer.ggml.merges", 8, [f"a{i} b" for i in range(n_merges)]))
+    path = hostile_gguf(str(tmp_path / "vocab.gguf"), kv=kv, n_kv=4)
+    gguf_mod.check_header(path)     # no error
+    assert 2 * n_vocab + n_merges < gguf_mod.MAX_METADATA_ITEMS
+
+
+def test_a_file_without_a_qwen2_architecture_is_refused_before_the_reader(tmp_path,
+                                                                          monkeypatch):
+    from tests.gguf_fixtures import gguf_string_kv, gguf_uint8_array_kv
+    calls = _no_reader(monkeypatch)
+    path = hostile_gguf(str(tmp_path / "noarch.gguf"), n_kv=1, pad=64,
+                        kv=gguf_uint8_array_kv("general.a", 16))
+    with pytest.raises(gguf_mod.GGUFError) as e:
+        gguf_config(path)
+    assert str(e.value) == (
+        f"{path}: GGUF metadata has no 'general.architecture', so it is not a model file "
+        "written by llama.cpp's converter; use a Qwen2 / Qwen2.5 GGUF (python -m "
+        "strata_jax.models.fetch --list names some)")
+    path = hostile_gguf(str(tmp_path / "llama.gguf"), n_kv=1, pad=64,
+                        kv=gguf_string_kv("general.architecture", "llama"))
+    with pytest.raises(gguf_mod.GGUFError, match=r"GGUF architecture 'llama' is not supported; "
+                                                 r"strata-jax ports qwen2 \(Qwen2 / Qwen2.5\)"):
+        gguf_config(path)
+    with pytest.raises(gguf_mod.GGUFError, match="'general.architecture' has value type 4 "
+                                                 r"\(a string is required\)"):
+        gguf_config(hostile_gguf(str(tmp_path / "int.gguf"), n_kv=1, pad=64,
+                                 kv=gguf_key("general.architecture") + b"\4\0\0\0" + b"\2" * 4))
+    assert calls == []
+
+
 @pytest.mark.parametrize("key, value, msg", [
     ("qwen2.block_count", 2**31, "'qwen2.block_count' is 2147483648, above the 1024"),
     ("qwen2.block_count", 3, "'qwen2.block_count' is 3 but the file holds tensors of 2 layers"),
@@ -237,7 +318,7 @@ def test_sizes_are_bounded_and_match_the_tensors(small_model, tmp_path, key, val
 def test_a_vocabulary_above_the_bound_is_refused(small_model, tmp_path, monkeypatch):
     path = write_qwen2_gguf(small_model, str(tmp_path / "v.gguf"))
     gguf_config(path)   # parsed (and cached) under the real bounds: the config check is next
-    monkeypatch.setattr(gguf_mod, "MAX_VOCAB", 511)   # the fixture's vocabulary is 512
+    monkeypatch.setattr(gguf_header, "MAX_VOCAB", 511)   # the fixture's vocabulary is 512
     with pytest.raises(gguf_mod.GGUFError, match=r"token_embd.weight has 512 rows, above the 511"):
         gguf_config(path)
 

@@ -43,6 +43,39 @@ def untied(tmp_path_factory):
     return model, path
 
 
+def test_the_weight_table_names_the_params_keys_of_the_model():
+    """The one weight table and qwen2's shapes list the same weights, in the same order (a new
+    weight added to one and not the other fails here)."""
+    from strata_jax.models.qwen2 import layer_shapes, param_shapes
+    from strata_jax.models.weights import LAYER_WEIGHTS, TOP_WEIGHTS
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
+    assert [w.key for w in LAYER_WEIGHTS] == list(layer_shapes(cfg))
+    assert [w.key for w in TOP_WEIGHTS] == ["embed", "final_norm", "lm_head"]
+    assert set(param_shapes(cfg)) == {"embed", "layers", "final_norm", "lm_head"}
+    assert [w.key for w in TOP_WEIGHTS if w.tied_away] == ["lm_head"]
+
+
+def test_checkpoint_names_are_in_export_order_and_invert():
+    from strata_jax.models.loading import hf_name_to_path
+    from strata_jax.models.weights import checkpoint_names, path_to_hf_name
+    tied = list(checkpoint_names(2, tie_word_embeddings=True))
+    assert len(tied) == 1 + 2 * 12 + 1
+    assert tied[:3] == [(("embed",), "model.embed_tokens.weight"),
+                        (("layers", 0, "input_norm"), "model.layers.0.input_layernorm.weight"),
+                        (("layers", 0, "q_proj"), "model.layers.0.self_attn.q_proj.weight")]
+    assert tied[12:14] == [(("layers", 0, "down_proj"), "model.layers.0.mlp.down_proj.weight"),
+                           (("layers", 1, "input_norm"),
+                            "model.layers.1.input_layernorm.weight")]
+    assert tied[-1] == (("final_norm",), "model.norm.weight")
+    untied = list(checkpoint_names(2, tie_word_embeddings=False))
+    assert untied == tied + [(("lm_head",), "lm_head.weight")]
+    for path, name in untied:
+        assert hf_name_to_path(name) == path and path_to_hf_name(path) == name
+    assert hf_name_to_path("model.layers.0.self_attn.rotary_emb.inv_freq") is None
+    assert hf_name_to_path("model.layers.0.self_attn.qkv_proj.weight") is None
+
+
 def test_tied_checkpoint_has_no_lm_head(tied):
     _, path = tied
     names = read_safetensors(os.path.join(path, "model.safetensors"))

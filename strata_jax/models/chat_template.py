@@ -1,6 +1,6 @@
 """The Qwen2.5-Instruct chat template, shared by every tokenizer source (`tokenizer.py`'s
-offline default and checkpoint dirs without one, `gguf.py`'s files without one): it inserts the
-default system prompt when the conversation has none."""
+offline default and checkpoint dirs without one, `gguf_tokenizer.py`'s files without one): it
+inserts the default system prompt when the conversation has none."""
 
 DEFAULT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 

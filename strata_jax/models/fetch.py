@@ -140,7 +140,7 @@ def verify_pinned(path: str) -> None:
     """Verify a model file given by path when its size is that of a model in `MODELS` (a
     fetched file copied or linked elsewhere): the same check as `verify`. Files of any other
     size have no reference digest; their structure is checked when they are parsed
-    (`strata_jax.models.gguf.check_header`). Raises ValueError like `verify`."""
+    (`strata_jax.models.gguf_header.check_header`). Raises ValueError like `verify`."""
     size = os.path.getsize(path)
     for model in MODELS.values():
         if model.size == size:

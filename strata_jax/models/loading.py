@@ -12,7 +12,8 @@ load.
 safetensors format (header length u64 LE, JSON header, raw little-endian data) is read and written
 here directly with numpy (bf16 via ml_dtypes, a jax dependency); plain reads rather than mmap so
 that loaded pages do not stay resident.
-Source: https://github.com/huggingface/safetensors (format spec); transformers Qwen2 weight names.
+Tensor names: the weight table (`strata_jax.models.weights`).
+Source: https://github.com/huggingface/safetensors (format spec).
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ import numpy as np
 from strata_jax.models import gguf
 from strata_jax.models.config import Qwen2Config
 from strata_jax.models.qwen2 import Params, param_shapes
+# hf_name_to_path stays importable from here (its home is the weight table).
+from strata_jax.models.weights import checkpoint_names, hf_name_to_path, path_to_hf_name
 
 _ST_DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -39,39 +42,8 @@ _ST_DTYPES: dict[str, np.dtype] = {
 }
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
-# HF Qwen2 per-layer tensor names -> our per-layer keys.
-_HF_LAYER = {
-    "input_layernorm.weight": "input_norm",
-    "self_attn.q_proj.weight": "q_proj", "self_attn.q_proj.bias": "q_bias",
-    "self_attn.k_proj.weight": "k_proj", "self_attn.k_proj.bias": "k_bias",
-    "self_attn.v_proj.weight": "v_proj", "self_attn.v_proj.bias": "v_bias",
-    "self_attn.o_proj.weight": "o_proj",
-    "post_attention_layernorm.weight": "post_norm",
-    "mlp.gate_proj.weight": "gate_proj", "mlp.up_proj.weight": "up_proj",
-    "mlp.down_proj.weight": "down_proj",
-}
-_HF_TOP = {"model.embed_tokens.weight": ("embed",), "model.norm.weight": ("final_norm",),
-           "lm_head.weight": ("lm_head",)}
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Non-parameter buffers some older checkpoints carry.
 _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
-
-
-def hf_name_to_path(name: str) -> tuple | None:
-    """Params-tree path of an HF tensor name, e.g. ('layers', 3, 'q_proj'); None if unknown."""
-    if name in _HF_TOP:
-        return _HF_TOP[name]
-    m = _LAYER_RE.match(name)
-    if m and m.group(2) in _HF_LAYER:
-        return ("layers", int(m.group(1)), _HF_LAYER[m.group(2)])
-    return None
-
-
-def _path_to_hf_name(path: tuple) -> str:
-    if path[0] == "layers":
-        inv = {v: k for k, v in _HF_LAYER.items()}
-        return f"model.layers.{path[1]}.{inv[path[2]]}"
-    return {v[0]: k for k, v in _HF_TOP.items()}[path[0]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +208,7 @@ def checkpoint_config(ckpt: str) -> Qwen2Config:
 
 def _checkpoint_tensors(ckpt_dir: str) -> dict[str, Any]:
     """``{HF tensor name: ref}`` of a local checkpoint; each ref has ``shape``, ``dtype`` and
-    ``read()`` (`TensorRef` for safetensors, `gguf.GGUFTensorRef` for a GGUF file)."""
+    ``read()`` (`TensorRef` for safetensors, `gguf_tensors.GGUFTensorRef` for a GGUF file)."""
     if os.path.isfile(ckpt_dir):
         return gguf.gguf_tensors(ckpt_dir)
     index = os.path.join(ckpt_dir, "model.safetensors.index.json")
@@ -313,7 +285,7 @@ def load_params(path_or_id: str, config: Qwen2Config | None = None,
             raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected "
                              f"{tuple(expected[path])} for this config")
         found[path] = arr
-    missing = [_path_to_hf_name(p) for p in expected if p not in found]
+    missing = [path_to_hf_name(p) for p in expected if p not in found]
     if missing:
         raise ValueError(f"checkpoint {ckpt_dir!r} lacks tensors {missing}")
 
@@ -351,13 +323,8 @@ def load_checkpoint(path_or_id: str, dtype: Any = jnp.float32,
 
 
 def _iter_hf_tensors(params: Params, config: Qwen2Config) -> Iterator[tuple[str, Any]]:
-    yield "model.embed_tokens.weight", params["embed"]
-    for i, layer in enumerate(params["layers"]):
-        for hf, ours in _HF_LAYER.items():
-            yield f"model.layers.{i}.{hf}", layer[ours]
-    yield "model.norm.weight", params["final_norm"]
-    if not config.tie_word_embeddings:
-        yield "lm_head.weight", params["lm_head"]
+    for path, name in checkpoint_names(len(params["layers"]), config.tie_word_embeddings):
+        yield name, _get(params, path)
 
 
 def export_params(params: Params, config: Qwen2Config, out_dir: str, dtype: Any = None,

