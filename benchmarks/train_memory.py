@@ -45,10 +45,8 @@ def model_config(spec: str) -> Qwen2Config:
     if spec in PRESETS:
         return PRESETS[spec]
     if spec.endswith(".gguf"):
-        from strata_jax.models import loading
-        if hasattr(loading, "gguf_config"):
-            return loading.gguf_config(spec)
-        raise SystemExit(f"{spec}: this checkout cannot read GGUF metadata; pass an HF dir")
+        from strata_jax.models.gguf import gguf_config
+        return gguf_config(spec)
     return Qwen2Config.from_pretrained(spec)
 
 
