@@ -20,8 +20,12 @@ Layout (one orbax CheckpointManager directory, async off, keep the last n):
 
 Integrity: restore re-hashes the step's files against its manifest; a mismatch (a bit flip of
 the same size, a truncated or missing file) or a format-2 step without a manifest (a save cut
-short) is skipped with a warning naming the file, in favour of the next older step. Steps
-written before manifests existed (format 1) restore unverified. Cost: one sha256 pass over
+short) is skipped with a warning naming the file, in favour of the next older step, and so is a
+step whose folder name, meta "step" and state step disagree (a renamed or swapped folder keeps
+matching checksums). Steps written before manifests existed (format 1) restore unverified with
+a warning, except in a directory whose other steps are format 2: there a step without a
+manifest was stripped of it and is skipped. Malformed trainer shape marks are dropped from the
+returned meta with a warning (the next batches re-derive them). Cost: one sha256 pass over
 the checkpoint bytes at save and at restore, a minor share of either next to orbax's own I/O
 (benchmarks/checkpoint_integrity.py measures it; docs/results.md has the figures).
 
@@ -39,9 +43,7 @@ Source: orbax-checkpoint 0.12 CheckpointManager docs; docs/design.md §10.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -56,15 +58,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from strata_jax.exits import exception_chain
+from strata_jax.training.checkpoint_files import (FORMAT, MANIFEST, CorruptCheckpointError,
+                                                  check_step, checked_trainer_state, meta_step,
+                                                  step_format, verify_step, write_manifest)
 from strata_jax.training.state import TrainState
 
 log = logging.getLogger(__name__)
 
 _EMPTY = "__empty__"
 _FIELDS = ("params", "opt_state", "critic_params", "critic_opt_state", "step", "rng")
-FORMAT = 2
-MANIFEST = "checksums.json"
-_HASHED = ("state", "meta")   # the step's items; orbax's own top-level files may be rewritten
 
 
 class CheckpointWriteError(OSError):
@@ -73,10 +75,6 @@ class CheckpointWriteError(OSError):
 
     def __str__(self) -> str:   # the sentence alone: it is the one line the user sees
         return str(self.strerror) if self.strerror else super().__str__()
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A step's files do not match its checksum manifest (or a committed-format step has none)."""
 
 
 class NoRestorableCheckpointError(RuntimeError):
@@ -98,82 +96,6 @@ class _DiskFullNoise(logging.Filter):
 
 
 _DISK_FULL_NOISE = _DiskFullNoise()
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _step_files(step_dir: str) -> list[str]:
-    """Relative paths of the files of a step's items (state/, meta/), sorted."""
-    out = []
-    for item in _HASHED:
-        for root, _, files in os.walk(os.path.join(step_dir, item)):
-            out += [os.path.relpath(os.path.join(root, f), step_dir) for f in files]
-    return sorted(out)
-
-
-def _hash_files(step_dir: str, rel: list[str]) -> dict[str, list]:
-    """{relative path: [size, sha256 hex]} computed on a few threads (hashlib frees the GIL)."""
-    workers = min(8, os.cpu_count() or 1, max(len(rel), 1))
-    with cf.ThreadPoolExecutor(workers) as ex:
-        digests = list(ex.map(lambda r: _sha256(os.path.join(step_dir, r)), rel))
-    return {r: [os.path.getsize(os.path.join(step_dir, r)), d] for r, d in zip(rel, digests)}
-
-
-def write_manifest(step_dir: str) -> dict:
-    """Hash every file of a step and write `<step_dir>/checksums.json` atomically (tmp + rename
-    + fsync). Returns the manifest dict."""
-    manifest = {"algorithm": "sha256", "files": _hash_files(step_dir, _step_files(step_dir))}
-    tmp = os.path.join(step_dir, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(step_dir, MANIFEST))
-    return manifest
-
-
-def verify_step(step_dir: str, contents: bool = True) -> bool:
-    """Check a step directory against its checksum manifest.
-
-    contents=False checks presence and sizes only (no hashing: for a step this process has just
-    committed). Returns True when verified, False for a format-1 step (no manifest, written
-    before manifests existed). Raises CorruptCheckpointError naming the first bad file: a size
-    or sha256 mismatch, a missing file, or a format-2 step without a manifest (never committed).
-    """
-    path = os.path.join(step_dir, MANIFEST)
-    if not os.path.exists(path):
-        try:
-            with open(os.path.join(step_dir, "meta", "metadata")) as f:
-                fmt = json.load(f).get("format", 1)
-        except (OSError, ValueError):
-            fmt = FORMAT
-        if fmt >= 2:
-            raise CorruptCheckpointError(f"{path} is missing: the save of this step did not "
-                                         "complete")
-        return False
-    with open(path) as f:
-        files = json.load(f)["files"]
-    for rel, (size, _) in files.items():
-        full = os.path.join(step_dir, rel)
-        if not os.path.exists(full):
-            raise CorruptCheckpointError(f"{full} is missing")
-        if os.path.getsize(full) != size:
-            raise CorruptCheckpointError(f"{full} has {os.path.getsize(full)} bytes, the "
-                                         f"manifest says {size}")
-    if not contents:
-        return True
-    got = _hash_files(step_dir, sorted(files))
-    for rel, (_, digest) in files.items():
-        if got[rel][1] != digest:
-            raise CorruptCheckpointError(f"{os.path.join(step_dir, rel)} does not match its "
-                                         "sha256 in the manifest (corrupted on disk)")
-    return True
 
 
 def _sync_hosts(name: str) -> None:
@@ -263,6 +185,9 @@ class Checkpointer:
             try:
                 if step in self._bad_steps:
                     raise CorruptCheckpointError(f"{step_dir} failed to restore")
+                if meta_step(step_dir) != step:
+                    raise CorruptCheckpointError(f"{step_dir} holds step "
+                                                 f"{meta_step(step_dir)}")
                 verify_step(step_dir, contents=False)   # committed, complete: keep it
                 log.info("checkpoint step %d is already on disk in %s; not saving it again",
                          step, self.directory)
@@ -373,12 +298,22 @@ class Checkpointer:
                 if step is not None and s not in self.all_steps():
                     raise FileNotFoundError(f"there is no step {s} (steps on disk: "
                                             f"{self.all_steps()})")
-                verify_step(os.path.join(self.directory, str(s)))
+                step_dir = os.path.join(self.directory, str(s))
+                verified = verify_step(step_dir)
+                if not verified:
+                    self._check_unverified_format(s)
                 out = self._mngr.restore(s, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
                 d = out["state"]
                 state = TrainState(**{f: _decode(d[f]) for f in _FIELDS})
-                return state, dict(out["meta"])
+                meta = dict(out["meta"])
+                check_step(s, meta, state)
+                if not verified:
+                    msg = (f"checkpoint step {s} in {self.directory} has no checksum manifest "
+                           "(format 1, written before manifests existed): restored unverified")
+                    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                    log.warning(msg)
+                return state, checked_trainer_state(s, self.directory, meta)
             except Exception as e:  # noqa: BLE001 — any failure means "unusable checkpoint"
                 self._bad_steps.add(s)
                 why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
@@ -393,6 +328,18 @@ class Checkpointer:
         raise NoRestorableCheckpointError(
             f"{what} ({'; '.join(errors)}). Restore the named file from a copy, or move "
             f"{self.directory} aside to start the run afresh")
+
+    def _check_unverified_format(self, step: int) -> None:
+        """A step without a manifest restores unverified only where manifests are unknown: in
+        a directory whose other steps are format 2 it is refused (CorruptCheckpointError), so
+        deleting a manifest and calling the step format 1 cannot switch verification off."""
+        newer = [s for s in self.all_steps() if s != step
+                 and step_format(os.path.join(self.directory, str(s))) >= FORMAT]
+        if newer:
+            raise CorruptCheckpointError(
+                f"step {step} claims format 1 (no checksum manifest) but step"
+                f"{'s' if len(newer) > 1 else ''} {', '.join(map(str, newer))} in this "
+                f"directory are format {FORMAT}: its manifest was removed")
 
     def close(self) -> None:
         """Wait for pending writes and release the manager (its threads and event loop)."""
