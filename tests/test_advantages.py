@@ -108,6 +108,15 @@ def test_rloo_k8_leave_one_out():
     np.testing.assert_allclose(adv, [5 / 7 if s else -3 / 7 for s in scores], **TOL)
 
 
+def test_rloo_leaves_one_step_out_of_the_step_samples_siblings_included():
+    # Episode A (return 1) has 3 steps, B (return 0) one: n = 4 step samples, mean 3/4.
+    # A step: 4/3 * (1 - 3/4) = 1/3 = 1 - mean(1, 1, 0) (its two siblings and B's step);
+    # B's step: 4/3 * (0 - 3/4) = -1 = 0 - mean(1, 1, 1). (Over episodes it would be +-1.)
+    recs = [act(0, 0, s, 1.0) for s in range(3)] + [act(0, 1, 0, 0.0)]
+    adv, _, _ = run("rloo", recs)
+    np.testing.assert_allclose(adv, [1 / 3, 1 / 3, 1 / 3, -1.0], **TOL)
+
+
 def test_padding_and_crashed_rows_are_out_of_the_statistics_and_weights():
     # crashed row (score 100) must not shift the group's mean.
     adv, w, _ = run("grpo", [act(0, 0, score=0.0), act(0, 1, score=1.0), act(0, 2, score=100.0, valid=False)])
