@@ -576,3 +576,85 @@ def test_an_unverified_restore_is_always_warned(setup, tmp_path):
         assert meta["step"] == 2
     np.testing.assert_array_equal(np.asarray(restored.params["embed"]),
                                   np.asarray(state0.params["embed"]) + 2)
+
+
+def test_full_disk_late_writers_and_closed_loop_noise_leave_one_line_and_no_tmp(
+        setup, tmp_path, monkeypatch, capfd):
+    """A full disk seen by orbax's writer threads: some are still writing into the step's tmp
+    folder when the save fails (they recreate it after a first removal), and each reports to
+    an event loop orbax has closed (an unraisable 'Event loop is closed' per thread). The save
+    still ends in one CheckpointWriteError line, nothing else on stderr, and no tmp folder."""
+    import errno
+    import threading
+
+    from strata_jax.training import CheckpointWriteError
+    params, trainer, state0 = setup
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    tmp = tmp_path / "ckpt" / "4.orbax-checkpoint-tmp"
+    writers = []
+
+    class _Callback:   # a tensorstore callback into orbax's closed event loop
+        def __del__(self):
+            raise RuntimeError("Event loop is closed")
+
+    def late_writer():
+        time.sleep(0.3)
+        (tmp / "state" / "d").mkdir(parents=True, exist_ok=True)
+        (tmp / "state" / "d" / "late").write_bytes(b"x" * 10)
+        _Callback()
+
+    def full_disk(step, *a, **kw):
+        (tmp / "state").mkdir(parents=True)
+        for _ in range(5):
+            _Callback()
+        writers.append(threading.Thread(target=late_writer))
+        writers[-1].start()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt._mngr, "save", full_disk)
+    with pytest.raises(CheckpointWriteError, match="no space left on device for checkpoint "
+                                                   "step 4"):
+        ckpt.save(state0.replace(step=state0.step + 4))
+    writers[0].join()
+    _Callback()   # after the failed save too: its orphaned writers keep reporting
+    assert os.listdir(tmp_path / "ckpt") == []
+    assert "Event loop is closed" not in capfd.readouterr().err
+    ckpt._mngr.save = None   # close() must not write
+    ckpt.close()
+
+
+_TMPFS_SAVE = r"""
+import sys, jax, jax.numpy as jnp
+from strata_jax.exits import EXIT_REFUSED
+from strata_jax.training import Checkpointer, CheckpointWriteError
+from strata_jax.training.state import TrainState
+params = {f"w{i}": jax.random.normal(jax.random.PRNGKey(i), (256, 1024)) for i in range(96)}
+state = TrainState(params=params, opt_state={}, critic_params={}, critic_opt_state={},
+                   step=jnp.asarray(3, jnp.int32), rng=jnp.zeros((2,), jnp.uint32))
+ckpt = Checkpointer(sys.argv[1], clean_tmp=True)
+try:
+    ckpt.save(state)
+except CheckpointWriteError as e:
+    print(e, file=sys.stderr)
+    sys.exit(EXIT_REFUSED)
+"""
+
+
+def test_full_tmpfs_is_one_line_exit_2_and_no_tmp_folder(tmp_path):
+    """The real thing where a small tmpfs can be mounted (root): 96 MiB of params onto 24 MiB."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        for _ in range(2):   # a writer left behind is a race: two tries
+            r = subprocess.run([sys.executable, "-c", _TMPFS_SAVE, str(mnt / "ckpt")],
+                               capture_output=True, text=True, env=_subprocess_env(1),
+                               timeout=300)
+            lines = [x for x in r.stderr.splitlines() if x.strip()]
+            assert r.returncode == 2, r.stderr[-2000:]
+            assert len(lines) == 1 and "no space left on device for checkpoint step 3" in lines[0]
+            assert os.listdir(mnt / "ckpt") == []
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -33,7 +33,9 @@ Saving: a step already committed on disk is never deleted and written again (the
 save of a finished run, the save on Ctrl-C right after a periodic one); a step on disk that is
 not committed (no or a wrong manifest) is replaced. A full disk (ENOSPC) raises
 `CheckpointWriteError` with one line naming the directory, the bytes needed and free; the
-partial step and orbax's tmp directory are removed, older steps are untouched.
+partial step and orbax's tmp directory are removed (until they stay gone: orbax's writer threads
+may still be finishing), older steps are untouched, and orbax's per-thread reports of the
+condition (absl log records, "Event loop is closed" unraisables) are dropped.
 
 Restore: `Checkpointer.restore(abstract_state)` with `Trainer.abstract_state()` (ShapeDtypeStructs
 carrying the target NamedShardings) puts every array straight onto the target mesh, whatever
@@ -49,7 +51,9 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -96,6 +100,36 @@ class _DiskFullNoise(logging.Filter):
 
 
 _DISK_FULL_NOISE = _DiskFullNoise()
+
+
+class _ClosedLoopNoise:
+    """A chaining `sys.unraisablehook` that drops the "Event loop is closed" RuntimeErrors of
+    orbax's writer callbacks while a save runs and after one failed: on a full disk orbax
+    closes its event loop when the save fails, and every tensorstore write still in flight then
+    reports into that closed loop (one unraisable traceback each, some after the save has
+    raised). `Checkpointer.save` reports the failure as one line; anything else goes on to the
+    previous hook."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self._previous = sys.unraisablehook
+
+    def install(self) -> None:
+        if sys.unraisablehook is not self:
+            self._previous, sys.unraisablehook = sys.unraisablehook, self
+
+    def __call__(self, unraisable) -> None:
+        exc = unraisable.exc_value
+        if self.active and isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        self._previous(unraisable)
+
+
+_CLOSED_LOOP_NOISE = _ClosedLoopNoise()
+# A failed save's writers may still be creating files in its tmp folder: it is removed until it
+# stays gone for _SETTLE_S (at most _REMOVE_TIMEOUT_S).
+_SETTLE_S = 0.5
+_REMOVE_TIMEOUT_S = 20.0
 
 
 def _sync_hosts(name: str) -> None:
@@ -156,6 +190,7 @@ class Checkpointer:
         self.keep = int(keep)
         self._bad_steps: set[int] = set()   # steps `restore` skipped: a save replaces them
         logging.getLogger("absl").addFilter(_DISK_FULL_NOISE)   # orbax logs through absl
+        _CLOSED_LOOP_NOISE.install()
         # Retention is done here, after the manifest commits a step (orbax would delete the
         # old steps before that).
         opts = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
@@ -203,6 +238,8 @@ class Checkpointer:
             cfg = config
         meta = {"format": FORMAT, "step": step, "sampler_state": sampler_state,
                 "trainer_state": trainer_state, "config": cfg}
+        _CLOSED_LOOP_NOISE.install()   # again: a test harness may have swapped the hook
+        _CLOSED_LOOP_NOISE.active = True
         try:
             self._mngr.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state_to_dict(state)),
@@ -223,6 +260,7 @@ class Checkpointer:
                 f"{self.directory}: it needs ~{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB "
                 f"free; free space there or use another --config.workdir ("
                 f"{_intact(self._committed_steps())})") from None
+        _CLOSED_LOOP_NOISE.active = False   # (stays on after a failure: its writers linger)
         self._apply_retention()
         return step
 
@@ -243,16 +281,45 @@ class Checkpointer:
                 self._mngr.delete(s)
 
     def _remove_partial(self, step: int) -> None:
-        """Remove what a failed save of `step` left: the uncommitted step dir, orbax tmp dirs."""
-        for name in os.listdir(self.directory):
-            full = os.path.join(self.directory, name)
-            partial_step = name == str(step) and not os.path.exists(os.path.join(full, MANIFEST))
-            if partial_step or (name.startswith(f"{step}.") and "tmp" in name):
+        """Remove what a failed save of `step` left: the uncommitted step dir, orbax tmp dirs.
+
+        orbax's writer threads may still be writing there (a removal races them, or they
+        recreate the folder): removed again until it stays gone for _SETTLE_S; a folder still
+        there after _REMOVE_TIMEOUT_S is named in one warning."""
+        deadline = time.monotonic() + _REMOVE_TIMEOUT_S
+        gone_since = None
+        while True:
+            left = self._partial_entries(step)
+            for full in left:
                 shutil.rmtree(full, ignore_errors=True)
+            now = time.monotonic()
+            if left:
+                gone_since = None
+            elif gone_since is None:
+                gone_since = now
+            elif now - gone_since >= _SETTLE_S:
+                break
+            if now > deadline:
+                if left:
+                    log.warning("could not remove the partial checkpoint %s; delete it",
+                                ", ".join(left))
+                break
+            time.sleep(0.05)
         try:
             self._mngr.reload()
         except Exception:  # noqa: BLE001 — the manager is only used for listing afterwards
             pass
+
+    def _partial_entries(self, step: int) -> list[str]:
+        """Paths of what an unfinished save of `step` leaves: the step dir without a manifest,
+        orbax's ``<step>.orbax-checkpoint-tmp*`` dirs."""
+        out = []
+        for name in os.listdir(self.directory):
+            full = os.path.join(self.directory, name)
+            partial_step = name == str(step) and not os.path.exists(os.path.join(full, MANIFEST))
+            if partial_step or (name.startswith(f"{step}.") and "tmp" in name):
+                out.append(full)
+        return out
 
     def maybe_save(self, state: TrainState, **kw) -> bool:
         """Save when state.step is a positive multiple of `every`; returns whether it saved."""
