@@ -108,6 +108,15 @@ def test_rloo_k8_leave_one_out():
     np.testing.assert_allclose(adv, [5 / 7 if s else -3 / 7 for s in scores], **TOL)
 
 
+def test_rloo_leaves_one_step_out_of_the_step_samples_siblings_included():
+    # Episode A (return 1) has 3 steps, B (return 0) one: n = 4 step samples, mean 3/4.
+    # A step: 4/3 * (1 - 3/4) = 1/3 = 1 - mean(1, 1, 0) (its two siblings and B's step);
+    # B's step: 4/3 * (0 - 3/4) = -1 = 0 - mean(1, 1, 1). (Over episodes it would be +-1.)
+    recs = [act(0, 0, s, 1.0) for s in range(3)] + [act(0, 1, 0, 0.0)]
+    adv, _, _ = run("rloo", recs)
+    np.testing.assert_allclose(adv, [1 / 3, 1 / 3, 1 / 3, -1.0], **TOL)
+
+
 def test_padding_and_crashed_rows_are_out_of_the_statistics_and_weights():
     # crashed row (score 100) must not shift the group's mean.
     adv, w, _ = run("grpo", [act(0, 0, score=0.0), act(0, 1, score=1.0), act(0, 2, score=100.0, valid=False)])
@@ -421,3 +430,71 @@ def test_config_reads_base_configdict():
     del c["eps"]                                # ... and so is a missing one (no silent default)
     with pytest.raises(ConfigError, match="lacks 'adv.eps'"):
         EstimatorConfig.from_config(c)
+
+
+# ----------------------------------------------------------------------------- constant groups
+
+
+def _sum(deltas):
+    """An episode return as the env bridge sums it: float64 sums of ScienceWorld's delta / 100."""
+    total = 0.0
+    for d in deltas:
+        total += d / 100
+    return total
+
+
+def test_dapo_filter_and_grpo_share_one_constancy_rule():
+    """Four 67s summed from different deltas are not bit-equal in float64, but GRPO sees the
+    group as constant (advantages exactly 0); DAPO's filter must drop it too, and the four
+    100s; it keeps the informative group."""
+    r67 = [_sum([58, 9]), _sum([67]), _sum([60, 7]), _sum([30, 37])]
+    r100 = [_sum([70, 20, 10]), _sum([100]), _sum([60, 30, 10]), _sum([1] * 100)]
+    assert len(set(r67)) > 1 and len(set(r100)) > 1   # the float sums differ in the last bits
+    informative = [0.1, 0.2, 0.67, 1.0]
+    returns = r67 + r100 + informative
+    tasks = [0] * 4 + [1] * 4 + [2] * 4
+    keep = keep_informative_groups(tasks, returns)
+    np.testing.assert_array_equal(keep, [0] * 8 + [1] * 4)
+    adv, _, m = run("grpo", [act(t, i, score=s) for i, (t, s) in enumerate(zip(tasks, returns))])
+    assert np.all(adv[:8] == 0.0) and np.all(adv[8:] != 0.0)
+    assert float(m["adv/zero_var_group_frac"]) == pytest.approx(2 / 3)
+
+
+SCIWORLD_REWARDS = [0.0, 0.08, 0.0, 0.25, 0.0, 0.0, 0.17, 0.0, 0.09, 0.0, 0.58, 0.0, 0.0]
+ALFWORLD_REWARDS = [0.0] * 11 + [10.0]
+
+
+@pytest.mark.parametrize("rewards", [SCIWORLD_REWARDS, ALFWORLD_REWARDS])
+@pytest.mark.parametrize("norm", ["mean_norm", "mean_std_norm"])
+def test_gigpo_four_identical_trajectories_get_exactly_zero(rewards, norm):
+    """Four identical trajectories (same observations, so the same anchors, same rewards) at
+    different offsets in the batch, behind another task's rows: both levels are constant
+    groups, so every advantage is exactly 0 (as in verl-agent), whatever the rounding of the
+    discounted returns at each offset."""
+    ret = sum(rewards)
+    recs = [act(9, j, s, 0.3 * j, step_reward=0.1 * s, anchor_id=500 + s)
+            for j in range(3) for s in range(5)]   # shifts the offsets of task 0's rows
+    recs += [act(0, i, s, ret, step_reward=r, anchor_id=100 + s)
+             for i in range(4) for s, r in enumerate(rewards)]
+    adv, _, m = run("gigpo", recs, gigpo_step_norm=norm)
+    np.testing.assert_array_equal(adv[15:], np.zeros(4 * len(rewards)))
+    g = np.asarray(m["row/step_returns"])[15:15 + len(rewards)]
+    want = [sum(r * 0.95 ** k for k, r in enumerate(rewards[s:])) for s in range(len(rewards))]
+    np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ret", [0.05, _sum([58, 9])])
+def test_strata_strategy_level_of_identical_strategies_is_exactly_zero(ret):
+    """Four strategies whose episodes are identical trajectories (1, 7, 13 and 21 of them):
+    their strategy rewards are one value, but the top-mean of each (k = 1, 4, 7, 11 of its
+    returns, summed in row order, then / k) may round an ulp apart; the strategy level must
+    give exactly 0, not that ulp over (std + eps)."""
+    recs = [strat(0, sid) for sid in range(4)]
+    e0 = 0
+    for sid, m_eps in enumerate((1, 7, 13, 21)):
+        recs += [act(0, e0 + e, s, ret, strategy_id=sid) for e in range(m_eps) for s in range(2)]
+        e0 += m_eps
+    adv, w, m = run("strata", recs)
+    np.testing.assert_array_equal(adv[:4], np.zeros(4))
+    np.testing.assert_allclose(np.asarray(m["row/strategy_reward"])[:4], [ret] * 4, rtol=1e-6)
+    np.testing.assert_array_equal(w, np.ones(len(recs)))

@@ -2,6 +2,7 @@
 restore of an 8-device checkpoint into a 1-device process."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -458,3 +459,202 @@ def test_orbax_disk_full_records_are_dropped_and_others_kept(caplog):
         emit("thread failed", OSError(28, "No space left on device"))
         emit("another orbax failure", ValueError("permission denied"))
     assert [r.getMessage() for r in caplog.records] == ["another orbax failure"]
+
+
+def _saved_steps(state0, tmp_path, steps):
+    """Save `steps` under tmp_path/ckpt (keep them all), params + step at each; returns the
+    directory."""
+    with Checkpointer(str(tmp_path / "ckpt"), keep=len(steps) + 1) as ckpt:
+        for s in steps:
+            ckpt.save(state0.replace(step=state0.step + s,
+                                     params=jax.tree.map(lambda x: x + s, state0.params)),
+                      sampler_state={"pos": s})
+    return tmp_path / "ckpt"
+
+
+def test_swapped_step_folders_are_refused_and_the_next_save_is_written(setup, tmp_path):
+    """Folders 5 and 10 swapped (each keeps its manifest, so its checksums match): neither
+    folder's name agrees with the step it holds; both are refused with a warning naming both
+    numbers, the restore falls back to step 3, and redoing iteration 10 saves it again."""
+    params, trainer, state0 = setup
+    d = _saved_steps(state0, tmp_path, [3, 5, 10])
+    os.rename(d / "5", d / "tmp")
+    os.rename(d / "10", d / "5")
+    os.rename(d / "tmp", d / "10")
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        with Checkpointer(str(d), keep=5) as ckpt:
+            restored, meta = ckpt.restore(trainer.abstract_state())
+            assert meta["step"] == 3 and int(restored.step) == 3
+            ckpt.save(state0.replace(step=state0.step + 10,
+                                     params=jax.tree.map(lambda x: x - 7.0, state0.params)))
+    msgs = [str(w.message) for w in got if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 2 and all("\n" not in m for m in msgs)
+    assert "step 10" in msgs[0] and "holds step 5" in msgs[0]
+    assert "step 5" in msgs[1] and "holds step 10" in msgs[1]
+    with Checkpointer(str(d)) as ckpt:
+        restored, meta = ckpt.restore(trainer.abstract_state(), step=10)
+    assert meta["step"] == 10
+    np.testing.assert_array_equal(np.asarray(restored.params["embed"]),
+                                  np.asarray(state0.params["embed"]) - 7.0)
+
+
+def test_a_renamed_step_folder_is_refused(setup, tmp_path):
+    params, trainer, state0 = setup
+    d = _saved_steps(state0, tmp_path, [5, 10])
+    os.rename(d / "10", d / "12")
+    with pytest.warns(RuntimeWarning, match=r"step 12 .*holds step 10 .*falling back to step 5"):
+        with Checkpointer(str(d)) as ckpt:
+            restored, meta = ckpt.restore(trainer.abstract_state())
+    assert meta["step"] == 5 and int(restored.step) == 5
+    # the meta's step and the state's step are checked apart: a meta rewritten to agree with
+    # the folder (its manifest refreshed) still holds a state of step 10
+    from strata_jax.training.checkpoint import write_manifest
+    meta_file = d / "12" / "meta" / "metadata"
+    m = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**m, "step": 12}))
+    write_manifest(str(d / "12"))
+    with pytest.warns(RuntimeWarning, match=r"step 12 .*state holds step 10"):
+        with Checkpointer(str(d)) as ckpt:
+            assert ckpt.restore(trainer.abstract_state())[1]["step"] == 5
+
+
+def test_malformed_shape_marks_are_ignored_with_one_warning(setup, tmp_path):
+    """The marks only pre-size padded shapes (the next batches raise them again): a consistent
+    checkpoint with malformed marks restores, its marks dropped with one line."""
+    params, trainer, state0 = setup
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.save(state0.replace(step=state0.step + 4), sampler_state={"pos": 4},
+                  trainer_state={"shape_marks": [["train", 1, 64]], "other": 1})
+    with pytest.warns(RuntimeWarning, match=r"step 4 .*shape marks .*ignored") as got:
+        with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+            restored, meta = ckpt.restore(trainer.abstract_state())
+    assert len(got) == 1 and "\n" not in str(got[0].message)
+    assert meta["step"] == 4 and meta["sampler_state"] == {"pos": 4}
+    assert meta["trainer_state"] == {"shape_marks": None, "other": 1}
+    fresh = Trainer(TINY, train_config())
+    fresh.set_host_state(meta["trainer_state"])
+    assert fresh.shape_marks == {}
+
+
+def _as_format_1(step_dir):
+    """What a pre-manifest checkpoint looks like: no checksums.json, meta "format": 1."""
+    os.remove(step_dir / "checksums.json")
+    meta_file = step_dir / "meta" / "metadata"
+    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "format": 1}))
+
+
+def test_format_1_among_format_2_steps_is_refused(setup, tmp_path):
+    """Deleting a step's manifest and calling it format 1 must not switch its verification
+    off: in a workdir whose other steps are format 2 it is refused (a flipped bit in it would
+    otherwise come back), and the restore falls back to the previous good step."""
+    params, trainer, state0 = setup
+    d = _saved_steps(state0, tmp_path, [1, 2])
+    victim = _largest_data_file(str(d / "2"))
+    with open(victim, "r+b") as f:
+        f.seek(3)
+        b = f.read(1)[0]
+        f.seek(3)
+        f.write(bytes([b ^ 4]))
+    _as_format_1(d / "2")
+    with pytest.warns(RuntimeWarning, match=r"step 2 .*format 1.*step 1 .*format 2.*falling "
+                                            r"back to step 1"):
+        with Checkpointer(str(d)) as ckpt:
+            restored, meta = ckpt.restore(trainer.abstract_state())
+    assert meta["step"] == 1
+
+
+def test_an_unverified_restore_is_always_warned(setup, tmp_path):
+    params, trainer, state0 = setup
+    d = _saved_steps(state0, tmp_path, [1, 2])
+    _as_format_1(d / "1")
+    _as_format_1(d / "2")
+    for _ in range(2):   # every restore, not once per process
+        with pytest.warns(RuntimeWarning, match=r"step 2 .*no checksum manifest.*unverified"):
+            with Checkpointer(str(d)) as ckpt:
+                restored, meta = ckpt.restore(trainer.abstract_state())
+        assert meta["step"] == 2
+    np.testing.assert_array_equal(np.asarray(restored.params["embed"]),
+                                  np.asarray(state0.params["embed"]) + 2)
+
+
+def test_full_disk_late_writers_and_closed_loop_noise_leave_one_line_and_no_tmp(
+        setup, tmp_path, monkeypatch, capfd):
+    """A full disk seen by orbax's writer threads: some are still writing into the step's tmp
+    folder when the save fails (they recreate it after a first removal), and each reports to
+    an event loop orbax has closed (an unraisable 'Event loop is closed' per thread). The save
+    still ends in one CheckpointWriteError line, nothing else on stderr, and no tmp folder."""
+    import errno
+    import threading
+
+    from strata_jax.training import CheckpointWriteError
+    params, trainer, state0 = setup
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    tmp = tmp_path / "ckpt" / "4.orbax-checkpoint-tmp"
+    writers = []
+
+    class _Callback:   # a tensorstore callback into orbax's closed event loop
+        def __del__(self):
+            raise RuntimeError("Event loop is closed")
+
+    def late_writer():
+        time.sleep(0.3)
+        (tmp / "state" / "d").mkdir(parents=True, exist_ok=True)
+        (tmp / "state" / "d" / "late").write_bytes(b"x" * 10)
+        _Callback()
+
+    def full_disk(step, *a, **kw):
+        (tmp / "state").mkdir(parents=True)
+        for _ in range(5):
+            _Callback()
+        writers.append(threading.Thread(target=late_writer))
+        writers[-1].start()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt._mngr, "save", full_disk)
+    with pytest.raises(CheckpointWriteError, match="no space left on device for checkpoint "
+                                                   "step 4"):
+        ckpt.save(state0.replace(step=state0.step + 4))
+    writers[0].join()
+    _Callback()   # after the failed save too: its orphaned writers keep reporting
+    assert os.listdir(tmp_path / "ckpt") == []
+    assert "Event loop is closed" not in capfd.readouterr().err
+    ckpt._mngr.save = None   # close() must not write
+    ckpt.close()
+
+
+_TMPFS_SAVE = r"""
+import sys, jax, jax.numpy as jnp
+from strata_jax.exits import EXIT_REFUSED
+from strata_jax.training import Checkpointer, CheckpointWriteError
+from strata_jax.training.state import TrainState
+params = {f"w{i}": jax.random.normal(jax.random.PRNGKey(i), (256, 1024)) for i in range(96)}
+state = TrainState(params=params, opt_state={}, critic_params={}, critic_opt_state={},
+                   step=jnp.asarray(3, jnp.int32), rng=jnp.zeros((2,), jnp.uint32))
+ckpt = Checkpointer(sys.argv[1], clean_tmp=True)
+try:
+    ckpt.save(state)
+except CheckpointWriteError as e:
+    print(e, file=sys.stderr)
+    sys.exit(EXIT_REFUSED)
+"""
+
+
+def test_full_tmpfs_is_one_line_exit_2_and_no_tmp_folder(tmp_path):
+    """The real thing where a small tmpfs can be mounted (root): 96 MiB of params onto 24 MiB."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        for _ in range(2):   # a writer left behind is a race: two tries
+            r = subprocess.run([sys.executable, "-c", _TMPFS_SAVE, str(mnt / "ckpt")],
+                               capture_output=True, text=True, env=_subprocess_env(1),
+                               timeout=300)
+            lines = [x for x in r.stderr.splitlines() if x.strip()]
+            assert r.returncode == 2, r.stderr[-2000:]
+            assert len(lines) == 1 and "no space left on device for checkpoint step 3" in lines[0]
+            assert os.listdir(mnt / "ckpt") == []
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -375,3 +375,24 @@ def test_maybe_warm_start_caches(tmp_path, tok, monkeypatch, caplog):
     with pytest.raises(ValueError, match="holds a"):
         warm_start.maybe_warm_start(c, dataclasses.replace(cfg, num_layers=2), params, tok,
                                     "unused")
+
+
+@pytest.mark.parametrize("n,batch_size", [(10, 4), (7, 3), (5, 5), (3, 8), (13, 12)])
+def test_batches_hold_distinct_examples_and_each_epoch_sees_every_example_once(n, batch_size):
+    """A batch crossing an epoch boundary (n not a multiple of the batch) tops up the old
+    epoch's leftover with new-epoch examples it does not already hold (those come in the next
+    batch): every batch holds min(batch_size, n) distinct examples, and the concatenated
+    batches are whole permutations of range(n), one per epoch, in order."""
+    from strata_jax.training.sft import batch_order
+    steps = 200
+    order = batch_order(n, batch_size, steps, seed=3)
+    k = min(batch_size, n)
+    assert len(order) == steps
+    assert all(len(b) == k and len(set(b)) == k for b in order)
+    flat = [i for b in order for i in b]
+    whole = len(flat) // n
+    for e in range(whole):
+        assert sorted(flat[e * n:(e + 1) * n]) == list(range(n)), e
+    assert len(set(flat[whole * n:])) == len(flat) - whole * n
+    assert batch_order(n, batch_size, steps, seed=3) == order
+    assert batch_order(n, batch_size, steps, seed=4) != order

@@ -38,6 +38,27 @@ def dense_group_ids(keys: Sequence[jax.Array], mask: jax.Array) -> jax.Array:
     return jnp.where(mask, dense, R).astype(jnp.int32)
 
 
+# A group is constant when its values spread by at most this fraction of their magnitude (at
+# least of 1, a reward unit): float32 and float64 sums of the same rewards in another order
+# (an episode return summed from other deltas, a discounted return scanned at another offset,
+# a top-mean of another k) land a few ulps apart, and (x - mean) / (std + eps) would turn those
+# ulps into advantages of order 0.1. A few hundred ulps of float32, far below any reward step.
+CONSTANT_RTOL = 1e-5
+
+
+def is_constant(vmax, vmin, xp=jnp):
+    """True where a group of values is one value at the estimators' precision.
+
+    Args: vmax, vmin: the group's largest and smallest value (arrays or scalars, any shape);
+    xp: the array module, jax.numpy (jit-safe, the default) or numpy (host side, DAPO's filter).
+    Returns: bool array, vmax - vmin <= CONSTANT_RTOL * max(|vmax|, |vmin|, 1).
+    The one constancy rule of the estimators' zero-variance groups and of DAPO's dynamic
+    sampling (docs/method.md §4.1, §6.5).
+    """
+    scale = xp.maximum(xp.maximum(xp.abs(vmax), xp.abs(vmin)), 1.0)
+    return (vmax - vmin) <= CONSTANT_RTOL * scale
+
+
 def segment_stats(values: jax.Array, seg: jax.Array, mask: jax.Array, ddof: int) -> dict:
     """Per-row group count, mean, std (two-pass, ddof) and zero-variance flag.
 
@@ -46,8 +67,8 @@ def segment_stats(values: jax.Array, seg: jax.Array, mask: jax.Array, ddof: int)
         ddof:   0 (population std, StraTA's pin) or 1 (unbiased, torch.std / verl).
     Returns:
         dict of [R] arrays gathered back to rows: count (f32), mean, std, constant (bool:
-        every value of the group is identical, detected by max == min so fp32 residue of the
-        mean cannot leak a non-zero advantage), plus `num_groups` (scalar int32) and
+        the group's values are one value, `is_constant` of its max and min, so neither fp32
+        residue of the mean nor an ulp of summation order leaks a non-zero advantage), plus `num_groups` (scalar int32) and
         `num_constant_groups` (groups of size >= 2 whose values are all equal).
     """
     R = values.shape[0]
@@ -62,7 +83,7 @@ def segment_stats(values: jax.Array, seg: jax.Array, mask: jax.Array, ddof: int)
     var = ssq / jnp.maximum(count - ddof, 1.0)
     vmax = jax.ops.segment_max(jnp.where(mask, values, -jnp.inf), seg, num_segments=n)
     vmin = jax.ops.segment_min(jnp.where(mask, values, jnp.inf), seg, num_segments=n)
-    constant_g = (vmax == vmin) & (count >= 1)
+    constant_g = is_constant(vmax, vmin) & (count >= 1)
     live = (count > 0).at[R].set(False)
     return dict(
         count=count[seg], mean=mean[seg], std=jnp.sqrt(var)[seg], constant=constant_g[seg],

@@ -5,7 +5,8 @@ the chunked LM-head logprobs), critic.py, batching.py (host-side batch helpers),
 (the prefix-tree packed layout of a batch's rows, host numpy), steps.py (the pure jitted
 scoring / advantage / micro-batch steps), per_row.py (the per-row reference update),
 trainer.py (`Trainer`: the update flow of docs/method.md §9 around those steps), checkpoint.py
-(the orbax layout and resume rules), sft/ (the behaviour-cloning warm start's data and
+(the orbax layout and resume rules), checkpoint_files.py (a step's manifest and the checks
+before its restore), sft/ (the behaviour-cloning warm start's data and
 trainer).
 """
 from strata_jax.training.config import TrainConfig

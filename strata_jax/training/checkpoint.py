@@ -20,8 +20,12 @@ Layout (one orbax CheckpointManager directory, async off, keep the last n):
 
 Integrity: restore re-hashes the step's files against its manifest; a mismatch (a bit flip of
 the same size, a truncated or missing file) or a format-2 step without a manifest (a save cut
-short) is skipped with a warning naming the file, in favour of the next older step. Steps
-written before manifests existed (format 1) restore unverified. Cost: one sha256 pass over
+short) is skipped with a warning naming the file, in favour of the next older step, and so is a
+step whose folder name, meta "step" and state step disagree (a renamed or swapped folder keeps
+matching checksums). Steps written before manifests existed (format 1) restore unverified with
+a warning, except in a directory whose other steps are format 2: there a step without a
+manifest was stripped of it and is skipped. Malformed trainer shape marks are dropped from the
+returned meta with a warning (the next batches re-derive them). Cost: one sha256 pass over
 the checkpoint bytes at save and at restore, a minor share of either next to orbax's own I/O
 (benchmarks/checkpoint_integrity.py measures it; docs/results.md has the figures).
 
@@ -29,7 +33,9 @@ Saving: a step already committed on disk is never deleted and written again (the
 save of a finished run, the save on Ctrl-C right after a periodic one); a step on disk that is
 not committed (no or a wrong manifest) is replaced. A full disk (ENOSPC) raises
 `CheckpointWriteError` with one line naming the directory, the bytes needed and free; the
-partial step and orbax's tmp directory are removed, older steps are untouched.
+partial step and orbax's tmp directory are removed (until they stay gone: orbax's writer threads
+may still be finishing), older steps are untouched, and orbax's per-thread reports of the
+condition (absl log records, "Event loop is closed" unraisables) are dropped.
 
 Restore: `Checkpointer.restore(abstract_state)` with `Trainer.abstract_state()` (ShapeDtypeStructs
 carrying the target NamedShardings) puts every array straight onto the target mesh, whatever
@@ -39,15 +45,15 @@ Source: orbax-checkpoint 0.12 CheckpointManager docs; docs/design.md §10.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import errno
-import hashlib
 import json
 import logging
 import os
 import shutil
 import signal
+import sys
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -56,15 +62,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from strata_jax.exits import exception_chain
+from strata_jax.training.checkpoint_files import (FORMAT, MANIFEST, CorruptCheckpointError,
+                                                  check_step, checked_trainer_state, meta_step,
+                                                  step_format, verify_step, write_manifest)
 from strata_jax.training.state import TrainState
 
 log = logging.getLogger(__name__)
 
 _EMPTY = "__empty__"
 _FIELDS = ("params", "opt_state", "critic_params", "critic_opt_state", "step", "rng")
-FORMAT = 2
-MANIFEST = "checksums.json"
-_HASHED = ("state", "meta")   # the step's items; orbax's own top-level files may be rewritten
 
 
 class CheckpointWriteError(OSError):
@@ -73,10 +79,6 @@ class CheckpointWriteError(OSError):
 
     def __str__(self) -> str:   # the sentence alone: it is the one line the user sees
         return str(self.strerror) if self.strerror else super().__str__()
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A step's files do not match its checksum manifest (or a committed-format step has none)."""
 
 
 class NoRestorableCheckpointError(RuntimeError):
@@ -100,80 +102,34 @@ class _DiskFullNoise(logging.Filter):
 _DISK_FULL_NOISE = _DiskFullNoise()
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+class _ClosedLoopNoise:
+    """A chaining `sys.unraisablehook` that drops the "Event loop is closed" RuntimeErrors of
+    orbax's writer callbacks while a save runs and after one failed: on a full disk orbax
+    closes its event loop when the save fails, and every tensorstore write still in flight then
+    reports into that closed loop (one unraisable traceback each, some after the save has
+    raised). `Checkpointer.save` reports the failure as one line; anything else goes on to the
+    previous hook."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self._previous = sys.unraisablehook
+
+    def install(self) -> None:
+        if sys.unraisablehook is not self:
+            self._previous, sys.unraisablehook = sys.unraisablehook, self
+
+    def __call__(self, unraisable) -> None:
+        exc = unraisable.exc_value
+        if self.active and isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        self._previous(unraisable)
 
 
-def _step_files(step_dir: str) -> list[str]:
-    """Relative paths of the files of a step's items (state/, meta/), sorted."""
-    out = []
-    for item in _HASHED:
-        for root, _, files in os.walk(os.path.join(step_dir, item)):
-            out += [os.path.relpath(os.path.join(root, f), step_dir) for f in files]
-    return sorted(out)
-
-
-def _hash_files(step_dir: str, rel: list[str]) -> dict[str, list]:
-    """{relative path: [size, sha256 hex]} computed on a few threads (hashlib frees the GIL)."""
-    workers = min(8, os.cpu_count() or 1, max(len(rel), 1))
-    with cf.ThreadPoolExecutor(workers) as ex:
-        digests = list(ex.map(lambda r: _sha256(os.path.join(step_dir, r)), rel))
-    return {r: [os.path.getsize(os.path.join(step_dir, r)), d] for r, d in zip(rel, digests)}
-
-
-def write_manifest(step_dir: str) -> dict:
-    """Hash every file of a step and write `<step_dir>/checksums.json` atomically (tmp + rename
-    + fsync). Returns the manifest dict."""
-    manifest = {"algorithm": "sha256", "files": _hash_files(step_dir, _step_files(step_dir))}
-    tmp = os.path.join(step_dir, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(step_dir, MANIFEST))
-    return manifest
-
-
-def verify_step(step_dir: str, contents: bool = True) -> bool:
-    """Check a step directory against its checksum manifest.
-
-    contents=False checks presence and sizes only (no hashing: for a step this process has just
-    committed). Returns True when verified, False for a format-1 step (no manifest, written
-    before manifests existed). Raises CorruptCheckpointError naming the first bad file: a size
-    or sha256 mismatch, a missing file, or a format-2 step without a manifest (never committed).
-    """
-    path = os.path.join(step_dir, MANIFEST)
-    if not os.path.exists(path):
-        try:
-            with open(os.path.join(step_dir, "meta", "metadata")) as f:
-                fmt = json.load(f).get("format", 1)
-        except (OSError, ValueError):
-            fmt = FORMAT
-        if fmt >= 2:
-            raise CorruptCheckpointError(f"{path} is missing: the save of this step did not "
-                                         "complete")
-        return False
-    with open(path) as f:
-        files = json.load(f)["files"]
-    for rel, (size, _) in files.items():
-        full = os.path.join(step_dir, rel)
-        if not os.path.exists(full):
-            raise CorruptCheckpointError(f"{full} is missing")
-        if os.path.getsize(full) != size:
-            raise CorruptCheckpointError(f"{full} has {os.path.getsize(full)} bytes, the "
-                                         f"manifest says {size}")
-    if not contents:
-        return True
-    got = _hash_files(step_dir, sorted(files))
-    for rel, (_, digest) in files.items():
-        if got[rel][1] != digest:
-            raise CorruptCheckpointError(f"{os.path.join(step_dir, rel)} does not match its "
-                                         "sha256 in the manifest (corrupted on disk)")
-    return True
+_CLOSED_LOOP_NOISE = _ClosedLoopNoise()
+# A failed save's writers may still be creating files in its tmp folder: it is removed until it
+# stays gone for _SETTLE_S (at most _REMOVE_TIMEOUT_S).
+_SETTLE_S = 0.5
+_REMOVE_TIMEOUT_S = 20.0
 
 
 def _sync_hosts(name: str) -> None:
@@ -234,6 +190,7 @@ class Checkpointer:
         self.keep = int(keep)
         self._bad_steps: set[int] = set()   # steps `restore` skipped: a save replaces them
         logging.getLogger("absl").addFilter(_DISK_FULL_NOISE)   # orbax logs through absl
+        _CLOSED_LOOP_NOISE.install()
         # Retention is done here, after the manifest commits a step (orbax would delete the
         # old steps before that).
         opts = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
@@ -263,6 +220,9 @@ class Checkpointer:
             try:
                 if step in self._bad_steps:
                     raise CorruptCheckpointError(f"{step_dir} failed to restore")
+                if meta_step(step_dir) != step:
+                    raise CorruptCheckpointError(f"{step_dir} holds step "
+                                                 f"{meta_step(step_dir)}")
                 verify_step(step_dir, contents=False)   # committed, complete: keep it
                 log.info("checkpoint step %d is already on disk in %s; not saving it again",
                          step, self.directory)
@@ -278,6 +238,8 @@ class Checkpointer:
             cfg = config
         meta = {"format": FORMAT, "step": step, "sampler_state": sampler_state,
                 "trainer_state": trainer_state, "config": cfg}
+        _CLOSED_LOOP_NOISE.install()   # again: a test harness may have swapped the hook
+        _CLOSED_LOOP_NOISE.active = True
         try:
             self._mngr.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state_to_dict(state)),
@@ -298,6 +260,7 @@ class Checkpointer:
                 f"{self.directory}: it needs ~{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB "
                 f"free; free space there or use another --config.workdir ("
                 f"{_intact(self._committed_steps())})") from None
+        _CLOSED_LOOP_NOISE.active = False   # (stays on after a failure: its writers linger)
         self._apply_retention()
         return step
 
@@ -318,16 +281,45 @@ class Checkpointer:
                 self._mngr.delete(s)
 
     def _remove_partial(self, step: int) -> None:
-        """Remove what a failed save of `step` left: the uncommitted step dir, orbax tmp dirs."""
-        for name in os.listdir(self.directory):
-            full = os.path.join(self.directory, name)
-            partial_step = name == str(step) and not os.path.exists(os.path.join(full, MANIFEST))
-            if partial_step or (name.startswith(f"{step}.") and "tmp" in name):
+        """Remove what a failed save of `step` left: the uncommitted step dir, orbax tmp dirs.
+
+        orbax's writer threads may still be writing there (a removal races them, or they
+        recreate the folder): removed again until it stays gone for _SETTLE_S; a folder still
+        there after _REMOVE_TIMEOUT_S is named in one warning."""
+        deadline = time.monotonic() + _REMOVE_TIMEOUT_S
+        gone_since = None
+        while True:
+            left = self._partial_entries(step)
+            for full in left:
                 shutil.rmtree(full, ignore_errors=True)
+            now = time.monotonic()
+            if left:
+                gone_since = None
+            elif gone_since is None:
+                gone_since = now
+            elif now - gone_since >= _SETTLE_S:
+                break
+            if now > deadline:
+                if left:
+                    log.warning("could not remove the partial checkpoint %s; delete it",
+                                ", ".join(left))
+                break
+            time.sleep(0.05)
         try:
             self._mngr.reload()
         except Exception:  # noqa: BLE001 — the manager is only used for listing afterwards
             pass
+
+    def _partial_entries(self, step: int) -> list[str]:
+        """Paths of what an unfinished save of `step` leaves: the step dir without a manifest,
+        orbax's ``<step>.orbax-checkpoint-tmp*`` dirs."""
+        out = []
+        for name in os.listdir(self.directory):
+            full = os.path.join(self.directory, name)
+            partial_step = name == str(step) and not os.path.exists(os.path.join(full, MANIFEST))
+            if partial_step or (name.startswith(f"{step}.") and "tmp" in name):
+                out.append(full)
+        return out
 
     def maybe_save(self, state: TrainState, **kw) -> bool:
         """Save when state.step is a positive multiple of `every`; returns whether it saved."""
@@ -373,12 +365,22 @@ class Checkpointer:
                 if step is not None and s not in self.all_steps():
                     raise FileNotFoundError(f"there is no step {s} (steps on disk: "
                                             f"{self.all_steps()})")
-                verify_step(os.path.join(self.directory, str(s)))
+                step_dir = os.path.join(self.directory, str(s))
+                verified = verify_step(step_dir)
+                if not verified:
+                    self._check_unverified_format(s)
                 out = self._mngr.restore(s, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
                 d = out["state"]
                 state = TrainState(**{f: _decode(d[f]) for f in _FIELDS})
-                return state, dict(out["meta"])
+                meta = dict(out["meta"])
+                check_step(s, meta, state)
+                if not verified:
+                    msg = (f"checkpoint step {s} in {self.directory} has no checksum manifest "
+                           "(format 1, written before manifests existed): restored unverified")
+                    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                    log.warning(msg)
+                return state, checked_trainer_state(s, self.directory, meta)
             except Exception as e:  # noqa: BLE001 — any failure means "unusable checkpoint"
                 self._bad_steps.add(s)
                 why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
@@ -393,6 +395,18 @@ class Checkpointer:
         raise NoRestorableCheckpointError(
             f"{what} ({'; '.join(errors)}). Restore the named file from a copy, or move "
             f"{self.directory} aside to start the run afresh")
+
+    def _check_unverified_format(self, step: int) -> None:
+        """A step without a manifest restores unverified only where manifests are unknown: in
+        a directory whose other steps are format 2 it is refused (CorruptCheckpointError), so
+        deleting a manifest and calling the step format 1 cannot switch verification off."""
+        newer = [s for s in self.all_steps() if s != step
+                 and step_format(os.path.join(self.directory, str(s))) >= FORMAT]
+        if newer:
+            raise CorruptCheckpointError(
+                f"step {step} claims format 1 (no checksum manifest) but step"
+                f"{'s' if len(newer) > 1 else ''} {', '.join(map(str, newer))} in this "
+                f"directory are format {FORMAT}: its manifest was removed")
 
     def close(self) -> None:
         """Wait for pending writes and release the manager (its threads and event loop)."""

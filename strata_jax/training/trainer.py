@@ -75,6 +75,29 @@ def _host_ids(batch: SampleBatch) -> tuple[np.ndarray, ...]:
 # ----------------------------------------------------------------------------- the trainer
 
 
+def parse_shape_marks(rows) -> dict[tuple[str, int, int], tuple[int, int, int, int]]:
+    """The trainer's shape marks from their JSON rows (`Trainer.host_state`'s "shape_marks").
+
+    rows: None or a list of [pass, P, W, m, wr, A, N] (a row of 6, from a checkpoint written
+    before the response-slot mark, gets N = 0). Returns {(pass, P, W): (m, wr, A, N)}.
+    Raises ValueError (one line) on a row that is not such a list of a name and integers.
+    """
+    if rows is not None and not isinstance(rows, (list, tuple)):
+        raise ValueError(f"shape marks must be a list of [pass, P, W, m, wr, A, N]; got {rows!r}")
+    marks = {}
+    for row in rows or []:
+        if isinstance(row, (list, tuple)) and len(row) == 6:
+            row = [*row, 0]
+        try:
+            if len(row) != 7 or not isinstance(row[0], str):
+                raise TypeError
+            marks[(row[0], int(row[1]), int(row[2]))] = tuple(int(x) for x in row[3:])
+        except (TypeError, ValueError):
+            raise ValueError(f"a shape mark must be [pass, P, W, m, wr, A, N]; got {row!r}"
+                             ) from None
+    return marks
+
+
 @dataclasses.dataclass
 class Trainer:
     """Static pieces of the update (model and train configs, mesh) around the pure jitted steps.
@@ -113,14 +136,7 @@ class Trainer:
         """Restore `host_state`'s dict (None, or a checkpoint from before it existed, leaves
         the marks empty; a mark of an older checkpoint without N gets N = 0, raised by the
         next micro-batch). Raises ValueError on a mark that is not [pass, P, W, m, wr, A, N]."""
-        marks = {}
-        for row in (host or {}).get("shape_marks") or []:
-            if len(row) == 6:
-                row = [*row, 0]
-            if len(row) != 7:
-                raise ValueError(f"a shape mark must be [pass, P, W, m, wr, A, N]; got {row!r}")
-            marks[(row[0], int(row[1]), int(row[2]))] = tuple(int(x) for x in row[3:])
-        self.shape_marks = marks
+        self.shape_marks = parse_shape_marks((host or {}).get("shape_marks"))
 
     # -- state -------------------------------------------------------------------------
 
@@ -489,4 +505,4 @@ class Trainer:
         return state, metrics
 
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "parse_shape_marks"]

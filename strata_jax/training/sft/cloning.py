@@ -142,16 +142,29 @@ class SFTTrainer:
 
 
 def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[list[int]]:
-    """Example indices of every step: epoch-wise shuffles, each batch min(batch_size, n) rows,
-    the examples of a batch sorted by nothing (random) but drawn so every example is seen once
-    per epoch."""
+    """Example indices of every step: epoch-wise shuffles, each batch min(batch_size, n)
+    distinct rows, every example seen once per epoch.
+
+    Epoch e is a permutation of range(n) (numpy default_rng(seed), drawn in turn); the batches
+    read the epochs back to back. A batch that crosses an epoch boundary (n not a multiple of
+    the batch) tops up the old epoch's last examples with the first examples of the new epoch
+    that it does not already hold; the ones it skipped keep their place in the new epoch's
+    order after it, so the epoch still holds each example once and no batch holds one twice.
+    When n is a multiple of the batch no batch crosses a boundary: the epochs are read as drawn.
+    Returns `steps` lists of indices in [0, n).
+    """
     rng = np.random.default_rng(seed)
     order: list[int] = []
     out = []
     k = min(batch_size, n)
     for _ in range(steps):
         if len(order) < k:
-            order += [int(i) for i in rng.permutation(n)]
+            held = set(order)
+            new = [int(i) for i in rng.permutation(n)]
+            fresh = [i for i in new if i not in held]
+            top_up = fresh[:k - len(order)]
+            chosen = set(top_up)
+            order += top_up + [i for i in new if i not in chosen]
         out.append(order[:k])
         order = order[k:]
     return out
