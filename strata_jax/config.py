@@ -41,7 +41,15 @@ FIELD_TYPES = {
     "rollout.prompt_buckets": "tuple[int]|None",
     "rollout.response_buckets": "tuple[int]|None",
 }
-REMAT_POLICIES = ("none", "full", "dots")
+# The remat policies (``model.remat``, `TrainConfig.remat`, `qwen2.forward`'s remat): name ->
+# the ``jax.checkpoint_policies`` member each decoder layer is rematerialised under (None: no
+# checkpoint; `models.layers.checkpoint_policy` looks it up). "full" keeps only each decoder
+# layer's input and recomputes the layer in the backward pass; "dots" also keeps the
+# weight-matmul outputs (no batch dims: q/k/v/o, gate/up/down, LoRA's x @ A) and recomputes the
+# cheap elementwise work (maxtext's usual policy). Names only here: this module imports no jax.
+REMAT_CHECKPOINT_POLICIES = {"none": None, "full": "nothing_saveable",
+                             "dots": "dots_with_no_batch_dims_saveable"}
+REMAT_POLICIES = tuple(REMAT_CHECKPOINT_POLICIES)   # the names, in order
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 

@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from strata_jax.algos.batch import bucket_size
-from strata_jax.models.qwen2 import QUERY_CHUNK
+from strata_jax.models.attention import QUERY_CHUNK
 from strata_jax.sampling.buckets import bucket
 from strata_jax.training.batching import response_columns
 
