@@ -47,7 +47,8 @@ def drifting(batches, iterations: int, seed: int):
     import jax
     import numpy as np
 
-    from strata_jax.algos.batch import bucket_size, pad_batch
+    from strata_jax.algos.batch import pad_batch
+    from strata_jax.buckets import bucket_size
     rng = np.random.default_rng(seed)
     for it in range(iterations):
         b = batches[it % len(batches)]

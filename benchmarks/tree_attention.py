@@ -56,6 +56,7 @@ def main() -> None:
     from strata_jax.models import Qwen2Config, init_params
     from strata_jax.models.attention import TreeMask, attention
     from strata_jax.models.layers import decoder_layer, rope_cos_sin
+    from strata_jax import buckets
     from strata_jax.training import prefix_tree
 
     cfg = Qwen2Config(vocab_size=1024, hidden_size=896, intermediate_size=4864, num_layers=1,
@@ -101,7 +102,7 @@ def main() -> None:
     if has_index:
         index = prefix_tree.block_key_index(lay.mask[p:p + 1], lay.key_end[p:p + 1],
                                             args.chunk)
-        a = prefix_tree.key_index_width(index.shape[2], args.chunk)   # as the update pads it
+        a = buckets.key_index_width(index.shape[2], args.chunk)   # as the update pads it
         print(f"key index {index.shape} (ancestor keys per block), padded to A = {a} as the "
               "update's micro-batches")
         index = np.pad(index, ((0, 0), (0, 0), (0, a - index.shape[2])), constant_values=-1)

@@ -3,7 +3,8 @@ import jax
 import numpy as np
 import pytest
 
-from strata_jax.algos.batch import PAD_ID, SampleBatch, bucket_size, make_sample_batch
+from strata_jax.algos.batch import PAD_ID, SampleBatch, make_sample_batch
+from strata_jax.buckets import bucket_size
 
 
 def _rec(**kw):

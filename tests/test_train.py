@@ -362,7 +362,7 @@ def test_donated_update_equals_the_copying_one_and_reuses_the_input_state(setup)
 
 
 def test_response_columns_buckets():
-    from strata_jax.training.batching import response_columns
+    from strata_jax.buckets import response_columns
     # floor 0: two sizes per octave, multiples of 8
     assert [response_columns(n) for n in (0, 1, 8, 9, 13, 17, 25, 33, 97)] == \
         [8, 8, 8, 16, 16, 24, 32, 48, 128]
@@ -392,7 +392,7 @@ def test_response_floor_pads_responses_and_keeps_the_update(setup):
     # real tokens / computed slots: the packed micro-batch is one packed row of the token budget
     # of 4 rows (`Trainer.pack_shape`): W = 4 x (8 + 8) = 64 slots without the floor; with it
     # 4 x (8 + 32) = 160, rounded down to a power of two, 128; the 36 real tokens fit 3W / 4
-    # (`prefix_tree.micro_widths`), so the micro-batch runs at 48 and 96 slots
+    # (`buckets.micro_widths`), so the micro-batch runs at 48 and 96 slots
     real = int(np.asarray(tight.prompt_mask).sum() + np.asarray(tight.response_mask).sum())
     assert real == 36
     assert trainer.pack_shape(4, 8, 8) == (64, 1, 1) and floor.pack_shape(4, 8, 32) == (128, 1, 1)

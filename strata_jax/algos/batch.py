@@ -38,12 +38,13 @@ Source: docs/method.md §1.2; verl-agent's DataProto fields
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping, Sequence
 
 import flax.struct
 import jax
 import numpy as np
+
+from strata_jax.buckets import bucket_size
 
 PAD_ID = -1
 """Sentinel in every id field (task_id, strategy_id, ..., kind, anchor_id) of a padding row."""
@@ -138,27 +139,6 @@ _F32_ROW_FIELDS = ("score", "step_reward", "values", "value_std")
 _BOOL_ROW_FIELDS = ("invalid", "judge_flag", "format_fail")
 _TOKEN_F32_FIELDS = ("sampler_logprobs", "old_logprobs", "ref_logprobs")
 _REQUIRED = ("prompt_ids", "response_ids", "task_id", "trajectory_id", "kind")
-
-
-def bucket_size(n: int, buckets: Sequence[int] | None, multiple: int = 1) -> int:
-    """Smallest bucket >= n; without explicit buckets, the smallest of 2^k and 3 * 2^(k-2)
-    (..., 48, 64, 96, 128, ...) that is >= n, at least `multiple` and rounded up to a multiple of
-    it.
-
-    These sizes (at most 1.5x padding waste, two shapes per octave) bound the number of shapes a run ever compiles (log2 of the largest size),
-    where rounding to a multiple of 8 recompiled the update for nearly every iteration as prompt
-    lengths drift (docs/design.md §6.3).
-    Raises ValueError when n exceeds the largest bucket (say which config to raise).
-    """
-    if buckets:
-        for b in sorted(buckets):
-            if b >= n:
-                return int(b)
-        raise ValueError(
-            f"{n} exceeds the largest bucket {max(buckets)}; add a larger bucket to the config")
-    p2 = 1 << (max(n, 1) - 1).bit_length()
-    size = p2 * 3 // 4 if p2 >= 4 and n <= p2 * 3 // 4 else p2
-    return int(max(multiple, math.ceil(size / multiple) * multiple))
 
 
 def make_sample_batch(

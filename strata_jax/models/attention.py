@@ -30,14 +30,14 @@ def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array,
 
 
 # Queries per attention block (`forward`'s query_chunk default, and the block a packed layout's
-# host key index is built for, training/prefix_tree.py): the two must agree, so both read this.
+# host key index is built for, training/prefix_tree/): the two must agree, so both read this.
 QUERY_CHUNK = 128
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TreeMask:
-    """The prefix-tree attention rule of a packed layout (training/prefix_tree.py), kept as
+    """The prefix-tree attention rule of a packed layout (training/prefix_tree/), kept as
     two per-key vectors instead of a [B, T, S] mask, optionally with a per-block key index.
 
     Attributes: valid [B, S] bool (real key), end [B, S] int32 (exclusive end slot of the

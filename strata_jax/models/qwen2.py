@@ -215,7 +215,7 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
         copies the layer weights on each call). Same values. Layers of different structure
         (LoRA on some layers only) cannot be stacked: they run unrolled as without it.
       key_end: optional [B, T] int32, a packed prefix-tree layout's attention rule
-        (training/prefix_tree.py, pre-order segments): key k is visible to query q iff
+        (training/prefix_tree/, pre-order segments): key k is visible to query q iff
         mask[k] and k <= q < key_end[b, k], i.e. a token sees its own segment causally and all
         of its ancestor segments (`TreeMask`, built per query block: memory as the plain causal
         forward's). positions must then be the layout's (a segment's continue its parent's),

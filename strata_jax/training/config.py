@@ -73,8 +73,8 @@ class TrainConfig:
       each micro-batch are the smallest power of two >= max(longest response, response_floor);
       0 = two sizes per octave from 8 as the prompt columns: tighter, but a run's drifting
       response lengths keep compiling new (prompt, response) width pairs,
-      `batching.response_columns`). micro_batch_size is a token budget: the update runs
-      prefix-tree packed micro-batches (training/prefix_tree.py: each shared prompt prefix
+      `buckets.response_columns`). micro_batch_size is a token budget: the update runs
+      prefix-tree packed micro-batches (training/prefix_tree/: each shared prompt prefix
       once, the scores and gradient of the per-row forward up to float summation order) of P
       packed rows of W slots with P x W <= micro_batch_size x the batch's prompt + response
       columns, the memory of a per-row micro-batch, and P a multiple of the mesh's batch shards

@@ -1,6 +1,6 @@
 """The update's pure jitted functions of (state, arrays), model and train configs static
 (docs/method.md §9); `Trainer` (trainer.py) holds the static pieces and calls them from the
-host, one prefix-tree packed micro-batch at a time (training/prefix_tree.py).
+host, one prefix-tree packed micro-batch at a time (training/prefix_tree/).
 
 * Scoring (no grad): `gather_chunk` cuts a chunk of rows out of the batch (a cheap program per
   batch shape), `score_rows` runs the passes on it (pi_old logprobs = the trainer's own

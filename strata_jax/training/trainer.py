@@ -13,7 +13,7 @@ Flow of `Trainer.update(state, batch, ref_params)` (docs/method.md §9):
    step is skipped and counted in metrics["skipped_steps"].
 
 The scoring passes and the micro-batches run over prefix-tree packed rows
-(training/prefix_tree.py, docs/design.md §12.1): each shared prompt prefix is computed once,
+(training/prefix_tree/, docs/design.md §12.1): each shared prompt prefix is computed once,
 and the update is exact with respect to the per-row objective (docs/method.md §9). The plain
 per-row forward (`Trainer(per_row=True)`: every row at the batch's width, `score_batch` and
 `train_minibatch`) is kept only as the reference the tests hold the packed update to.
@@ -42,12 +42,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from strata_jax import buckets
 from strata_jax.algos import SampleBatch, loss_mask, pad_rows
 from strata_jax.distributed import host_values
 from strata_jax.models import Qwen2Config, init_params, param_shardings
 from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
 from strata_jax.sharding import logical_to_spec
-from strata_jax.sampling.buckets import bucket
 from strata_jax.training.batching import minibatch_plan, num_minibatches, trim_padding
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
@@ -246,32 +246,10 @@ class Trainer:
 
     def pack_shape(self, rows: int, tp: int, tr: int) -> tuple[int, int, int]:
         """(W, P, shards) of the packed micro-batches for a budget of `rows` per-row rows of
-        tp + tr columns: W slots per packed row, never less than tp + tr (the longest row must
-        fit): cfg.pack_width, or when 0 the budget over the batch shards rounded down to a
-        power of two, capped at 2048 (at least tp + tr rounded up to one); P = budget // W
-        packed rows per micro-batch, rounded down to a power of two, then up to a multiple of
-        the batch shards (so a micro-batch shards over the data axes instead of being
-        replicated, and holds about the tokens of a per-row micro-batch).
-
-        Why a bounded W: one packed row of the whole budget compiles a forward of budget /
-        block query blocks per layer and cannot shard over the data axes; a bounded W keeps the
-        compiled program the per-row one's size and P spreads the budget over devices (each
-        micro-batch then runs at 3W / 4 or W, `prefix_tree.micro_widths`). Why
-        powers of two: tp drifts from iteration to iteration, and every new (W, P) compiles
-        the forward and backward again; rounded, a run meets one or two values.
-        """
-        row, budget = tp + tr, rows * (tp + tr)
+        tp + tr columns: `buckets.pack_shape` over this trainer's batch shards with
+        cfg.pack_width (0: the budget over the shards, a power of two capped at 2048)."""
         shards = self.batch_shards()
-
-        def floor2(n):
-            return 1 << (max(int(n), 1).bit_length() - 1)
-
-        if self.cfg.pack_width:
-            width = -(-max(row, int(self.cfg.pack_width)) // 8) * 8
-        else:
-            width = max(bucket(row), min(2048, floor2(budget // shards)))
-        rows_per_micro = floor2(max(1, budget // width))
-        rows_per_micro = -(-rows_per_micro // shards) * shards
+        width, rows_per_micro = buckets.pack_shape(rows, tp, tr, shards, self.cfg.pack_width)
         return width, rows_per_micro, shards
 
     def _packed_inputs(self, mb: PackedMicroBatch) -> PackedInputs:
