@@ -107,10 +107,10 @@ def analyse_batch(model: Qwen2Config, args) -> list[dict]:
     from strata_jax.training.batching import minibatch_plan, trim_padding
     from strata_jax.training.per_row import gather_rows, score_batch
     from strata_jax.training.scoring import PackedInputs
-    from strata_jax.training.steps import (_metric_keys, _zero_carry, accumulate_micro,
-                                           apply_step, gather_chunk, gather_micro,
+    from strata_jax.training.steps import (accumulate_micro, apply_step, empty_carry,
+                                           gather_chunk, gather_micro, metric_keys,
                                            minibatch_counts, score_rows)
-    from strata_jax.training.trainer import _host_ids
+    from strata_jax.training.trainer import host_ids
     c = base.get_base_config()
     c.algo = args.algo
     c.lora.rank = args.rank
@@ -153,9 +153,9 @@ def analyse_batch(model: Qwen2Config, args) -> list[dict]:
         minibatch_step(cfg).lower(state, *mb, basep, model=model, cfg=cfg,
                                   on_policy=on_policy).compile())
     # packed: the trainer's own plans (scoring: every row; training: the first mini-batch)
-    ids = _host_ids(batch)
+    ids = host_ids(batch)
     # the accumulator's shapes (`zero_carry` builds it eagerly, on devices)
-    carry = jax.eval_shape(lambda p, q: _zero_carry(p, q, _metric_keys(cfg, on_policy)),
+    carry = jax.eval_shape(lambda p, q: empty_carry(p, q, metric_keys(cfg, on_policy)),
                            state.params, state.critic_params)
     seen = set()
     for program, rows_idx, rows_real, mark in (

@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 # Optional c.env fields passed to the env constructor (besides max_steps) when the config sets
 # them and the env's constructor takes them (`env_kwargs`).
-_ENV_KWARGS = ("server_url", "data_dir", "jvm_max_heap_mb", "fetch_valid_actions", "code_digits",
-               "code_attempts")
+ENV_KWARGS = ("server_url", "data_dir", "jvm_max_heap_mb", "fetch_valid_actions", "code_digits",
+              "code_attempts")
 
 # The config keys the run assembly reads itself (this module, train.py, eval.py, evaluation,
 # distributed, metrics, checkpoints, prompts); the option dataclasses declare theirs
@@ -51,7 +51,7 @@ ASSEMBLY_KEYS = (
 # Keys a config may leave out: mesh axes (a missing one has size 1) and the env constructor
 # arguments an experiment file adds for its env (`env_kwargs`).
 OPTIONAL_KEYS = tuple(f"mesh.{a}" for a in sharding.MESH_AXES) + \
-    tuple(f"env.{k}" for k in _ENV_KWARGS)
+    tuple(f"env.{k}" for k in ENV_KWARGS)
 
 
 def config_keys() -> tuple[set[str], set[str]]:
@@ -76,7 +76,7 @@ def check_keys(c: Any) -> None:
     names the closest valid key) or without a required one (`config_keys`). Raises ConfigError."""
     from strata_jax.config import nearest
     required, optional = config_keys()
-    have = set(_leaves(c.to_dict() if hasattr(c, "to_dict") else c))
+    have = set(dotted_leaves(c.to_dict() if hasattr(c, "to_dict") else c))
     known = required | optional
     for key in sorted(have - known):
         section, _, leaf = key.rpartition(".")
@@ -257,12 +257,12 @@ def _get(d: Any, dotted: str) -> Any:
     return d
 
 
-def _leaves(d: Any, prefix: str = "") -> dict[str, Any]:
+def dotted_leaves(d: Any, prefix: str = "") -> dict[str, Any]:
     """{dotted field: value} of a nested config dict."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_leaves(v, f"{prefix}{k}."))
+            out.update(dotted_leaves(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -290,7 +290,7 @@ def run_identity(config: dict) -> dict[str, Any]:
     RESUME_MAY_CHANGE. Two runs with equal identities continue each other (`check_resume`); a
     hash of it names a setting (benchmarks' config fingerprints)."""
     import json
-    flat = _leaves(json.loads(json.dumps(config, default=list)))
+    flat = dotted_leaves(json.loads(json.dumps(config, default=list)))
     return {k: v for k, v in flat.items() if not resume_may_change(k)}
 
 

@@ -21,7 +21,7 @@ from strata_jax.training.sft import SFTConfig
 OPTION_CLASSES = (LossConfig, EstimatorConfig, LoraConfig, SFTConfig, TrainConfig, RolloutConfig)
 
 
-from strata_jax.validation import _leaves  # noqa: E402  (the {dotted field: value} walk)
+from strata_jax.validation import dotted_leaves  # noqa: E402  (the {dotted field: value} walk)
 
 
 @pytest.mark.parametrize("cls", OPTION_CLASSES, ids=lambda c: c.__name__)
@@ -72,7 +72,7 @@ def test_previously_disagreeing_defaults_have_one_value():
 
 def test_base_holds_exactly_the_keys_the_library_reads():
     required, optional = ex.config_keys()
-    have = set(_leaves(base.get_base_config().to_dict()))
+    have = set(dotted_leaves(base.get_base_config().to_dict()))
     assert required <= have, sorted(required - have)
     assert have - required <= optional, sorted(have - required - optional)
     assert have - required == {"mesh.data", "mesh.fsdp", "mesh.tensor"}   # optional, all set

@@ -18,9 +18,9 @@ from strata_jax.algos import SampleBatch
 from strata_jax.models import Qwen2Config
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.state import TrainState
-from strata_jax.training.steps import (_accumulate_micro, _apply_grads, _finish_carry, _gather,
-                                       _masked_targets, _metric_keys, _minibatch_counts,
-                                       _score_chunk, _scoring_params, _zero_carry)
+from strata_jax.training.steps import (add_micro_batch, apply_grads, empty_carry, finish_carry,
+                                       gather_targets, masked_targets, metric_keys,
+                                       minibatch_loss_counts, score_chunk, scoring_params)
 
 
 def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
@@ -28,7 +28,7 @@ def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
                  use_old: bool = True):
     r = batch.num_rows
     n = r // chunk_rows
-    params, critic_params = _scoring_params(params, critic_params, ref_params, cfg)
+    params, critic_params = scoring_params(params, critic_params, ref_params, cfg)
 
     def split(x):
         return x.reshape((n, chunk_rows) + x.shape[1:])
@@ -49,7 +49,7 @@ def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
 
     def compute(x):
         pi, pm, ri, rm, i = x
-        return _score_chunk(params, critic_params, ref_params, pi, pm, ri, rm,
+        return score_chunk(params, critic_params, ref_params, pi, pm, ri, rm,
                             jax.random.fold_in(key, i), model=model, cfg=cfg, use_ref=use_ref,
                             use_old=use_old)
 
@@ -76,7 +76,7 @@ cfg.dropout_passes dropout passes (0 with no critic / dropout 0; 0 on invalid ro
 """
 
 
-gather_rows = jax.jit(_gather)
+gather_rows = jax.jit(gather_targets)
 gather_rows.__doc__ = """(mini-batch, adv, w, targets) of the rows idx [rows] int32 of `batch`
 and of the [R] f32 arrays adv, w, targets; entries with real [rows] False become invalid rows."""
 
@@ -87,20 +87,20 @@ def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, b
     m = cfg.micro_batch_size
     if rows % m:
         raise ValueError(f"mini-batch rows {rows} must be a multiple of micro_batch_size {m}")
-    adv, w, targets = _masked_targets(mb.valid, adv, w, targets)
-    norms, n_values = _minibatch_counts(mb)
+    adv, w, targets = masked_targets(mb.valid, adv, w, targets)
+    norms, n_values = minibatch_loss_counts(mb)
     split = lambda x: x.reshape((rows // m, m) + x.shape[1:])  # noqa: E731
     micro = jax.tree.map(split, (mb, adv, w, targets))
-    keys = _metric_keys(cfg, on_policy)
+    keys = metric_keys(cfg, on_policy)
 
     def body(carry, xs):
         b, a, ww, tt = xs
-        return _accumulate_micro(carry, params, critic_params, b, a, ww, tt, norms, n_values,
-                                 base, model=model, cfg=cfg, on_policy=on_policy,
-                                 keys=keys), None
+        return add_micro_batch(carry, params, critic_params, b, a, ww, tt, norms, n_values,
+                               base, model=model, cfg=cfg, on_policy=on_policy,
+                               keys=keys), None
 
-    carry, _ = jax.lax.scan(body, _zero_carry(params, critic_params, keys), micro)
-    return _finish_carry(carry, keys)
+    carry, _ = jax.lax.scan(body, empty_carry(params, critic_params, keys), micro)
+    return finish_carry(carry, keys)
 
 
 accumulate_grads = jax.jit(_accumulate_grads, static_argnames=("model", "cfg", "on_policy"))
@@ -121,7 +121,7 @@ def _train_minibatch(state: TrainState, mb: SampleBatch, adv, w, targets, base=N
     loss, gp, gc, metrics = _accumulate_grads(state.params, state.critic_params, mb, adv, w,
                                               targets, base, model=model, cfg=cfg,
                                               on_policy=on_policy)
-    return _apply_grads(state, loss, gp, gc, metrics, cfg=cfg)
+    return apply_grads(state, loss, gp, gc, metrics, cfg=cfg)
 
 
 train_minibatch = jax.jit(_train_minibatch, static_argnames=("model", "cfg", "on_policy"))

@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 _merge = jax.jit(apply_lora, static_argnums=(2, 3))
 
 
-def _host_ids(batch: SampleBatch) -> tuple[np.ndarray, ...]:
+def host_ids(batch: SampleBatch) -> tuple[np.ndarray, ...]:
     """The batch's (prompt_ids, prompt_mask, response_ids, response_mask) on the host (a
     multi-host global batch gathered: every process plans the same micro-batches)."""
     return tuple(host_values(getattr(batch, f)) for f in
@@ -330,7 +330,7 @@ class Trainer:
         """`score` over prefix-tree packed micro-batches of all valid rows (a token budget of
         `chunk` rows at the batch's width each): the same scores, each shared prefix computed
         once; the value-std dropout masks are drawn per packed chunk."""
-        ids = _host_ids(batch)
+        ids = host_ids(batch)
         plan = self._plan(ids, np.arange(batch.num_rows), host_values(batch.valid), chunk,
                           "score")
         scores = Scores(jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
@@ -368,7 +368,7 @@ class Trainer:
         m = cfg.micro_batch_size
         # host_values: a multi-host global batch is gathered (every process plans the same steps).
         valid, kind = host_values(batch.valid), host_values(batch.kind)
-        ids = _host_ids(batch)   # on the host once (every process: the same plan)
+        ids = host_ids(batch)   # on the host once (every process: the same plan)
         pm, rm = ids[1], ids[3]
         n_tokens = np.sum(pm, axis=1) + np.sum(rm, axis=1)
         tp, tr = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
