@@ -170,7 +170,7 @@ def train_extra(args, algo: str, seed: int) -> tuple[str, ...]:
            "ckpt.every=1", "ckpt.keep=2", "eval.every=0", f"model.remat={args.remat}",
            # the first iterations' update batches, replayed by benchmarks/prefix_tree.py
            "log.dump_batches=2",
-           f"optim.micro_batch_size={args.micro}",
+           f"optim.micro_batch_rows={args.micro}",
            # --updates-per-iteration optimizer steps over one iteration's rows (about: the row
            # count is known only after the rollout): more updates, no more rollouts
            f"optim.mini_batch_size={max(args.micro, rows_hint // args.updates_per_iteration)}")

@@ -382,7 +382,7 @@ def run_paths(args) -> list[dict]:
                                        tokens=slots))
                 continue
             cfg = TrainConfig.from_config(c, mini_batch_size=args.mini,
-                                          micro_batch_size=args.micro, remat=args.remat,
+                                          micro_batch_rows=args.micro, remat=args.remat,
                                           compute_dtype=args.dtype, donate_state=True)
             trainer = Trainer(model, cfg, per_row=path != "packed")
             state = trainer.init_state(params, jax.random.PRNGKey(1))

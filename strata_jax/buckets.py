@@ -89,11 +89,11 @@ def response_columns(n: int, floor: int = 0) -> int:
     return 1 << (max(int(n), int(floor), 1) - 1).bit_length()
 
 
-def pack_shape(rows: int, tp: int, tr: int, shards: int = 1,
-               pack_width: int = 0) -> tuple[int, int]:
-    """(W, P) of the packed micro-batches for a budget of `rows` per-row rows of tp + tr
-    columns over `shards` batch shards: W slots per packed row, never less than tp + tr (the
-    longest row must fit): `pack_width` (rounded up to a multiple of 8) when set, or when 0
+def pack_shape(rows: int, tp: int, tr: int, shards: int = 1, pack_width: int = 0,
+               tokens: int = 0) -> tuple[int, int]:
+    """(W, P) of the packed micro-batches for a budget of `tokens` slots (0: `rows` per-row
+    rows of tp + tr columns) over `shards` batch shards: W slots per packed row, never less
+    than tp + tr (the longest row must fit): `pack_width` (rounded up to a multiple of 8) when set, or when 0
     the budget over the batch shards rounded down to a power of two, capped at 2048 (at least
     tp + tr rounded up to one); P = budget // W packed rows per micro-batch, rounded down to a
     power of two, then up to a multiple of the shards (so a micro-batch shards over the data
@@ -106,7 +106,8 @@ def pack_shape(rows: int, tp: int, tr: int, shards: int = 1,
     iteration, and every new (W, P) compiles the forward and backward again; rounded, a run
     meets one or two values.
     """
-    row, budget = tp + tr, rows * (tp + tr)
+    row = tp + tr
+    budget = int(tokens) if tokens else rows * row
 
     def floor2(n):
         return 1 << (max(int(n), 1).bit_length() - 1)

@@ -144,6 +144,28 @@ def test_a_retired_field_is_ignored_with_a_warning(caplog):
         set_override(c, "train.pack_prefix", "true")
 
 
+def test_the_split_micro_batch_size_is_refused_naming_the_new_fields():
+    """optim.micro_batch_size meant rows on the per-row path and a token budget on the packed
+    one; it is split by unit, and every way of setting the old name says which to set."""
+    want = r"^optim.micro_batch_size was split by unit: set optim.micro_batch_rows .* and " \
+           r"optim.micro_batch_tokens \(the packed update's token budget"
+    c = base.get_base_config()
+    with pytest.raises(ConfigError, match=want):
+        set_override(c, "optim.micro_batch_size", "4")           # --config.optim.<old>=4
+    from configs import builtin
+    with pytest.raises(ConfigError, match=want):
+        builtin.get_config("tiny,optim.micro_batch_size=4")       # the colon form
+    c.optim.micro_batch_size = 4                                  # an experiment file's line
+    with pytest.raises(ConfigError, match=want):
+        ex.validate(c)
+    with pytest.raises(ConfigError, match=want):
+        TrainConfig.from_config(c)
+    c = base.get_base_config()
+    assert (c.optim.micro_batch_rows, c.optim.micro_batch_tokens) == (8, 0)
+    cfg = TrainConfig.from_config(c)
+    assert (cfg.micro_batch_rows, cfg.micro_batch_tokens) == (8, 0)
+
+
 def test_a_missing_key_is_refused_not_defaulted():
     c = base.get_base_config()
     del c.lora["lr"]

@@ -5,7 +5,7 @@ path: the reference the packed update (steps.py, `Trainer`) is tested against, a
 * `score_batch` (no grad, chunks of rows via ``lax.map``): pi_old logprobs = the trainer's own
   recomputation at the train temperature (docs/method.md §9.1), reference logprobs (when
   kl_coef != 0), critic values and their dropout std.
-* `train_minibatch`: micro-batches of `micro_batch_size` rows in a ``lax.scan``
+* `train_minibatch`: micro-batches of `micro_batch_rows` rows in a ``lax.scan``
   (`accumulate_grads`), each level's token-mean normalised by the WHOLE mini-batch's count
   (`loss_normalizers`); then the optimizer step of steps.py (non-finite steps skipped).
 """
@@ -84,9 +84,9 @@ and of the [R] f32 arrays adv, w, targets; entries with real [rows] False become
 def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, base=None, *,
                       model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
     rows = mb.num_rows
-    m = cfg.micro_batch_size
+    m = cfg.micro_batch_rows
     if rows % m:
-        raise ValueError(f"mini-batch rows {rows} must be a multiple of micro_batch_size {m}")
+        raise ValueError(f"mini-batch rows {rows} must be a multiple of micro_batch_rows {m}")
     adv, w, targets = masked_targets(mb.valid, adv, w, targets)
     norms, n_values = minibatch_loss_counts(mb)
     split = lambda x: x.reshape((rows // m, m) + x.shape[1:])  # noqa: E731
@@ -106,13 +106,13 @@ def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, b
 accumulate_grads = jax.jit(_accumulate_grads, static_argnames=("model", "cfg", "on_policy"))
 accumulate_grads.__doc__ = """Mini-batch loss and gradients summed over micro-batches.
 
-Args: params, critic_params; mb: SampleBatch (rows a multiple of cfg.micro_batch_size); adv,
+Args: params, critic_params; mb: SampleBatch (rows a multiple of cfg.micro_batch_rows); adv,
 w, targets [rows] f32; base: the frozen base params when LoRA is on (params = adapters;
 gradients are the adapters'), else None; static model, cfg, on_policy (see `micro_loss`).
 Every micro-batch loss is normalised by the WHOLE mini-batch's per-level counts
-(`loss_normalizers`), so the result does not depend on micro_batch_size. Returns (loss f32,
+(`loss_normalizers`), so the result does not depend on micro_batch_rows. Returns (loss f32,
 grads of params, grads of critic_params, metrics). Raises ValueError when the rows are not a
-multiple of cfg.micro_batch_size.
+multiple of cfg.micro_batch_rows.
 """
 
 
@@ -130,7 +130,7 @@ _train_minibatch_donated = jax.jit(_train_minibatch, static_argnames=("model", "
 train_minibatch.__doc__ = """One optimizer step on one mini-batch (see the module docstring).
 
 Args: state; mb: SampleBatch of the mini-batch rows (old/ref logprobs and values filled;
-rows a multiple of cfg.micro_batch_size); adv, w, targets: [rows] f32 advantages, sample
+rows a multiple of cfg.micro_batch_rows); adv, w, targets: [rows] f32 advantages, sample
 weights, value targets; base: frozen base params when LoRA is on (state.params = adapters, the
 only leaves that change), else None; static: model, cfg, on_policy (the only step of an
 exactly on-policy update: pi_old = stop_gradient of the current logprobs, see `micro_loss`).

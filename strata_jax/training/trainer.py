@@ -84,7 +84,7 @@ class Trainer:
       cfg: TrainConfig (``TrainConfig.from_config(c)``).
       mesh: device mesh (`strata_jax.sharding.make_mesh`); None = default device, no sharding.
       per_row: run the plain per-row forward instead of the packed prefix tree (every row at
-        the batch's width, micro_batch_size rows per micro-batch): the same numbers up to float
+        the batch's width, micro_batch_rows rows per micro-batch): the same numbers up to float
         summation order, more work; the tests' reference, not a production path.
 
     Attributes:
@@ -244,12 +244,13 @@ class Trainer:
         sizes = dict(self.mesh.shape)
         return int(np.prod([sizes.get(a, 1) for a in LOGICAL_RULES["batch"] or ()]))
 
-    def pack_shape(self, rows: int, tp: int, tr: int) -> tuple[int, int, int]:
-        """(W, P, shards) of the packed micro-batches for a budget of `rows` per-row rows of
-        tp + tr columns: `buckets.pack_shape` over this trainer's batch shards with
-        cfg.pack_width (0: the budget over the shards, a power of two capped at 2048)."""
+    def pack_shape(self, rows: int, tp: int, tr: int, tokens: int = 0) -> tuple[int, int, int]:
+        """(W, P, shards) of the packed micro-batches for a budget of `tokens` slots (0: `rows`
+        per-row rows of tp + tr columns): `buckets.pack_shape` over this trainer's batch shards
+        with cfg.pack_width (0: the budget over the shards, a power of two capped at 2048)."""
         shards = self.batch_shards()
-        width, rows_per_micro = buckets.pack_shape(rows, tp, tr, shards, self.cfg.pack_width)
+        width, rows_per_micro = buckets.pack_shape(rows, tp, tr, shards, self.cfg.pack_width,
+                                                   tokens)
         return width, rows_per_micro, shards
 
     def _packed_inputs(self, mb: PackedMicroBatch) -> PackedInputs:
@@ -295,7 +296,7 @@ class Trainer:
         nothing reads, keep 0 logprobs on the packed path.
         Raises ValueError when LoRA is on or loss.kl_coef != 0 and ref_params is None."""
         cfg = self.cfg
-        chunk = cfg.score_rows or cfg.micro_batch_size
+        chunk = cfg.score_rows or cfg.micro_batch_rows
         use_ref = bool(cfg.loss.kl_coef)
         if self.lora and ref_params is None:
             raise ValueError("LoRA is on (lora.rank > 0): pass the frozen base params as "
@@ -312,27 +313,31 @@ class Trainer:
             if self.per_row:
                 return score_batch(state.params, state.critic_params, ref, batch, key,
                                    chunk_rows=chunk, **static)
-            return self._packed_score(state, batch, ref, key, chunk, static)
+            # score_rows set: its rows at the batch's width; else the update's micro-batch budget
+            tokens = 0 if cfg.score_rows else cfg.micro_batch_tokens
+            return self._packed_score(state, batch, ref, key, chunk, tokens, static)
 
     def _plan(self, ids: tuple, idx: np.ndarray, real: np.ndarray, rows: int,
-              mark_key: str) -> list[PackedMicroBatch]:
+              mark_key: str, tokens: int = 0) -> list[PackedMicroBatch]:
         """The packed micro-batches of rows idx[real] (`prefix_tree.packed_micro_batches`) at
-        the token budget of `rows` rows of the batch's width (`pack_shape`), padded up to this
-        trainer's `shape_marks` of `mark_key` ("score" or "train": separate programs).
-        ids: the batch's host (prompt_ids, prompt_mask, response_ids, response_mask)."""
-        width, rows_per_micro, shards = self.pack_shape(rows, ids[0].shape[1], ids[2].shape[1])
+        the token budget `tokens` (0: `rows` rows of the batch's width; `pack_shape`), padded
+        up to this trainer's `shape_marks` of `mark_key` ("score" or "train": separate
+        programs). ids: the batch's host (prompt_ids, prompt_mask, response_ids, response_mask)."""
+        width, rows_per_micro, shards = self.pack_shape(rows, ids[0].shape[1], ids[2].shape[1],
+                                                        tokens)
         return packed_micro_batches(*ids, idx, real, max_width=width,
                                     rows_per_micro=rows_per_micro, row_multiple=shards,
                                     response_floor=self.cfg.response_floor,
                                     marks=self.shape_marks, mark_key=mark_key)
 
-    def _packed_score(self, state, batch, ref, key, chunk, static):
+    def _packed_score(self, state, batch, ref, key, chunk, tokens, static):
         """`score` over prefix-tree packed micro-batches of all valid rows (a token budget of
-        `chunk` rows at the batch's width each): the same scores, each shared prefix computed
-        once; the value-std dropout masks are drawn per packed chunk."""
+        `tokens` slots, or when 0 of `chunk` rows at the batch's width, each): the same scores,
+        each shared prefix computed once; the value-std dropout masks are drawn per packed
+        chunk."""
         ids = host_ids(batch)
         plan = self._plan(ids, np.arange(batch.num_rows), host_values(batch.valid), chunk,
-                          "score")
+                          "score", tokens)
         scores = Scores(jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
                         jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
         for j, mb in enumerate(plan):
@@ -350,11 +355,12 @@ class Trainer:
         """Epochs x mini-batches of optimizer steps on a scored batch with given advantages.
 
         Each mini-batch's rows are packed into a prefix tree (`prefix_tree.packed_micro_batches`)
-        and run as micro-batches of P packed rows of W slots (`pack_shape`: the token budget of
-        micro_batch_size rows at the batch's width; shapes padded up to `shape_marks`), one
+        and run as micro-batches of P packed rows of W slots (`pack_shape`: the token budget
+        cfg.micro_batch_tokens, or when 0 micro_batch_rows rows at the batch's width; shapes
+        padded up to `shape_marks`), one
         `accumulate_micro` each, then `apply_step`: the per-row step up to float summation
         order, each shared prefix computed once. `per_row`: `train_minibatch` over micro-batches
-        of micro_batch_size rows at the batch's width.
+        of micro_batch_rows rows at the batch's width.
 
         Args: batch scored (`score`); adv, weights, targets [R] f32; key: shuffling PRNGKey;
         base: the frozen base params when LoRA is on (else ignored); on_policy: the batch was
@@ -365,7 +371,7 @@ class Trainer:
         state.step.
         """
         cfg = self.cfg
-        m = cfg.micro_batch_size
+        m = cfg.micro_batch_rows
         # host_values: a multi-host global batch is gathered (every process plans the same steps).
         valid, kind = host_values(batch.valid), host_values(batch.kind)
         ids = host_ids(batch)   # on the host once (every process: the same plan)
@@ -389,7 +395,7 @@ class Trainer:
                         # micro-batches holding a real row run at the batch's width
                         computed = int(real.reshape(-1, m).any(1).sum()) * m * (tp + tr)
                     else:
-                        packed = self._plan(ids, idx, real, m, "train")
+                        packed = self._plan(ids, idx, real, m, "train", cfg.micro_batch_tokens)
                         state, met = self._packed_step(state, batch, adv, weights, targets,
                                                        idx, real, packed, base, on_policy)
                         computed = sum(p.num_slots for p in packed)
