@@ -230,11 +230,13 @@ def same_setting(a: list[str], b: list[str]) -> bool:
     their ``--config=<file>:<tokens>`` argument (`strata_jax.validation.MEMORY_KNOBS`: a
     resume may change them, so a run re-run with less memory after an OOM is the same job)
     and for retired fields (`strata_jax.config.RETIRED`: ignored by the run, so a kept job
-    that set one is the job without it). Imported here: the queue process stays free of jax,
-    beside the runs it starts."""
-    from strata_jax.config import RETIRED
+    that set one is the job without it); a renamed memory knob's old name
+    (`strata_jax.config.RENAMED_FIELDS`) is skipped as the knob. Imported here: the queue
+    process stays free of jax, beside the runs it starts."""
+    from strata_jax.config import RENAMED_FIELDS, RETIRED
     from strata_jax.validation import MEMORY_KNOBS
-    skip = set(MEMORY_KNOBS) | set(RETIRED)
+    skip = set(MEMORY_KNOBS) | set(RETIRED) | {
+        old for old, (_, new) in RENAMED_FIELDS.items() if new in MEMORY_KNOBS}
 
     def strip(argv):
         out = []
