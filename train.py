@@ -172,7 +172,7 @@ def _train(c, workdir, compiles, mesh) -> dict:
                 if step < c.log.get("dump_batches", 0):
                     _dump_batch(c, workdir, step, result.batch)
                 batch = distributed.global_batch(
-                    result.batch, mesh, trainer.cfg.score_rows or trainer.cfg.micro_batch_size)
+                    result.batch, mesh, trainer.cfg.score_rows or trainer.cfg.micro_batch_rows)
                 state, metrics = trainer.update(state, batch, ref_params)
                 done = int(jax.device_get(state.step))
                 # log

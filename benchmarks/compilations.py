@@ -47,7 +47,8 @@ def drifting(batches, iterations: int, seed: int):
     import jax
     import numpy as np
 
-    from strata_jax.algos.batch import bucket_size, pad_batch
+    from strata_jax.algos.batch import pad_batch
+    from strata_jax.buckets import bucket_size
     rng = np.random.default_rng(seed)
     for it in range(iterations):
         b = batches[it % len(batches)]
@@ -106,7 +107,7 @@ def main() -> None:
         # the config is a static argument of the model programs, so no setting reuses
         # another's gradient step or scoring pass (the batch gathers it may reuse are cheap)
         cfg = TrainConfig.from_config(c, mini_batch_size=args.mini,
-                                      micro_batch_size=args.micro, remat="none",
+                                      micro_batch_rows=args.micro, remat="none",
                                       compute_dtype="float32", donate_state=False,
                                       response_floor=floor)
         trainer = Trainer(model, cfg, per_row=path != "packed")

@@ -111,7 +111,7 @@ def update(config, params, args, hw) -> None:
     tokens = rows * (tp + tr)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     for mode in ("lora", "full"):
-        cfg = TrainConfig(algo="grpo", lr=1e-6, mini_batch_size=rows, micro_batch_size=rows,
+        cfg = TrainConfig(algo="grpo", lr=1e-6, mini_batch_size=rows, micro_batch_rows=rows,
                           remat="full", compute_dtype="bfloat16", loss=LossConfig(),
                           lora=LoraConfig(rank=64, alpha=64.0) if mode == "lora" else
                           LoraConfig(), donate_state=True)

@@ -91,7 +91,7 @@ def jax_update_worker(args) -> dict:
     c.algo = "grpo"
     if args.mode == "lora":
         c.lora.rank = args.rank
-    cfg = TrainConfig.from_config(c, mini_batch_size=64, micro_batch_size=args.micro,
+    cfg = TrainConfig.from_config(c, mini_batch_size=64, micro_batch_rows=args.micro,
                                   remat=args.remat, compute_dtype=args.dtype,
                                   donate_state=True)
     trainer = Trainer(model, cfg)
@@ -116,7 +116,7 @@ def jax_update_worker(args) -> dict:
     use_ref = bool(cfg.loss.kl_coef)
     score = lambda: score_batch(state.params, state.critic_params, ref, placed,  # noqa: E731
                                 jax.random.PRNGKey(0), model=model, cfg=cfg, use_ref=use_ref,
-                                chunk_rows=cfg.micro_batch_size, use_old=False)
+                                chunk_rows=cfg.micro_batch_rows, use_old=False)
     scored, _ = timed(score)
     _, t_ref = timed(score)
     adv = jax.numpy.asarray(np.where(scores > 0.5, 1.0, -1.0).astype(np.float32))
@@ -187,7 +187,7 @@ def jax_grouping_worker(args) -> dict:
            "width": [int(batch.prompt_ids.shape[1]), int(batch.response_ids.shape[1])],
            "load_start": _load()}
     for packed in (True, False):
-        cfg = TrainConfig.from_config(c, mini_batch_size=64, micro_batch_size=args.micro,
+        cfg = TrainConfig.from_config(c, mini_batch_size=64, micro_batch_rows=args.micro,
                                       remat=args.remat, compute_dtype=args.dtype,
                                       donate_state=True, scan_layers=args.scan_layers)
         trainer = Trainer(model, cfg, per_row=not packed)
@@ -395,7 +395,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--prompt", type=int, default=768)
     p.add_argument("--response", type=int, default=64)
-    p.add_argument("--micro", type=int, default=16, help="micro_batch_size of the jax update")
+    p.add_argument("--micro", type=int, default=16, help="micro_batch_rows of the jax update")
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--remat", default="full", choices=("none", "full", "dots"))

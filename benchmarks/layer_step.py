@@ -75,7 +75,7 @@ def attention_variants(args, config) -> dict[str, tuple[float, float, float]]:
     import numpy as np
     import torch
 
-    from strata_jax.models.qwen2 import _attention   # the model's own attention, not a copy
+    from strata_jax.models.attention import attention   # the model's own attention, not a copy
     b, t, h, kh, dh = args.rows, args.seq, config.num_heads, config.num_kv_heads, config.head_dim
     rng = np.random.default_rng(2)
     q, k, v = (rng.standard_normal(s, np.float32) for s in
@@ -86,7 +86,7 @@ def attention_variants(args, config) -> dict[str, tuple[float, float, float]]:
     out = {}
     for chunk in sorted(set(args.chunks)):
         grad = jax.jit(jax.grad(lambda q, k, v, c=chunk: jnp.sum(
-            _attention(q, k, v, allowed, kh, c, first_slot=0) * jg), argnums=(0, 1, 2)))
+            attention(q, k, v, allowed, kh, c, first_slot=0) * jg), argnums=(0, 1, 2)))
         out[f"jax attention query_chunk={chunk}"] = _median_time(
             lambda: jax.block_until_ready(grad(jq, jk, jv)), args.repeats)
     tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).requires_grad_() for x in (q, k, v))

@@ -109,8 +109,7 @@ def _length_grouped_tokens(rows, need_p, need_r, micro: int, tp: int, tr: int,
     columns `response_columns`, capped at the batch's (tp, tr)."""
     import numpy as np
 
-    from strata_jax.algos.batch import bucket_size
-    from strata_jax.training.batching import response_columns
+    from strata_jax.buckets import bucket_size, response_columns
     order = rows[np.argsort(-(need_p[rows] + need_r[rows]), kind="stable")]
     total = 0
     for s in range(0, order.size, micro):
@@ -383,7 +382,7 @@ def run_paths(args) -> list[dict]:
                                        tokens=slots))
                 continue
             cfg = TrainConfig.from_config(c, mini_batch_size=args.mini,
-                                          micro_batch_size=args.micro, remat=args.remat,
+                                          micro_batch_rows=args.micro, remat=args.remat,
                                           compute_dtype=args.dtype, donate_state=True)
             trainer = Trainer(model, cfg, per_row=path != "packed")
             state = trainer.init_state(params, jax.random.PRNGKey(1))

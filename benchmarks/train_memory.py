@@ -56,7 +56,7 @@ def analyse(model: Qwen2Config, mode: str, remat: str, args) -> dict:
     if mode == "lora":
         c.lora.rank = args.rank
     rows = args.rows
-    cfg = TrainConfig.from_config(c, mini_batch_size=rows, micro_batch_size=args.micro,
+    cfg = TrainConfig.from_config(c, mini_batch_size=rows, micro_batch_rows=args.micro,
                                   remat=remat, compute_dtype=args.dtype)
     rng = np.random.default_rng(0)
     recs = [dict(prompt_ids=rng.integers(1, 1000, args.prompt),
@@ -105,19 +105,19 @@ def analyse_batch(model: Qwen2Config, args) -> list[dict]:
     from strata_jax.training.batching import minibatch_plan, trim_padding
     from strata_jax.training.per_row import gather_rows, score_batch
     from strata_jax.training.scoring import PackedInputs
-    from strata_jax.training.steps import (_metric_keys, _zero_carry, accumulate_micro,
-                                           apply_step, gather_chunk, gather_micro,
+    from strata_jax.training.steps import (accumulate_micro, apply_step, empty_carry,
+                                           gather_chunk, gather_micro, metric_keys,
                                            minibatch_counts, score_rows)
-    from strata_jax.training.trainer import _host_ids
+    from strata_jax.training.trainer import host_ids
     c = base.get_base_config()
     c.algo = args.algo
     c.lora.rank = args.rank
     c.loss.kl_coef = args.kl
-    cfg = TrainConfig.from_config(c, mini_batch_size=args.mini, micro_batch_size=args.micro,
+    cfg = TrainConfig.from_config(c, mini_batch_size=args.mini, micro_batch_rows=args.micro,
                                   remat=args.remat[0], compute_dtype=args.dtype,
                                   donate_state=True)
     trainer = Trainer(model, cfg)
-    chunk = cfg.score_rows or cfg.micro_batch_size
+    chunk = cfg.score_rows or cfg.micro_batch_rows
     batch = pad_rows(trim_padding(load_sample_batch(args.batches)[0]), chunk)
     sd = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)  # noqa: E731
     params_like = jax.eval_shape(lambda k: init_params(model, k, jnp.float32),
@@ -131,7 +131,7 @@ def analyse_batch(model: Qwen2Config, args) -> list[dict]:
     use_ref = bool(cfg.loss.kl_coef)
     static = dict(model=model, cfg=cfg, use_ref=use_ref, use_old=not on_policy)
     basep = params_like
-    idx, real = minibatch_plan(valid, kind, cfg.mini_batch_size, cfg.micro_batch_size,
+    idx, real = minibatch_plan(valid, kind, cfg.mini_batch_size, cfg.micro_batch_rows,
                                np.random.default_rng(0))[0]
     tp, tr = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     out = []
@@ -151,16 +151,16 @@ def analyse_batch(model: Qwen2Config, args) -> list[dict]:
         minibatch_step(cfg).lower(state, *mb, basep, model=model, cfg=cfg,
                                   on_policy=on_policy).compile())
     # packed: the trainer's own plans (scoring: every row; training: the first mini-batch)
-    ids = _host_ids(batch)
+    ids = host_ids(batch)
     # the accumulator's shapes (`zero_carry` builds it eagerly, on devices)
-    carry = jax.eval_shape(lambda p, q: _zero_carry(p, q, _metric_keys(cfg, on_policy)),
+    carry = jax.eval_shape(lambda p, q: empty_carry(p, q, metric_keys(cfg, on_policy)),
                            state.params, state.critic_params)
     seen = set()
     for program, rows_idx, rows_real, mark in (
             ("score_rows", np.arange(batch.num_rows), valid, "score"),
             ("accumulate_micro", idx, real, "train")):
         for pmb in trainer._plan(ids, rows_idx, rows_real, chunk if mark == "score"
-                                 else cfg.micro_batch_size, mark):
+                                 else cfg.micro_batch_rows, mark):
             shape = (f"P {pmb.tokens.shape[0]} x w {pmb.width}, m {pmb.idx.size}, wr "
                      f"{pmb.response_width}, A {pmb.key_index.shape[2]}, N "
                      f"{pmb.response_slot.size}")
@@ -194,7 +194,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-0.5b", help="HF dir, .gguf or PRESETS name")
     ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--micro", type=int, default=16, help="micro_batch_size (rows per backward)")
+    ap.add_argument("--micro", type=int, default=16, help="micro_batch_rows (rows per backward)")
     ap.add_argument("--prompt", type=int, default=768)
     ap.add_argument("--response", type=int, default=64)
     ap.add_argument("--rank", type=int, default=64, help="LoRA rank (all linear layers)")

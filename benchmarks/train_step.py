@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--response", type=int, default=64)
     ap.add_argument("--mini", type=int, default=32, help="mini_batch_size")
-    ap.add_argument("--micro", type=int, default=8, help="micro_batch_size")
+    ap.add_argument("--micro", type=int, default=8, help="micro_batch_rows")
     ap.add_argument("--remat", default="none", choices=("none", "full", "dots"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="compute dtype (params stay fp32)")
@@ -51,7 +51,7 @@ def main() -> None:
     model = PRESETS[args.preset] if args.preset else SMALL
     c = base.get_base_config()
     c.algo = args.algo
-    cfg = TrainConfig.from_config(c, mini_batch_size=args.mini, micro_batch_size=args.micro,
+    cfg = TrainConfig.from_config(c, mini_batch_size=args.mini, micro_batch_rows=args.micro,
                                   remat=args.remat, compute_dtype=args.dtype, lr=1e-5)
     rng = np.random.default_rng(0)
     recs = [dict(prompt_ids=rng.integers(1, model.vocab_size, args.prompt),

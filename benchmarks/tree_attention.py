@@ -20,7 +20,7 @@ machine's load hits all of them alike), one fp32 decoder layer of the Qwen2.5-0.
   tree sparse  [1, W], each query block over its own slots and its open ancestors only
                (the host key index, `prefix_tree.block_key_index`)
 
-and the attention alone (the model's `_attention`, gradient w.r.t. q, k, v) under each. Prints
+and the attention alone (the model's `attention`, gradient w.r.t. q, k, v) under each. Prints
 seconds and the ratios within this run, with the load average. Measures, never asserts.
 """
 from __future__ import annotations
@@ -54,7 +54,9 @@ def main() -> None:
     from strata_jax.algos.batch import load_sample_batch
     from strata_jax.training.batching import trim_padding
     from strata_jax.models import Qwen2Config, init_params
-    from strata_jax.models.qwen2 import TreeMask, _attention, _decoder_layer, rope_cos_sin
+    from strata_jax.models.attention import TreeMask, attention
+    from strata_jax.models.layers import decoder_layer, rope_cos_sin
+    from strata_jax import buckets
     from strata_jax.training import prefix_tree
 
     cfg = Qwen2Config(vocab_size=1024, hidden_size=896, intermediate_size=4864, num_layers=1,
@@ -100,7 +102,7 @@ def main() -> None:
     if has_index:
         index = prefix_tree.block_key_index(lay.mask[p:p + 1], lay.key_end[p:p + 1],
                                             args.chunk)
-        a = prefix_tree.key_index_width(index.shape[2], args.chunk)   # as the update pads it
+        a = buckets.key_index_width(index.shape[2], args.chunk)   # as the update pads it
         print(f"key index {index.shape} (ancestor keys per block), padded to A = {a} as the "
               "update's micro-batches")
         index = np.pad(index, ((0, 0), (0, 0), (0, a - index.shape[2])), constant_values=-1)
@@ -112,7 +114,7 @@ def main() -> None:
     for name, (x, g, cos, sin, allowed) in cases.items():
         if "layer" in parts:
             step = jax.jit(jax.grad(lambda x, ly, a, g=g, cos=cos, sin=sin: jnp.sum(
-                _decoder_layer(x, ly, cos, sin, a, cfg, args.chunk) * g), argnums=(0, 1)))
+                decoder_layer(x, ly, cos, sin, a, cfg, args.chunk) * g), argnums=(0, 1)))
             fns[f"layer {name}"] = (lambda step=step, x=x, a=allowed:
                                     jax.block_until_ready(step(x, layer, a)))
         if "attention" in parts:
@@ -122,7 +124,7 @@ def main() -> None:
             v = jnp.asarray(rng.standard_normal((b, t, kh, dh), np.float32))
             ga = jnp.asarray(rng.standard_normal((b, t, h * dh), np.float32))
             grad = jax.jit(jax.grad(lambda q, k, v, a, ga=ga: jnp.sum(
-                _attention(q, k, v, a, kh, args.chunk, first_slot=0) * ga), argnums=(0, 1, 2)))
+                attention(q, k, v, a, kh, args.chunk, first_slot=0) * ga), argnums=(0, 1, 2)))
             fns[f"attention {name}"] = (lambda grad=grad, q=q, k=k, v=v, a=allowed:
                                         jax.block_until_ready(grad(q, k, v, a)))
     for fn in fns.values():

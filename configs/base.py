@@ -187,7 +187,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.optim.warmup_steps = 0
     c.optim.ppo_epochs = 1
     c.optim.mini_batch_size = 256  # step samples per optimizer step
-    c.optim.micro_batch_size = 8   # gradient accumulation unit
+    c.optim.micro_batch_rows = 8   # gradient accumulation unit, rows (mini-batches pad to a multiple)
+    c.optim.micro_batch_tokens = 0  # the packed update's token budget per unit (0 = rows x width)
 
     # --- Trainer execution (strata_jax.training.TrainConfig; c.optim / c.loss hold the math) --
     c.train = ml_collections.ConfigDict()
@@ -204,7 +205,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.train.response_floor = 32    # response columns: powers of two >= this (few compiled widths
                                    # as response lengths drift; 0 = two sizes per octave from 8)
     # The update runs prefix-tree packed rows (each shared prompt prefix once, same result);
-    # optim.micro_batch_size is then the token budget of that many rows.
+    # its micro-batch budget is optim.micro_batch_tokens, by default micro_batch_rows rows.
     c.train.pack_width = 0         # slots per packed row (0 = auto: <= 2048, a power of two)
     c.train.donate_state = True    # the optimizer step reuses the state's buffers (one copy of
                                    # params + AdamW moments less at the peak; same results)

@@ -41,7 +41,7 @@ def tiny(c):
     c.rollout.max_strategy_tokens = 48
     c.rollout.max_judge_tokens = 16
     c.optim.mini_batch_size = 64
-    c.optim.micro_batch_size = 16
+    c.optim.micro_batch_rows = 16
     c.optim.lr = 1e-4              # from scratch: a larger step than a pretrained model's 1e-5
     c.loss.kl_coef = 0.0           # no KL term, so no reference-policy scoring pass (DAPO-style)
     c.ckpt.every = 5

@@ -58,7 +58,7 @@ def tiny(c):
     c.rollout.max_strategy_tokens = 32
     c.rollout.max_judge_tokens = 32
     c.optim.mini_batch_size = 64
-    c.optim.micro_batch_size = 16
+    c.optim.micro_batch_rows = 16
     c.optim.lr = 1e-4
     c.ckpt.every = 1
     c.eval.every = 0

@@ -41,7 +41,15 @@ FIELD_TYPES = {
     "rollout.prompt_buckets": "tuple[int]|None",
     "rollout.response_buckets": "tuple[int]|None",
 }
-REMAT_POLICIES = ("none", "full", "dots")
+# The remat policies (``model.remat``, `TrainConfig.remat`, `qwen2.forward`'s remat): name ->
+# the ``jax.checkpoint_policies`` member each decoder layer is rematerialised under (None: no
+# checkpoint; `models.layers.checkpoint_policy` looks it up). "full" keeps only each decoder
+# layer's input and recomputes the layer in the backward pass; "dots" also keeps the
+# weight-matmul outputs (no batch dims: q/k/v/o, gate/up/down, LoRA's x @ A) and recomputes the
+# cheap elementwise work (maxtext's usual policy). Names only here: this module imports no jax.
+REMAT_CHECKPOINT_POLICIES = {"none": None, "full": "nothing_saveable",
+                             "dots": "dots_with_no_batch_dims_saveable"}
+REMAT_POLICIES = tuple(REMAT_CHECKPOINT_POLICIES)   # the names, in order
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -64,6 +72,8 @@ def field_type(c: Any, key: str) -> str:
     """The declared type of dotted field `key` of config `c`: "bool", "int", "float", "str",
     "tuple[str]", "tuple[int]", "int|None", "tuple[int]|None" or "remat" (see FIELD_TYPES).
     Raises OverrideError naming the closest field when `key` names none."""
+    if key in RENAMED_FIELDS:
+        raise OverrideError(renamed_field_error(key))
     *parents, leaf = key.split(".")
     node = c
     for i, p in enumerate(parents):
@@ -142,6 +152,24 @@ RETIRED = {
     "train.pack_prefixes": "the update always runs prefix-tree packed rows",
 }
 
+# Fields renamed or split: old dotted name -> (what to set instead, one line; the new name a
+# stored config's old value is read as). Unlike a RETIRED field, a config or override holding
+# an old name is refused with its line (`renamed_field_error`): its value still means
+# something. A stored config (a checkpoint's meta) is read with the old name mapped to the new
+# (`validation.run_identity`), so a run written before the rename still resumes.
+RENAMED_FIELDS = {
+    "optim.micro_batch_size": (
+        "optim.micro_batch_size was split by unit: set optim.micro_batch_rows (rows per "
+        "micro-batch; the old value) and optim.micro_batch_tokens (the packed update's token "
+        "budget per micro-batch; 0 = micro_batch_rows rows at the batch's width)",
+        "optim.micro_batch_rows"),
+}
+
+
+def renamed_field_error(key: str) -> str | None:
+    """The one-line message for a renamed dotted field `key` (`RENAMED_FIELDS`), or None."""
+    return RENAMED_FIELDS[key][0] if key in RENAMED_FIELDS else None
+
 
 def set_override(c: Any, key: str, text: str) -> None:
     """Set dotted field `key` of ConfigDict `c` from command-line `text`, parsed by the field's
@@ -203,6 +231,8 @@ def read_fields(cls: type, c: Any, sources: Mapping[str, str],
         for k in node.keys():
             if k not in valid:
                 where = prefix + (f"{section}.{k}" if section else k)
+                if where in RENAMED_FIELDS:
+                    raise ConfigError(renamed_field_error(where))
                 raise ConfigError(f"unknown config field {where!r}{nearest(k, valid)}: no "
                                   f"{cls.__name__} field reads it (the fields and their "
                                   "defaults are in configs/base.py)")

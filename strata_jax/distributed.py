@@ -248,7 +248,7 @@ def global_batch(batch: Any, mesh: Mesh, row_multiple: int = 1) -> Any:
       batch: this host's SampleBatch (numpy leaves, from its rollout).
       mesh: the training mesh (spans every host).
       row_multiple: the global row count is made a multiple of this (the trainer's scoring
-        chunk, ``score_rows or micro_batch_size``) on top of the batch-sharded device count.
+        chunk, ``score_rows or micro_batch_rows``) on top of the batch-sharded device count.
     Returns a SampleBatch of global ``jax.Array`` s: host p's rows are global rows
     [p*R, (p+1)*R), R = the largest local row count rounded up; prompts / responses padded to the
     largest widths over hosts. Padding rows are invalid, so the update ignores them.

@@ -32,7 +32,7 @@ from strata_jax.config import ConfigError
 from strata_jax.models import (PRESETS, Qwen2Config, init_params, load_params, load_tokenizer,
                                shard_params)
 from strata_jax.models.loading import checkpoint_config, resolve_checkpoint
-from strata_jax.validation import _ENV_KWARGS
+from strata_jax.validation import ENV_KWARGS
 # The checks a run calls through this module (train.py, eval.py, sft.py, notebooks); the rest of
 # strata_jax.validation (key tables, check_keys, ...) is imported from there.
 from strata_jax.validation import (ASSEMBLY_KEYS, OPTIONAL_KEYS,  # noqa: F401
@@ -248,10 +248,10 @@ def _cast(params: Any, dtype: Any) -> Any:
 
 def env_kwargs(c: Any) -> dict[str, Any]:
     """Constructor arguments for the env of ``c.env.name``: ``max_steps`` plus the optional
-    `_ENV_KWARGS` fields the config sets and the env's constructor takes (so an experiment file
+    `ENV_KWARGS` fields the config sets and the env's constructor takes (so an experiment file
     can keep e.g. ``env.code_digits`` while ``env.name=grid_nav`` is tried from the command line)."""
     kw: dict[str, Any] = {"max_steps": int(c.env.max_steps)}
-    for k in _ENV_KWARGS:
+    for k in ENV_KWARGS:
         if k in c.env and c.env[k] not in (None, "") and _takes(get_env_factory(c.env.name), k):
             kw[k] = c.env[k]
     return kw

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from envs_bridge.registry import list_envs
 from strata_jax import sharding
 from strata_jax.algos.table import get_algorithm
-from strata_jax.config import ConfigError
+from strata_jax.config import RENAMED_FIELDS, ConfigError
 from strata_jax.models import PRESETS, Qwen2Config
 from strata_jax.sampling.params import check_temperature
 
@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 # Optional c.env fields passed to the env constructor (besides max_steps) when the config sets
 # them and the env's constructor takes them (`env_kwargs`).
-_ENV_KWARGS = ("server_url", "data_dir", "jvm_max_heap_mb", "fetch_valid_actions", "code_digits",
-               "code_attempts")
+ENV_KWARGS = ("server_url", "data_dir", "jvm_max_heap_mb", "fetch_valid_actions", "code_digits",
+              "code_attempts")
 
 # The config keys the run assembly reads itself (this module, train.py, eval.py, evaluation,
 # distributed, metrics, checkpoints, prompts); the option dataclasses declare theirs
@@ -51,7 +51,7 @@ ASSEMBLY_KEYS = (
 # Keys a config may leave out: mesh axes (a missing one has size 1) and the env constructor
 # arguments an experiment file adds for its env (`env_kwargs`).
 OPTIONAL_KEYS = tuple(f"mesh.{a}" for a in sharding.MESH_AXES) + \
-    tuple(f"env.{k}" for k in _ENV_KWARGS)
+    tuple(f"env.{k}" for k in ENV_KWARGS)
 
 
 def config_keys() -> tuple[set[str], set[str]]:
@@ -74,11 +74,13 @@ def config_keys() -> tuple[set[str], set[str]]:
 def check_keys(c: Any) -> None:
     """Refuse a config with a key nothing reads (a typo such as ``loss.kl_coeff``: the message
     names the closest valid key) or without a required one (`config_keys`). Raises ConfigError."""
-    from strata_jax.config import nearest
+    from strata_jax.config import nearest, renamed_field_error
     required, optional = config_keys()
-    have = set(_leaves(c.to_dict() if hasattr(c, "to_dict") else c))
+    have = set(dotted_leaves(c.to_dict() if hasattr(c, "to_dict") else c))
     known = required | optional
     for key in sorted(have - known):
+        if renamed_field_error(key):
+            raise ConfigError(renamed_field_error(key))
         section, _, leaf = key.rpartition(".")
         elsewhere = sorted(k for k in known if k.rpartition(".")[2] == leaf)  # train.lr: optim.lr
         same = [k for k in known if k.rpartition(".")[0] == section]
@@ -137,8 +139,9 @@ def validate(c: Any) -> None:
     for name in ("max_steps", "max_prompt_tokens", "num_workers"):
         at_least(f"env.{name}", 1)
     at_least("env.history_length", 0)
-    for name in ("mini_batch_size", "micro_batch_size", "ppo_epochs"):
+    for name in ("mini_batch_size", "micro_batch_rows", "ppo_epochs"):
         at_least(f"optim.{name}", 1)
+    at_least("optim.micro_batch_tokens", 0)   # 0 = micro_batch_rows rows at the batch's width
     at_least("optim.warmup_steps", 0)
     at_least("train.pack_width", 0)    # 0 = auto (Trainer.pack_shape)
     at_least("train.response_floor", 0)  # 0 = two response widths per octave
@@ -216,7 +219,8 @@ def validate(c: Any) -> None:
 # The update's memory knobs: how the same sums are cut up or recomputed, so a run killed for
 # memory resumes with a smaller micro-batch or more remat (float order aside, same results).
 MEMORY_KNOBS = (
-    "optim.micro_batch_size",         # rows (or their token budget) per accumulation unit
+    "optim.micro_batch_rows",         # rows per accumulation unit (per-row path, plan multiple)
+    "optim.micro_batch_tokens",       # the packed update's token budget per accumulation unit
     "model.remat",                    # what the backward recomputes instead of storing
     "train.score_rows",               # rows per chunk of the no-grad scoring passes
     "train.logprob_chunk",            # response positions per LM-head chunk
@@ -257,12 +261,12 @@ def _get(d: Any, dotted: str) -> Any:
     return d
 
 
-def _leaves(d: Any, prefix: str = "") -> dict[str, Any]:
+def dotted_leaves(d: Any, prefix: str = "") -> dict[str, Any]:
     """{dotted field: value} of a nested config dict."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_leaves(v, f"{prefix}{k}."))
+            out.update(dotted_leaves(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -290,7 +294,10 @@ def run_identity(config: dict) -> dict[str, Any]:
     RESUME_MAY_CHANGE. Two runs with equal identities continue each other (`check_resume`); a
     hash of it names a setting (benchmarks' config fingerprints)."""
     import json
-    flat = _leaves(json.loads(json.dumps(config, default=list)))
+    flat = dotted_leaves(json.loads(json.dumps(config, default=list)))
+    for old, (_, new) in RENAMED_FIELDS.items():   # a config written before a rename
+        if old in flat and new not in flat:
+            flat[new] = flat.pop(old)
     return {k: v for k, v in flat.items() if not resume_may_change(k)}
 
 

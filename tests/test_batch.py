@@ -3,7 +3,8 @@ import jax
 import numpy as np
 import pytest
 
-from strata_jax.algos.batch import PAD_ID, SampleBatch, bucket_size, make_sample_batch
+from strata_jax.algos.batch import PAD_ROW_ID, SampleBatch, make_sample_batch
+from strata_jax.buckets import bucket_size
 
 
 def _rec(**kw):
@@ -21,8 +22,8 @@ def test_padding_rows_get_sentinels_and_prompt_is_left_padded():
     np.testing.assert_array_equal(b.prompt_mask[1], [0] * 7 + [1])
     np.testing.assert_array_equal(b.response_mask[1], [1, 1, 1, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(b.valid, [1, 1, 0, 0, 0, 0, 0, 0])
-    np.testing.assert_array_equal(b.task_id[2:], [PAD_ID] * 6)
-    np.testing.assert_array_equal(b.kind[2:], [PAD_ID] * 6)
+    np.testing.assert_array_equal(b.task_id[2:], [PAD_ROW_ID] * 6)
+    np.testing.assert_array_equal(b.kind[2:], [PAD_ROW_ID] * 6)
     assert b.score.dtype == np.float32 and b.task_id.dtype == np.int32
     assert b.score[0] == np.float32(0.5)
 
@@ -57,7 +58,7 @@ def test_missing_key_and_mismatched_mask_raise():
 
 
 def test_pad_batch_left_pads_prompts_right_pads_responses():
-    from strata_jax.algos import ID_FIELDS, PAD_ID, pad_batch
+    from strata_jax.algos import ID_FIELDS, PAD_ROW_ID, pad_batch
     b = make_sample_batch([dict(prompt_ids=[5, 6], response_ids=[7], task_id=3, trajectory_id=1,
                                 kind=1)], row_multiple=1)
     p = pad_batch(b, 3, b.prompt_ids.shape[1] + 2, b.response_ids.shape[1] + 1)
@@ -65,9 +66,10 @@ def test_pad_batch_left_pads_prompts_right_pads_responses():
     assert list(p.prompt_mask[0, :2]) == [False, False] and p.prompt_mask[0].sum() == 2
     assert p.response_ids.shape == (3, 9) and p.old_logprobs.shape == (3, 9)
     assert p.response_ids[0, 0] == 7 and not p.response_mask[0, 1:].any()
-    assert list(p.task_id) == [3, PAD_ID, PAD_ID] and list(p.valid) == [True, False, False]
-    for f in ID_FIELDS:   # every id field of a padding row is PAD_ID, every other field 0
-        assert list(getattr(p, f)[1:]) == [PAD_ID, PAD_ID], f
+    assert list(p.task_id) == [3, PAD_ROW_ID, PAD_ROW_ID]
+    assert list(p.valid) == [True, False, False]
+    for f in ID_FIELDS:   # every id field of a padding row is PAD_ROW_ID, every other field 0
+        assert list(getattr(p, f)[1:]) == [PAD_ROW_ID, PAD_ROW_ID], f
     assert float(p.score[1:].sum()) == 0.0 and not p.prompt_mask[1:].any()
     with pytest.raises(ValueError, match="cannot shrink"):
         pad_batch(b, 0)

@@ -152,7 +152,7 @@ def test_split_config_args_forms():
     ("rollout.max_action_tokens", 0, "rollout.max_action_tokens must be an integer >= 1, got 0 "
                                      "(--config.rollout.max_action_tokens=...)"),
     ("rollout.cohorts", -1, "rollout.cohorts must be an integer >= 0, got -1"),
-    ("optim.micro_batch_size", 0, "optim.micro_batch_size must be an integer >= 1, got 0"),
+    ("optim.micro_batch_rows", 0, "optim.micro_batch_rows must be an integer >= 1, got 0"),
     ("env.history_length", -1, "env.history_length must be an integer >= 0, got -1"),
     ("env.max_prompt_tokens", 0, "env.max_prompt_tokens must be an integer >= 1, got 0"),
     ("eval.episodes_per_family", -1, "eval.episodes_per_family must be an integer >= 0, got -1"),

@@ -21,7 +21,7 @@ from strata_jax.training.sft import SFTConfig
 OPTION_CLASSES = (LossConfig, EstimatorConfig, LoraConfig, SFTConfig, TrainConfig, RolloutConfig)
 
 
-from strata_jax.validation import _leaves  # noqa: E402  (the {dotted field: value} walk)
+from strata_jax.validation import dotted_leaves  # noqa: E402  (the {dotted field: value} walk)
 
 
 @pytest.mark.parametrize("cls", OPTION_CLASSES, ids=lambda c: c.__name__)
@@ -72,7 +72,7 @@ def test_previously_disagreeing_defaults_have_one_value():
 
 def test_base_holds_exactly_the_keys_the_library_reads():
     required, optional = ex.config_keys()
-    have = set(_leaves(base.get_base_config().to_dict()))
+    have = set(dotted_leaves(base.get_base_config().to_dict()))
     assert required <= have, sorted(required - have)
     assert have - required <= optional, sorted(have - required - optional)
     assert have - required == {"mesh.data", "mesh.fsdp", "mesh.tensor"}   # optional, all set
@@ -142,6 +142,28 @@ def test_a_retired_field_is_ignored_with_a_warning(caplog):
     assert "pack_prefixes" not in builtin.get_config("tiny,train.pack_prefixes=true").train
     with pytest.raises(ConfigError, match="unknown config field 'train.pack_prefix'"):
         set_override(c, "train.pack_prefix", "true")
+
+
+def test_the_split_micro_batch_size_is_refused_naming_the_new_fields():
+    """optim.micro_batch_size meant rows on the per-row path and a token budget on the packed
+    one; it is split by unit, and every way of setting the old name says which to set."""
+    want = r"^optim.micro_batch_size was split by unit: set optim.micro_batch_rows .* and " \
+           r"optim.micro_batch_tokens \(the packed update's token budget"
+    c = base.get_base_config()
+    with pytest.raises(ConfigError, match=want):
+        set_override(c, "optim.micro_batch_size", "4")           # --config.optim.<old>=4
+    from configs import builtin
+    with pytest.raises(ConfigError, match=want):
+        builtin.get_config("tiny,optim.micro_batch_size=4")       # the colon form
+    c.optim.micro_batch_size = 4                                  # an experiment file's line
+    with pytest.raises(ConfigError, match=want):
+        ex.validate(c)
+    with pytest.raises(ConfigError, match=want):
+        TrainConfig.from_config(c)
+    c = base.get_base_config()
+    assert (c.optim.micro_batch_rows, c.optim.micro_batch_tokens) == (8, 0)
+    cfg = TrainConfig.from_config(c)
+    assert (cfg.micro_batch_rows, cfg.micro_batch_tokens) == (8, 0)
 
 
 def test_a_missing_key_is_refused_not_defaulted():

@@ -99,13 +99,19 @@ def test_reading_a_config_imports_no_jax():
 
 
 def test_remat_policy_names_are_written_once():
-    """The policy names live in strata_jax.config (the override parser and TrainConfig read them
-    there); the model maps each name but "none" to its jax.checkpoint policy."""
+    """The policies live in one table, strata_jax.config.REMAT_CHECKPOINT_POLICIES (name ->
+    jax.checkpoint policy): the override parser, TrainConfig and the model read it there."""
+    import jax
+
     from strata_jax import config
-    from strata_jax.models import qwen2
+    from strata_jax.models import layers, qwen2
     from strata_jax.training import config as train_config
-    assert train_config.REMAT_POLICIES is config.REMAT_POLICIES
-    assert ("none", *qwen2.REMAT_POLICIES) == config.REMAT_POLICIES
+    assert train_config.REMAT_POLICIES is config.REMAT_POLICIES is qwen2.REMAT_POLICIES
+    assert config.REMAT_POLICIES == ("none", "full", "dots")
+    assert layers.checkpoint_policy("full") is jax.checkpoint_policies.nothing_saveable
+    assert (layers.checkpoint_policy("dots")
+            is jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    assert not hasattr(layers, "REMAT_POLICIES") and not hasattr(qwen2, "REMAT_CHECKPOINT_POLICIES")
 
 
 def test_the_pad_id_is_the_tokenizers_endoftext():

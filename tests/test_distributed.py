@@ -50,7 +50,7 @@ def small_config(workdir: str):
         c.rollout.sampler_dtype = "float32"
     c.train.compute_dtype = "float32"
     c.optim.mini_batch_size = 4096
-    c.optim.micro_batch_size = 8
+    c.optim.micro_batch_rows = 8
     c.optim.lr = 1.0
     c.train.adam_eps = 1e-3
     c.rollout.self_judgment = False    # one sampler program less to compile

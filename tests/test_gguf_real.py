@@ -160,7 +160,7 @@ def test_packed_update_equals_per_row_update_on_real_rows(real):
     batch = jax.tree.map(lambda x: x[:16], batch)
     kind = np.asarray(batch.kind)
     assert (kind[:2] == 1).all() and (kind[2:] == 0).all() and np.asarray(batch.valid).all()
-    cfg = train_config("strata", lr=0.1, adam_eps=1.0, mini_batch_size=8, micro_batch_size=4,
+    cfg = train_config("strata", lr=0.1, adam_eps=1.0, mini_batch_size=8, micro_batch_rows=4,
                        remat="dots", lora=LoraConfig(rank=16, alpha=32.0))
     packed, rows = Trainer(config, cfg), Trainer(config, cfg, per_row=True)
     state = rows.init_state(params, jax.random.PRNGKey(1))

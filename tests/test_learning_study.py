@@ -254,8 +254,8 @@ def test_a_memory_knob_does_not_make_another_setting():
     token's value, does not."""
     from studies.memory_key import queue as ls
     base = ["eval.py", "--config=configs/builtin.py:tiny,real,strata,optim.lr=2e-05,"
-            "optim.micro_batch_size=8,model.remat=dots", "--split=test"]
-    knobs = [base[0], base[1].replace("micro_batch_size=8", "micro_batch_size=4")
+            "optim.micro_batch_rows=8,model.remat=dots", "--split=test"]
+    knobs = [base[0], base[1].replace("micro_batch_rows=8", "micro_batch_rows=4")
              .replace("remat=dots", "remat=full"), base[2]]
     assert ls.same_setting(base, knobs)
     # a retired field (the kept study's train.pack_prefixes=true) is ignored by runs and here

@@ -101,7 +101,7 @@ def test_causal_key_blocks_equal_attention_over_every_slot(first_slot, chunk):
     # known first slot each block attends keys up to its causal end only; the values equal
     # attention over all S slots (first_slot=None, what decode does) for every query that has
     # an allowed key. The last row is all padding: finite, but its output is left free.
-    from strata_jax.models.qwen2 import _attention
+    from strata_jax.models.attention import attention
     b, t, s, h, k, dh = 3, 10, 20, 4, 2, 8
     rng = np.random.default_rng(3)
     q = jnp.asarray(rng.standard_normal((b, t, h, dh), np.float32))
@@ -111,8 +111,8 @@ def test_causal_key_blocks_equal_attention_over_every_slot(first_slot, chunk):
     valid[2] = False
     q_slot = first_slot + np.arange(t)
     allowed = jnp.asarray(valid[:, None, :] & (np.arange(s)[None, :] <= q_slot[:, None])[None])
-    blocked = np.asarray(_attention(q, *kv, allowed, k, chunk, first_slot=first_slot))
-    every = np.asarray(_attention(q, *kv, allowed, k, chunk, first_slot=None))
+    blocked = np.asarray(attention(q, *kv, allowed, k, chunk, first_slot=first_slot))
+    every = np.asarray(attention(q, *kv, allowed, k, chunk, first_slot=None))
     np.testing.assert_allclose(blocked[:2], every[:2], atol=1e-6, rtol=1e-6)
     assert np.isfinite(blocked).all()
     # against a direct numpy attention (GQA: head j reads kv head j // (h // k))
@@ -190,7 +190,7 @@ def test_tree_mask_attention_equals_the_dense_rule(chunk):
     # A TreeMask (per-key subtree end, built per query block) gives the attention of the dense
     # [B, T, T] mask k <= q < end[k] & valid[k], values and gradients, with blocks of 4 queries
     # cutting through segments and with one block.
-    from strata_jax.models.qwen2 import TreeMask, _attention
+    from strata_jax.models.attention import TreeMask, attention
     b, t, h, k, dh = 2, 13, 4, 2, 8
     rng = np.random.default_rng(5)
     q = jnp.asarray(rng.standard_normal((b, t, h, dh), np.float32))
@@ -207,7 +207,7 @@ def test_tree_mask_attention_equals_the_dense_rule(chunk):
     tree = TreeMask(valid=jnp.asarray(valid), end=jnp.asarray(end))
 
     def f(mask, q, kk, vv):
-        out = _attention(q, kk, vv, mask, k, chunk, first_slot=0)
+        out = attention(q, kk, vv, mask, k, chunk, first_slot=0)
         return jnp.sum(jnp.where(jnp.asarray(valid)[..., None], out, 0.0) ** 2), out
 
     (l1, o1), g1 = jax.value_and_grad(f, argnums=(1, 2, 3), has_aux=True)(tree, q, *kv)

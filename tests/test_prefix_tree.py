@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata_jax.training.prefix_tree import pack_rows, response_slots
+from strata_jax.buckets import response_slots
+from strata_jax.training.prefix_tree import pack_rows
 
 
 def make_rows(rows: list[tuple[list[int], list[int]]], tp: int | None = None,
@@ -258,8 +259,8 @@ def test_key_index_buckets_stay_few_over_random_batches():
     micro widths (the smallest holding its fullest packed row) and pads its exact key index
     with -1 to A = block x two sizes per octave of blocks: with block 32 at most 0, 32, 64,
     96, 128, 192, 256 (the exact A is at most ceil(200 / 32) + 1 = 8 blocks)."""
-    from strata_jax.training.prefix_tree import (block_key_index, key_index_width,
-                                                 micro_widths, packed_micro_batches)
+    from strata_jax.buckets import key_index_width, micro_widths
+    from strata_jax.training.prefix_tree import block_key_index, packed_micro_batches
     rng = np.random.default_rng(7)
     seen, widths_seen = set(), set()
     for trial in range(30):
@@ -301,7 +302,7 @@ def test_key_index_buckets_stay_few_over_random_batches():
 def test_key_index_width_hand_values():
     """A in whole blocks, then two sizes per octave of blocks (1, 2, 3, 4, 6, 8, 12, 16):
     6 blocks stay 6 (a power-of-two bucket made them 8), 5 -> 6, 9 -> 12, 13 -> 16, 0 -> 0."""
-    from strata_jax.training.prefix_tree import key_index_width
+    from strata_jax.buckets import key_index_width
     assert [key_index_width(n * 128, 128) for n in (0, 1, 2, 3, 5, 6, 7, 9, 13)] == [
         0, 128, 256, 384, 768, 768, 1024, 1536, 2048]
     assert key_index_width(96, 32) == 96 and key_index_width(160, 32) == 192
@@ -311,7 +312,8 @@ def test_micro_widths_and_the_fullest_rows_first():
     """Hand values: the two micro widths of W (3W/4 rounded up to 8, and W), and a batch whose
     packed rows fill unevenly runs its fullest row at W and the emptier at 3W/4, each row
     scored from its own micro-batch."""
-    from strata_jax.training.prefix_tree import micro_widths, packed_micro_batches
+    from strata_jax.buckets import micro_widths
+    from strata_jax.training.prefix_tree import packed_micro_batches
     assert micro_widths(2048) == (1536, 2048)
     assert micro_widths(100) == (80, 100)
     with pytest.raises(ValueError, match="max_width"):

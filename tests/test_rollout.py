@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from envs_bridge import EnvPool, Task
-from strata_jax.algos.batch import KIND_ACTION, KIND_STRATEGY, PAD_ID
+from strata_jax.algos.batch import KIND_ACTION, KIND_STRATEGY, PAD_ROW_ID
 from strata_jax.models import load_tokenizer
 from strata_jax.rollout import (PromptBuilder, RolloutConfig, ScriptedPolicy, anchor_hash,
                                 collect_rollout, dapo_rollout)
@@ -117,7 +117,7 @@ def test_strata_scripted_exact_batch(tok):
     assert all(a == "go north" or a.startswith("enter ") for _, a in fx.SENT_ACTIONS)
     # padding rows
     pad = ~b.valid
-    assert (b.task_id[pad] == PAD_ID).all() and not b.response_mask[pad].any()
+    assert (b.task_id[pad] == PAD_ROW_ID).all() and not b.response_mask[pad].any()
     assert b.num_rows % 8 == 0 and b.num_rows >= len(res.records)
     # judge calls are greedy, one per trajectory
     greedy_calls = [c for c in policy.calls if c[3]]

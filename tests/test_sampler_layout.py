@@ -10,7 +10,7 @@ import pytest
 
 from strata_jax.models import forward, load_checkpoint, logits_from_hidden
 from strata_jax.models.lora import LoraConfig, init_lora, lora_params
-from strata_jax.models.qwen2 import InOutWeight, LoraWeight
+from strata_jax.models.layers import InOutWeight, LoraWeight
 from strata_jax.models.sampler_layout import SAMPLER_PROJECTIONS, prepare_sampler_params
 from strata_jax.sampling import Sampler, SamplingParams
 from tests.sampler_fixtures import build_checkpoint, compile_counter, prompts

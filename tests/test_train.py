@@ -58,7 +58,7 @@ def _reference_logprobs(params, batch):
 def test_score_pass_matches_direct_logprobs(setup):
     params, trainer, state = setup
     batch = make_batch(grpo_records(n_tasks=1, per_task=3))
-    # rows 4-7 are one whole chunk of padding (micro_batch_size 4): the skipped branch
+    # rows 4-7 are one whole chunk of padding (micro_batch_rows 4): the skipped branch
     assert batch.num_rows == 8 and not np.any(batch.valid[4:])
     scored = trainer.score(state, batch, params, jax.random.PRNGKey(0))
     want = _reference_logprobs(params, batch)
@@ -134,7 +134,7 @@ def test_grad_accumulation_4_micro_equals_full_batch(setup):
     p = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(7), x.shape),
                      params)
     cfg4 = trainer.cfg                       # micro 4 -> 4 micro-batches
-    cfg16 = dataclasses.replace(cfg4, micro_batch_size=16)
+    cfg16 = dataclasses.replace(cfg4, micro_batch_rows=16)
     l4, g4, _, m4 = accumulate_grads(p, {}, scored, adv, w, adv, model=TINY, cfg=cfg4)
     l16, g16, _, m16 = accumulate_grads(p, {}, scored, adv, w, adv, model=TINY, cfg=cfg16)
     assert float(m4["clip_frac"]) > 0 and float(m4["kl"]) > 0
@@ -213,7 +213,7 @@ def test_remat_and_bf16_options(setup):
     w = scored.valid.astype(jnp.float32)
     p = jax.tree.map(lambda x: x + 0.2 * jax.random.normal(jax.random.PRNGKey(4), x.shape),
                      params)
-    cfg = dataclasses.replace(trainer.cfg, micro_batch_size=16)
+    cfg = dataclasses.replace(trainer.cfg, micro_batch_rows=16)
     l0, g0, _, _ = accumulate_grads(p, {}, scored, adv, w, adv, model=TINY, cfg=cfg)
     # Rematerialisation changes memory, not math.
     l1, g1, _, _ = accumulate_grads(p, {}, scored, adv, w, adv, model=TINY,
@@ -332,7 +332,7 @@ def test_per_layer_remat_bounds_backward_memory():
     vec = jnp.ones((batch.num_rows,), jnp.float32)
     temps = {}
     for remat in ("none", "dots", "full"):
-        cfg = TrainConfig(mini_batch_size=8, micro_batch_size=8, remat=remat,
+        cfg = TrainConfig(mini_batch_size=8, micro_batch_rows=8, remat=remat,
                           compute_dtype="float32")
         low = accumulate_grads.lower(params, {}, batch, vec, vec, vec, model=model, cfg=cfg)
         temps[remat] = low.compile().memory_analysis().temp_size_in_bytes
@@ -362,7 +362,7 @@ def test_donated_update_equals_the_copying_one_and_reuses_the_input_state(setup)
 
 
 def test_response_columns_buckets():
-    from strata_jax.training.batching import response_columns
+    from strata_jax.buckets import response_columns
     # floor 0: two sizes per octave, multiples of 8
     assert [response_columns(n) for n in (0, 1, 8, 9, 13, 17, 25, 33, 97)] == \
         [8, 8, 8, 16, 16, 24, 32, 48, 128]
@@ -392,10 +392,16 @@ def test_response_floor_pads_responses_and_keeps_the_update(setup):
     # real tokens / computed slots: the packed micro-batch is one packed row of the token budget
     # of 4 rows (`Trainer.pack_shape`): W = 4 x (8 + 8) = 64 slots without the floor; with it
     # 4 x (8 + 32) = 160, rounded down to a power of two, 128; the 36 real tokens fit 3W / 4
-    # (`prefix_tree.micro_widths`), so the micro-batch runs at 48 and 96 slots
+    # (`buckets.micro_widths`), so the micro-batch runs at 48 and 96 slots
     real = int(np.asarray(tight.prompt_mask).sum() + np.asarray(tight.response_mask).sum())
     assert real == 36
     assert trainer.pack_shape(4, 8, 8) == (64, 1, 1) and floor.pack_shape(4, 8, 32) == (128, 1, 1)
+    # optim.micro_batch_tokens sets the budget in slots: 64 is the default's; 256 is one packed
+    # row of 256; 40 rounds down to one row of 32 (never below the 16 of a whole row)
+    assert trainer.pack_shape(4, 8, 8, tokens=64) == (64, 1, 1)
+    assert trainer.pack_shape(4, 8, 8, tokens=256) == (256, 1, 1)
+    assert trainer.pack_shape(4, 8, 8, tokens=40) == (32, 1, 1)
+    assert trainer.pack_shape(4, 8, 8, tokens=8) == (16, 1, 1)
     assert ma["perf/update_token_fill"] == pytest.approx(real / 48)
     assert mb["perf/update_token_fill"] == pytest.approx(real / 96)
 
@@ -439,7 +445,7 @@ def test_packed_update_with_lora_donation_and_several_minibatches(setup, algo):
                         scores=[1, 0, 0, 1, 1, 0, 1, 1, 0, 1], strategies=2)
     batch = make_batch(recs)
     assert len({int(x) for x in np.asarray(batch.response_mask).sum(1)}) > 5
-    cfg = train_config(algo, mini_batch_size=4, micro_batch_size=4, ppo_epochs=2, dropout=0.0,
+    cfg = train_config(algo, mini_batch_size=4, micro_batch_rows=4, ppo_epochs=2, dropout=0.0,
                        lora=LoraConfig(rank=4, alpha=8.0), donate_state=True)
     packed, rows = Trainer(TINY, cfg), Trainer(TINY, cfg, per_row=True)
     state = packed.init_state(params, jax.random.PRNGKey(5))

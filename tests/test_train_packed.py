@@ -94,7 +94,7 @@ def test_packed_update_equals_per_row_update(params, algo, epochs, lora, mini, w
     extra = dict(lora=LoraConfig(rank=4, alpha=8.0)) if lora else {}
     # adam_eps 1e-6 (torch's 1e-8 elsewhere): see the params comparison below
     cfg = train_config(algo, ppo_epochs=epochs, dropout=0.0, mini_batch_size=mini,
-                       micro_batch_size=4, adam_eps=1e-6, **extra)
+                       micro_batch_rows=4, adam_eps=1e-6, **extra)
     packed = Trainer(TINY, dataclasses.replace(cfg, pack_width=width))
     rows = Trainer(TINY, cfg, per_row=True)
     state = _moved(rows, params, jax.random.PRNGKey(4))
@@ -146,7 +146,7 @@ def test_packed_update_block_sparse_equals_per_row_update(params, monkeypatch):
     monkeypatch.setattr(trainer_mod, "packed_micro_batches", functools.wraps(
         packed_micro_batches)(small_blocks))
     batch = make_batch(shared_records(seed=3))
-    cfg = train_config("grpo", dropout=0.0, mini_batch_size=4, micro_batch_size=4,
+    cfg = train_config("grpo", dropout=0.0, mini_batch_size=4, micro_batch_rows=4,
                        adam_eps=1e-6)
     packed = Trainer(TINY, cfg)
     rows = Trainer(TINY, cfg, per_row=True)
@@ -187,8 +187,8 @@ def test_packed_update_on_a_mesh_equals_single_device(params):
     # shard over the data axes: more ancestor copies and all-padding rows, so a lower fill
     trimmed = trim_padding(batch)
     tp, tr = trimmed.prompt_ids.shape[1], trimmed.response_ids.shape[1]
-    w1, p1, _ = single_trainer.pack_shape(cfg.micro_batch_size, tp, tr)
-    w8, p8, shards = sharded_trainer.pack_shape(cfg.micro_batch_size, tp, tr)
+    w1, p1, _ = single_trainer.pack_shape(cfg.micro_batch_rows, tp, tr)
+    w8, p8, shards = sharded_trainer.pack_shape(cfg.micro_batch_rows, tp, tr)
     # (budget 4 x 48: one row of 128 alone; on the mesh 48 per shard -> the row's 64, P 2 -> 4)
     assert (tp + tr, shards) == (48, 4)
     assert (w1, p1) == (128, 1) and (w8, p8) == (64, 4)
@@ -202,7 +202,7 @@ def test_update_padded_up_to_earlier_marks_equals_a_fresh_trainers(params):
     its update equals a fresh trainer's on the same state and batch (and the per-row path's),
     and its micro-batches were indeed wider."""
     cfg = train_config("stapo", ppo_epochs=2, dropout=0.0, mini_batch_size=4,
-                       micro_batch_size=4, adam_eps=1e-6)
+                       micro_batch_rows=4, adam_eps=1e-6)
     cfg = dataclasses.replace(cfg, pack_width=64)
     raised, fresh, rows = Trainer(TINY, cfg), Trainer(TINY, cfg), Trainer(TINY, cfg, per_row=True)
     state = _moved(rows, params, jax.random.PRNGKey(4))
@@ -279,7 +279,7 @@ def test_packed_compilations_plateau_as_batches_drift(params, monkeypatch):
     monkeypatch.setattr(trainer_mod, "packed_micro_batches", functools.wraps(
         packed_micro_batches)(recorded))
     # a config of this test only (lr): the programs it compiles are its own
-    cfg = train_config("grpo", dropout=0.0, mini_batch_size=64, micro_batch_size=4, lr=3e-4)
+    cfg = train_config("grpo", dropout=0.0, mini_batch_size=64, micro_batch_rows=4, lr=3e-4)
     trainer = Trainer(TINY, dataclasses.replace(cfg, pack_width=64))
     state = trainer.init_state(params, jax.random.PRNGKey(1))
     # XLA compilations of the two programs that run the model (jax's "Compiling <name>" log)

@@ -51,7 +51,7 @@ def train_config(algo: str = "grpo", **overrides):
     # no donation: the tests update one fixture state many times (donation: test_train.py)
     # response_floor 0: the tests' hand-computed widths are two buckets per octave from 8 (the
     # default floor's own tests: test_train.py)
-    kw = dict(lr=1e-3, mini_batch_size=8, micro_batch_size=4, remat="none", compute_dtype="float32",
+    kw = dict(lr=1e-3, mini_batch_size=8, micro_batch_rows=4, remat="none", compute_dtype="float32",
               donate_state=False, response_floor=0)
     kw.update(overrides)
     return TrainConfig.from_config(c, **kw)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 # Names resolve on first use (PEP 562): configs/base.py reads only the algorithm table, and a
 # config typo must be reported before jax and flax are imported (seconds on a loaded machine).
 _EXPORTS = {
-    "batch": ("ID_FIELDS", "KIND_ACTION", "KIND_STRATEGY", "PAD_ID", "SampleBatch",
+    "batch": ("ID_FIELDS", "KIND_ACTION", "KIND_STRATEGY", "PAD_ROW_ID", "SampleBatch",
               "make_sample_batch", "pad_batch", "pad_rows", "save_sample_batch",
               "load_sample_batch"),
     "config": ("EstimatorConfig", "LossConfig"),
@@ -35,8 +35,8 @@ def __getattr__(name: str):
 
 
 if TYPE_CHECKING:   # what static tools see: the eager form of the table above
-    from strata_jax.algos.batch import (ID_FIELDS, KIND_ACTION, KIND_STRATEGY, PAD_ID, SampleBatch,
-                                       load_sample_batch, make_sample_batch, pad_batch,
+    from strata_jax.algos.batch import (ID_FIELDS, KIND_ACTION, KIND_STRATEGY, PAD_ROW_ID,
+                                       SampleBatch, load_sample_batch, make_sample_batch, pad_batch,
                                        pad_rows, save_sample_batch)
     from strata_jax.algos.config import EstimatorConfig, LossConfig
     from strata_jax.algos.dapo_filter import keep_informative_groups
@@ -60,7 +60,7 @@ if TYPE_CHECKING:   # what static tools see: the eager form of the table above
     from strata_jax.algos.table import ALGORITHMS, Algorithm, get_algorithm
 
 __all__ = [
-    "ID_FIELDS", "KIND_ACTION", "KIND_STRATEGY", "PAD_ID", "SampleBatch", "make_sample_batch",
+    "ID_FIELDS", "KIND_ACTION", "KIND_STRATEGY", "PAD_ROW_ID", "SampleBatch", "make_sample_batch",
     "pad_batch", "pad_rows", "save_sample_batch", "load_sample_batch",
     "EstimatorConfig", "LossConfig", "keep_informative_groups",
     "ESTIMATORS", "compute_advantages", "get_estimator", "register_estimator", "strategy_rewards",

@@ -12,7 +12,7 @@ Conventions (docs/method.md §1.2, §1.3, §4):
   so the rows of a group may be interleaved with other groups anywhere in the batch.
   Group keys are tuples: the task group is `task_id`; StraTA's action group is
   `(task_id, strategy_id)`; a trajectory is `(task_id, trajectory_id)`; a GiGPO step
-  group is `(task_id, anchor_id)`. Padding rows hold PAD_ID (-1) in every id field.
+  group is `(task_id, anchor_id)`. Padding rows hold PAD_ROW_ID (-1) in every id field.
 * `score` is the per-sample score the estimator groups: the episode return R_ij on
   every action row of the episode (the same value on each step), and on strategy
   rows it is unused (StraTA's R(z) is computed by the estimator from the episode
@@ -38,15 +38,17 @@ Source: docs/method.md §1.2; verl-agent's DataProto fields
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping, Sequence
 
 import flax.struct
 import jax
 import numpy as np
 
-PAD_ID = -1
-"""Sentinel in every id field (task_id, strategy_id, ..., kind, anchor_id) of a padding row."""
+from strata_jax.buckets import bucket_size
+
+PAD_ROW_ID = -1
+"""Sentinel in every id field (task_id, strategy_id, ..., kind, anchor_id) of a padding row (not
+a token id: token columns pad with the batch's pad token, `pad_batch`'s added columns with 0)."""
 
 KIND_ACTION = 0
 """`kind` of a step sample (one env step's generation)."""
@@ -65,7 +67,7 @@ class SampleBatch:
         response_ids:    [R, Tr] int32, RIGHT-padded; the sampler's token ids (no re-encode).
         response_mask:   [R, Tr] bool, True on generated tokens (EOS included, nothing after).
 
-    Ids ([R] int32; PAD_ID = -1 on padding rows; labels, not positions):
+    Ids ([R] int32; PAD_ROW_ID = -1 on padding rows; labels, not positions):
         task_id:         task group (one task instance; the GRPO / strategy-level group).
         strategy_id:     which strategy z of the task (StraTA); 0 (or any constant) without.
         trajectory_id:   which episode of the task.
@@ -133,32 +135,12 @@ class SampleBatch:
 
 
 ID_FIELDS = ("task_id", "strategy_id", "trajectory_id", "step_index", "kind", "anchor_id")
-"""The id fields of a `SampleBatch`: PAD_ID on padding rows (every other field pads with 0)."""
+"""The id fields of a `SampleBatch`: PAD_ROW_ID on padding rows (every other field pads with
+0)."""
 _F32_ROW_FIELDS = ("score", "step_reward", "values", "value_std")
 _BOOL_ROW_FIELDS = ("invalid", "judge_flag", "format_fail")
 _TOKEN_F32_FIELDS = ("sampler_logprobs", "old_logprobs", "ref_logprobs")
 _REQUIRED = ("prompt_ids", "response_ids", "task_id", "trajectory_id", "kind")
-
-
-def bucket_size(n: int, buckets: Sequence[int] | None, multiple: int = 1) -> int:
-    """Smallest bucket >= n; without explicit buckets, the smallest of 2^k and 3 * 2^(k-2)
-    (..., 48, 64, 96, 128, ...) that is >= n, at least `multiple` and rounded up to a multiple of
-    it.
-
-    These sizes (at most 1.5x padding waste, two shapes per octave) bound the number of shapes a run ever compiles (log2 of the largest size),
-    where rounding to a multiple of 8 recompiled the update for nearly every iteration as prompt
-    lengths drift (docs/design.md §6.3).
-    Raises ValueError when n exceeds the largest bucket (say which config to raise).
-    """
-    if buckets:
-        for b in sorted(buckets):
-            if b >= n:
-                return int(b)
-        raise ValueError(
-            f"{n} exceeds the largest bucket {max(buckets)}; add a larger bucket to the config")
-    p2 = 1 << (max(n, 1) - 1).bit_length()
-    size = p2 * 3 // 4 if p2 >= 4 and n <= p2 * 3 // 4 else p2
-    return int(max(multiple, math.ceil(size / multiple) * multiple))
 
 
 def make_sample_batch(
@@ -184,7 +166,7 @@ def make_sample_batch(
     Sizes: R = smallest of `row_buckets` >= len(records) (or len rounded up to
     `row_multiple`, default 8 so the row axis shards over an 8-device mesh); Tp / Tr the
     smallest bucket >= the longest prompt / response (or the longest, rounded up to 8).
-    Padding rows get PAD_ID ids, valid = False and all-False masks.
+    Padding rows get PAD_ROW_ID ids, valid = False and all-False masks.
 
     Returns a SampleBatch of numpy arrays (device_put or jit it as you like).
     Raises ValueError on a missing required key or mismatched per-token lengths.
@@ -207,7 +189,7 @@ def make_sample_batch(
         "strategy_len": np.zeros((R,), np.int32),
     }
     for f in ID_FIELDS:
-        out[f] = np.full((R,), PAD_ID, np.int32)
+        out[f] = np.full((R,), PAD_ROW_ID, np.int32)
     for f in _F32_ROW_FIELDS:
         out[f] = np.zeros((R,), np.float32)
     for f in _BOOL_ROW_FIELDS:
@@ -248,7 +230,7 @@ def pad_batch(batch: SampleBatch, rows: int, prompt_len: int | None = None,
               response_len: int | None = None) -> SampleBatch:
     """A numpy copy of `batch` padded to `rows` rows and, optionally, wider token columns.
 
-    Padding rows hold PAD_ID in the `ID_FIELDS` and 0 / False everywhere else (so valid False
+    Padding rows hold PAD_ROW_ID in the `ID_FIELDS` and 0 / False everywhere else (so valid False
     and all-False masks: no group statistic or loss sees them). `prompt_len` widens the prompt
     fields ([R, Tp]) on the LEFT, `response_len` every other [R, T] field on the RIGHT, with 0 /
     False (masked everywhere), keeping the layout of `make_sample_batch`. None keeps a width.
@@ -264,7 +246,7 @@ def pad_batch(batch: SampleBatch, rows: int, prompt_len: int | None = None,
     out = {}
     for f in dataclasses.fields(batch):
         x = np.asarray(getattr(batch, f.name))
-        fill = PAD_ID if f.name in ID_FIELDS else 0
+        fill = PAD_ROW_ID if f.name in ID_FIELDS else 0
         x = np.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
         if x.ndim == 2:
             left = f.name.startswith("prompt_")

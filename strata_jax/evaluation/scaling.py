@@ -265,7 +265,7 @@ def evaluate_scaled(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequenc
                                        eval_rollout_config, summarize)
     from strata_jax.models import stop_token_ids
     from strata_jax.rollout.prompts import ACTION_STOP, JUDGE_STOP, STRATEGY_STOP
-    from strata_jax.rollout.rollout import _sampling
+    from strata_jax.rollout.rollout import stage_sampling
     from strata_jax.sampling.stops import build_stop_text
 
     tt = TestTimeConfig.from_config(c)
@@ -275,12 +275,14 @@ def evaluate_scaled(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequenc
     rc = eval_rollout_config(c)
     s_count, tok = tt.strategy_samples, builder.tokenizer
     stops = stop_token_ids(tok)
-    act_sampling = _sampling(rc, stops, rc.max_action_tokens, build_stop_text(tok, ACTION_STOP))
-    strat_sampling = _sampling(rc, stops, rc.max_strategy_tokens,
-                               build_stop_text(tok, STRATEGY_STOP))
+    act_sampling = stage_sampling(rc, stops, rc.max_action_tokens,
+                                  build_stop_text(tok, ACTION_STOP))
+    strat_sampling = stage_sampling(rc, stops, rc.max_strategy_tokens,
+                                    build_stop_text(tok, STRATEGY_STOP))
     j_policy, j_builder = (judge.policy, judge.builder) if judge else (policy, builder)
-    judge_sampling = _sampling(rc, stop_token_ids(j_builder.tokenizer), rc.max_judge_tokens,
-                               build_stop_text(j_builder.tokenizer, JUDGE_STOP), greedy=True)
+    judge_sampling = stage_sampling(rc, stop_token_ids(j_builder.tokenizer),
+                                    rc.max_judge_tokens,
+                                    build_stop_text(j_builder.tokenizer, JUDGE_STOP), greedy=True)
     probe_cap = tt.probe_steps or None
     finals: list[Trajectory] = []
     groups: list[StrategyGroup] = []

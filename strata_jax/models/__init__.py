@@ -2,12 +2,14 @@
 
 Imports only jax, flax, numpy (transformers, safetensors and huggingface_hub lazily), so it runs on
 accelerator images without the training dependencies. The pinned interface is documented in
-qwen2.py (params layout, `KVCache`, `forward`) and heads.py (`token_logprobs_and_entropy`).
+qwen2.py (params layout, `KVCache`, `forward`; the layer in layers.py, attention in
+attention.py) and heads.py (`token_logprobs_and_entropy`).
 """
 from strata_jax.models.config import PRESETS, Qwen2Config
 from strata_jax.models.heads import logits_from_hidden, token_logprobs_and_entropy
 from strata_jax.models.loading import export_params, load_checkpoint, load_params
-from strata_jax.models.qwen2 import (QUERY_CHUNK, KVCache, forward, init_cache, init_params,
+from strata_jax.models.attention import QUERY_CHUNK
+from strata_jax.models.qwen2 import (KVCache, forward, init_cache, init_params,
                                      param_logical_axes, param_shardings, shard_params)
 from strata_jax.models.tokenizer import (QWEN25_CHAT_TEMPLATE, load_tokenizer,
                                          stop_token_ids)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax.models.config import Qwen2Config
-from strata_jax.models.qwen2 import InOutWeight
+from strata_jax.models.layers import InOutWeight
 
 Params = dict[str, Any]
 

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 
 from strata_jax.config import read_fields, section_sources
 from strata_jax.models.config import Qwen2Config
-from strata_jax.models.qwen2 import (LINEAR_PROJECTIONS, LoraWeight, Params, layer_shapes,
-                                     param_logical_axes)
+from strata_jax.models.layers import LoraWeight
+from strata_jax.models.qwen2 import LINEAR_PROJECTIONS, Params, layer_shapes, param_logical_axes
 
 # The projections LoRA may adapt (biases and norms never are).
 PROJECTIONS: tuple[str, ...] = LINEAR_PROJECTIONS

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax.models.config import Qwen2Config
-from strata_jax.models.qwen2 import LINEAR_PROJECTIONS, InOutWeight, LoraWeight, Params
+from strata_jax.models.layers import InOutWeight, LoraWeight
+from strata_jax.models.qwen2 import LINEAR_PROJECTIONS, Params
 
 # Names `prepare_sampler_params` accepts in ``in_out`` (after fusion: q/k/v become qkv_proj,
 # gate/up become gate_up_proj when fused).

@@ -60,7 +60,7 @@ from strata_jax.sampling import FINISH_STOP, Generation, SamplingParams
 
 def anchor_hash(observation: str) -> int:
     """GiGPO anchor id of a raw observation: the first 31 bits of its blake2b digest (>= 0,
-    so it never collides with the PAD_ID -1 of padding rows). Same on every host."""
+    so it never collides with the PAD_ROW_ID -1 of padding rows). Same on every host."""
     digest = hashlib.blake2b(observation.encode("utf-8"), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax.sampling.buckets import bucket
+from strata_jax.buckets import bucket
 
 PURPOSE_STRATEGY = 0
 """First id of a strategy-candidate key: (PURPOSE_STRATEGY, task_uid, candidate)."""

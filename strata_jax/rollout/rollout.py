@@ -190,8 +190,10 @@ class RolloutResult:
         return dump_trajectories(self.trajectories, self.strategies)
 
 
-def _sampling(cfg: RolloutConfig, stops: Sequence[int], max_new: int,
-              stop_text: StopText | None = None, greedy: bool = False) -> SamplingParams:
+def stage_sampling(cfg: RolloutConfig, stops: Sequence[int], max_new: int,
+                   stop_text: StopText | None = None, greedy: bool = False) -> SamplingParams:
+    """The `SamplingParams` of one generation stage: cfg's temperature / top-p / top-k (greedy:
+    temperature 0), at most max_new tokens, stopping on the ids `stops` or on stop_text."""
     if greedy:
         return SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_token_ids=stops,
                               stop_text=stop_text)
@@ -236,8 +238,8 @@ def _rollout_part(policy: Policy, pool: EnvPool, builder: PromptBuilder, tasks: 
     specs: list[EpisodeSpec] = []
     groups: list[StrategyGroup] = []
     skipped: list[Task] = []
-    strategy_sampling = _sampling(cfg, stops, cfg.max_strategy_tokens,
-                                  build_stop_text(builder.tokenizer, STRATEGY_STOP))
+    strategy_sampling = stage_sampling(cfg, stops, cfg.max_strategy_tokens,
+                                       build_stop_text(builder.tokenizer, STRATEGY_STOP))
     reviser = None
     if cfg.revision.enabled:
         reviser = StrategyReviser(builder, key, cfg.revision, strategy_sampling)
@@ -258,17 +260,18 @@ def _rollout_part(policy: Policy, pool: EnvPool, builder: PromptBuilder, tasks: 
         for task, uid in zip(tasks, uids):
             specs += [EpisodeSpec(task, uid, 0, j, None) for j in range(cfg.group_size)]
     trajs, loop = run_episodes(policy, pool, builder, specs, key=key,
-                               sampling=_sampling(cfg, stops, cfg.max_action_tokens,
-                                                  build_stop_text(builder.tokenizer, ACTION_STOP)),
+                               sampling=stage_sampling(
+                                   cfg, stops, cfg.max_action_tokens,
+                                   build_stop_text(builder.tokenizer, ACTION_STOP)),
                                cohorts=cfg.cohorts, invalid_tail_chars=cfg.invalid_tail_chars,
                                reviser=reviser)
     if cfg.mode == "strata" and cfg.self_judgment:
         j_policy, j_builder = (judge.policy, judge.builder) if judge else (policy, builder)
         judge_stage(j_policy, j_builder, trajs, key,
-                    sampling=_sampling(cfg, stop_token_ids(j_builder.tokenizer),
-                                       cfg.max_judge_tokens,
-                                       build_stop_text(j_builder.tokenizer, JUDGE_STOP),
-                                       greedy=True),
+                    sampling=stage_sampling(cfg, stop_token_ids(j_builder.tokenizer),
+                                            cfg.max_judge_tokens,
+                                            build_stop_text(j_builder.tokenizer, JUDGE_STOP),
+                                            greedy=True),
                     invalid_tail_chars=cfg.invalid_tail_chars, stats=pre)
     stats = LoopStats(wall_s=time.perf_counter() - t_start, env_wait_s=loop.env_wait_s,
                       sampler_s=loop.sampler_s + pre.sampler_s,

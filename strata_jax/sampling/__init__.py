@@ -9,7 +9,7 @@ Public API:
   across ``generate_with_prefixes`` calls, `strata_jax.sampling.prefix_cache`).
 """
 
-from strata_jax.sampling.buckets import bucket
+from strata_jax.buckets import bucket
 from strata_jax.sampling.outputs import FINISH_LENGTH, FINISH_STOP, Generation, GenerationBatch
 from strata_jax.sampling.params import SamplingParams
 from strata_jax.sampling.prefix_cache import PrefixKVCache

@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from strata_jax import sharding as shd
 from strata_jax.models import KVCache, Qwen2Config
 from strata_jax.sampling import programs
-from strata_jax.sampling.buckets import bucket
+from strata_jax.buckets import bucket
 from strata_jax.sampling.outputs import GenerationBatch
 from strata_jax.sampling.packing import PackedRows, as_id_lists, pack_left
 from strata_jax.sampling.params import SamplingParams, check_temperature

@@ -1,7 +1,7 @@
 """Trainer: train state, scoring passes, critic, mini-batched PPO update, checkpoints.
 
 One job per module: state.py (the TrainState and its optimisers), scoring.py (the forward and
-the chunked LM-head logprobs), critic.py, batching.py (host-side batch helpers), prefix_tree.py
+the chunked LM-head logprobs), critic.py, batching.py (host-side batch helpers), prefix_tree/
 (the prefix-tree packed layout of a batch's rows, host numpy), steps.py (the pure jitted
 scoring / advantage / micro-batch steps), per_row.py (the per-row reference update),
 trainer.py (`Trainer`: the update flow of docs/method.md §9 around those steps), checkpoint.py

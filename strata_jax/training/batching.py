@@ -1,6 +1,6 @@
 """Host-side helpers of the update (numpy, outside jit): dropping all-padding columns, the
-mini-batch plan of an epoch (docs/method.md §9.2), the response columns' buckets. The packed
-micro-batches are in `prefix_tree`; the jitted steps they feed are in
+mini-batch plan of an epoch (docs/method.md §9.2); the buckets are strata_jax/buckets.py's.
+The packed micro-batches are in `prefix_tree`; the jitted steps they feed are in
 `strata_jax.training.steps`; `Trainer.update` (trainer.py) calls both.
 """
 from __future__ import annotations
@@ -11,33 +11,12 @@ import jax
 import numpy as np
 
 from strata_jax.algos import KIND_ACTION, KIND_STRATEGY, SampleBatch
-from strata_jax.algos.batch import bucket_size, pad_batch
+from strata_jax.algos.batch import pad_batch
+from strata_jax.buckets import bucket_size, response_columns
 
 _TOKEN_FIELDS = ("response_ids", "response_mask", "sampler_logprobs", "old_logprobs",
                  "ref_logprobs")
 _PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
-
-
-def response_columns(n: int, floor: int = 0) -> int:
-    """The response columns (an int) a batch or micro-batch keeps for a longest response of n
-    tokens (n >= 0; 0 counts as 1).
-
-    floor 0: a `bucket_size` size (two per octave, multiples of 8: 8, 16, 24, 32, 48, ...);
-    floor > 0: the smallest power of two >= max(n, floor) (32, 64, 128, ... for floor 32).
-    Used by `trim_padding` and `prefix_tree.packed_micro_batches` (``train.response_floor``,
-    docs/design.md §6.3).
-
-    Why a floor: a micro-batch's compiled gradient step is keyed by its (prompt, response)
-    width pair, and a real run's longest responses drift from iteration to iteration (an action
-    of 9 tokens, a strategy of 70, a format-invalid ramble of 96), so two sizes per octave from
-    8 up keep adding new pairs, each a new compilation of the forward and backward (minutes for
-    a 0.5B model on CPU, docs/results.md). Response columns are a small share of a row (prompts
-    are hundreds of tokens), so padding them to a coarse bucket costs little and the pairs a run
-    meets stop growing after its first iterations.
-    """
-    if floor <= 0:
-        return bucket_size(max(int(n), 1), None, 8)
-    return 1 << (max(int(n), int(floor), 1) - 1).bit_length()
 
 
 def trim_padding(batch: SampleBatch, response_floor: int = 0) -> SampleBatch:
@@ -133,5 +112,5 @@ def minibatch_plan(valid: np.ndarray, kind: np.ndarray, mini_batch_size: int, ro
     return plan
 
 
-__all__ = ["response_columns", "trim_padding", "trim_columns", "row_widths",
+__all__ = ["trim_padding", "trim_columns", "row_widths",
            "num_minibatches", "minibatch_plan"]

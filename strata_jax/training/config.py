@@ -23,7 +23,7 @@ LR_SCHEDULES = ("constant", "cosine")
 
 # TrainConfig fields read from c.optim / c.train (every key of those sections is one of these).
 _OPTIM_FIELDS = ("lr", "critic_lr", "weight_decay", "grad_clip", "warmup_steps", "ppo_epochs",
-                 "mini_batch_size", "micro_batch_size")
+                 "mini_batch_size", "micro_batch_rows", "micro_batch_tokens")
 _TRAIN_FIELDS = ("adam_eps", "lr_schedule", "decay_steps", "compute_dtype", "logprob_chunk",
                  "score_rows", "recompute_old", "trim_padding", "response_floor",
                  "pack_width", "donate_state",
@@ -59,13 +59,16 @@ class TrainConfig:
     Optimiser (c.optim): lr, critic_lr, weight_decay, grad_clip, warmup_steps (linear warmup in
       optimizer steps), lr_schedule ("constant" | "cosine" to 0 at `decay_steps` optimizer steps),
       ppo_epochs, mini_batch_size (step samples per optimizer step; strategy samples are spread
-      evenly over the mini-batches on top), micro_batch_size (rows per gradient-accumulation unit).
+      evenly over the mini-batches on top), micro_batch_rows (rows per gradient-accumulation
+      unit on the per-row path; the mini-batch plan pads each mini-batch to a multiple of it),
+      micro_batch_tokens (the packed update's token budget per micro-batch; 0 =
+      micro_batch_rows rows at the batch's prompt + response columns).
       adam_eps: AdamW epsilon (torch's default 1e-8).
     Model execution: remat ("none" | "full" | "dots": jax.checkpoint policy over the forward),
       compute_dtype ("float32" | "bfloat16": params are cast for the forward, the optimizer keeps
       the stored dtype), logprob_chunk (positions per LM-head chunk), temperature (train
       temperature of pi_old / pi_theta, docs/method.md §9.1), score_rows (rows per chunk of the
-      no-grad scoring passes; 0 = micro_batch_size), recompute_old (run the old-logprob pass
+      no-grad scoring passes; 0 = the micro-batch's rows / budget), recompute_old (run the old-logprob pass
       even when the update is exactly on-policy, one epoch of one mini-batch, where pi_old is
       the step's own logprob under stop_gradient; same result, one forward more: a check),
       trim_padding (drop all-padding prompt / response columns before scoring and training,
@@ -73,12 +76,13 @@ class TrainConfig:
       each micro-batch are the smallest power of two >= max(longest response, response_floor);
       0 = two sizes per octave from 8 as the prompt columns: tighter, but a run's drifting
       response lengths keep compiling new (prompt, response) width pairs,
-      `batching.response_columns`). micro_batch_size is a token budget: the update runs
-      prefix-tree packed micro-batches (training/prefix_tree.py: each shared prompt prefix
-      once, the scores and gradient of the per-row forward up to float summation order) of P
-      packed rows of W slots with P x W <= micro_batch_size x the batch's prompt + response
-      columns, the memory of a per-row micro-batch, and P a multiple of the mesh's batch shards
-      so the packed rows shard over the data axes; score_rows likewise. pack_width (W, the
+      `buckets.response_columns`). The update runs prefix-tree packed micro-batches
+      (training/prefix_tree/: each shared prompt prefix once, the scores and gradient of the
+      per-row forward up to float summation order) of P packed rows of W slots with
+      P x W <= micro_batch_tokens (0: micro_batch_rows x the batch's prompt + response
+      columns, the memory of a per-row micro-batch), and P a multiple of the mesh's batch
+      shards so the packed rows shard over the data axes; score_rows likewise (rows at the
+      batch's width; 0 = the update's budget). pack_width (W, the
       slots of one packed row; 0 = auto: the budget over the batch shards rounded down to a
       power of two, at most 2048, at least the batch's row width rounded up to one; a wider
       row shares more prefixes at a larger compiled program, `Trainer.pack_shape`),
@@ -111,7 +115,8 @@ class TrainConfig:
     decay_steps: int = 0
     ppo_epochs: int = 1
     mini_batch_size: int = 256
-    micro_batch_size: int = 8
+    micro_batch_rows: int = 8
+    micro_batch_tokens: int = 0
     remat: str = "dots"
     compute_dtype: str = "bfloat16"
     logprob_chunk: int = 64
@@ -164,8 +169,11 @@ class TrainConfig:
             raise ValueError("lr_schedule 'cosine' needs train.decay_steps > 0 (optimizer steps)")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
-        if self.mini_batch_size < 1 or self.micro_batch_size < 1 or self.ppo_epochs < 1:
-            raise ValueError("mini_batch_size, micro_batch_size and ppo_epochs must be >= 1")
+        if self.mini_batch_size < 1 or self.micro_batch_rows < 1 or self.ppo_epochs < 1:
+            raise ValueError("mini_batch_size, micro_batch_rows and ppo_epochs must be >= 1")
+        if self.micro_batch_tokens < 0:
+            raise ValueError("micro_batch_tokens must be >= 0 (0 = micro_batch_rows rows at the "
+                             f"batch's width), got {self.micro_batch_tokens}")
         if self.dropout_passes < 1 or not 0.0 <= self.dropout < 1.0:
             raise ValueError("dropout_passes must be >= 1 and dropout in [0, 1)")
 

@@ -5,7 +5,7 @@ path: the reference the packed update (steps.py, `Trainer`) is tested against, a
 * `score_batch` (no grad, chunks of rows via ``lax.map``): pi_old logprobs = the trainer's own
   recomputation at the train temperature (docs/method.md §9.1), reference logprobs (when
   kl_coef != 0), critic values and their dropout std.
-* `train_minibatch`: micro-batches of `micro_batch_size` rows in a ``lax.scan``
+* `train_minibatch`: micro-batches of `micro_batch_rows` rows in a ``lax.scan``
   (`accumulate_grads`), each level's token-mean normalised by the WHOLE mini-batch's count
   (`loss_normalizers`); then the optimizer step of steps.py (non-finite steps skipped).
 """
@@ -18,9 +18,9 @@ from strata_jax.algos import SampleBatch
 from strata_jax.models import Qwen2Config
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.state import TrainState
-from strata_jax.training.steps import (_accumulate_micro, _apply_grads, _finish_carry, _gather,
-                                       _masked_targets, _metric_keys, _minibatch_counts,
-                                       _score_chunk, _scoring_params, _zero_carry)
+from strata_jax.training.steps import (add_micro_batch, apply_grads, empty_carry, finish_carry,
+                                       gather_targets, masked_targets, metric_keys,
+                                       minibatch_loss_counts, score_chunk, scoring_params)
 
 
 def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
@@ -28,7 +28,7 @@ def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
                  use_old: bool = True):
     r = batch.num_rows
     n = r // chunk_rows
-    params, critic_params = _scoring_params(params, critic_params, ref_params, cfg)
+    params, critic_params = scoring_params(params, critic_params, ref_params, cfg)
 
     def split(x):
         return x.reshape((n, chunk_rows) + x.shape[1:])
@@ -49,7 +49,7 @@ def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
 
     def compute(x):
         pi, pm, ri, rm, i = x
-        return _score_chunk(params, critic_params, ref_params, pi, pm, ri, rm,
+        return score_chunk(params, critic_params, ref_params, pi, pm, ri, rm,
                             jax.random.fold_in(key, i), model=model, cfg=cfg, use_ref=use_ref,
                             use_old=use_old)
 
@@ -76,7 +76,7 @@ cfg.dropout_passes dropout passes (0 with no critic / dropout 0; 0 on invalid ro
 """
 
 
-gather_rows = jax.jit(_gather)
+gather_rows = jax.jit(gather_targets)
 gather_rows.__doc__ = """(mini-batch, adv, w, targets) of the rows idx [rows] int32 of `batch`
 and of the [R] f32 arrays adv, w, targets; entries with real [rows] False become invalid rows."""
 
@@ -84,35 +84,35 @@ and of the [R] f32 arrays adv, w, targets; entries with real [rows] False become
 def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, base=None, *,
                       model: Qwen2Config, cfg: TrainConfig, on_policy: bool = False):
     rows = mb.num_rows
-    m = cfg.micro_batch_size
+    m = cfg.micro_batch_rows
     if rows % m:
-        raise ValueError(f"mini-batch rows {rows} must be a multiple of micro_batch_size {m}")
-    adv, w, targets = _masked_targets(mb.valid, adv, w, targets)
-    norms, n_values = _minibatch_counts(mb)
+        raise ValueError(f"mini-batch rows {rows} must be a multiple of micro_batch_rows {m}")
+    adv, w, targets = masked_targets(mb.valid, adv, w, targets)
+    norms, n_values = minibatch_loss_counts(mb)
     split = lambda x: x.reshape((rows // m, m) + x.shape[1:])  # noqa: E731
     micro = jax.tree.map(split, (mb, adv, w, targets))
-    keys = _metric_keys(cfg, on_policy)
+    keys = metric_keys(cfg, on_policy)
 
     def body(carry, xs):
         b, a, ww, tt = xs
-        return _accumulate_micro(carry, params, critic_params, b, a, ww, tt, norms, n_values,
-                                 base, model=model, cfg=cfg, on_policy=on_policy,
-                                 keys=keys), None
+        return add_micro_batch(carry, params, critic_params, b, a, ww, tt, norms, n_values,
+                               base, model=model, cfg=cfg, on_policy=on_policy,
+                               keys=keys), None
 
-    carry, _ = jax.lax.scan(body, _zero_carry(params, critic_params, keys), micro)
-    return _finish_carry(carry, keys)
+    carry, _ = jax.lax.scan(body, empty_carry(params, critic_params, keys), micro)
+    return finish_carry(carry, keys)
 
 
 accumulate_grads = jax.jit(_accumulate_grads, static_argnames=("model", "cfg", "on_policy"))
 accumulate_grads.__doc__ = """Mini-batch loss and gradients summed over micro-batches.
 
-Args: params, critic_params; mb: SampleBatch (rows a multiple of cfg.micro_batch_size); adv,
+Args: params, critic_params; mb: SampleBatch (rows a multiple of cfg.micro_batch_rows); adv,
 w, targets [rows] f32; base: the frozen base params when LoRA is on (params = adapters;
 gradients are the adapters'), else None; static model, cfg, on_policy (see `micro_loss`).
 Every micro-batch loss is normalised by the WHOLE mini-batch's per-level counts
-(`loss_normalizers`), so the result does not depend on micro_batch_size. Returns (loss f32,
+(`loss_normalizers`), so the result does not depend on micro_batch_rows. Returns (loss f32,
 grads of params, grads of critic_params, metrics). Raises ValueError when the rows are not a
-multiple of cfg.micro_batch_size.
+multiple of cfg.micro_batch_rows.
 """
 
 
@@ -121,7 +121,7 @@ def _train_minibatch(state: TrainState, mb: SampleBatch, adv, w, targets, base=N
     loss, gp, gc, metrics = _accumulate_grads(state.params, state.critic_params, mb, adv, w,
                                               targets, base, model=model, cfg=cfg,
                                               on_policy=on_policy)
-    return _apply_grads(state, loss, gp, gc, metrics, cfg=cfg)
+    return apply_grads(state, loss, gp, gc, metrics, cfg=cfg)
 
 
 train_minibatch = jax.jit(_train_minibatch, static_argnames=("model", "cfg", "on_policy"))
@@ -130,7 +130,7 @@ _train_minibatch_donated = jax.jit(_train_minibatch, static_argnames=("model", "
 train_minibatch.__doc__ = """One optimizer step on one mini-batch (see the module docstring).
 
 Args: state; mb: SampleBatch of the mini-batch rows (old/ref logprobs and values filled;
-rows a multiple of cfg.micro_batch_size); adv, w, targets: [rows] f32 advantages, sample
+rows a multiple of cfg.micro_batch_rows); adv, w, targets: [rows] f32 advantages, sample
 weights, value targets; base: frozen base params when LoRA is on (state.params = adapters, the
 only leaves that change), else None; static: model, cfg, on_policy (the only step of an
 exactly on-policy update: pi_old = stop_gradient of the current logprobs, see `micro_loss`).

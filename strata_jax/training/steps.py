@@ -1,6 +1,6 @@
 """The update's pure jitted functions of (state, arrays), model and train configs static
 (docs/method.md §9); `Trainer` (trainer.py) holds the static pieces and calls them from the
-host, one prefix-tree packed micro-batch at a time (training/prefix_tree.py).
+host, one prefix-tree packed micro-batch at a time (training/prefix_tree/).
 
 * Scoring (no grad): `gather_chunk` cuts a chunk of rows out of the batch (a cheap program per
   batch shape), `score_rows` runs the passes on it (pi_old logprobs = the trainer's own
@@ -66,7 +66,7 @@ def effective_params(trainable: Params, base: Params | None, cfg: TrainConfig) -
     return lora_params(base, trainable, cfg.lora)
 
 
-def _scoring_params(params, critic_params, ref_params, cfg: TrainConfig):
+def scoring_params(params, critic_params, ref_params, cfg: TrainConfig):
     """With LoRA on: adapters -> effective params over the base (the reference)."""
     if cfg.lora.enabled:
         params = effective_params(params, ref_params, cfg)
@@ -95,11 +95,11 @@ def _logprobs(params, model: Qwen2Config, h, ri, rm, packed: PackedInputs | None
                              slots=None if packed is None else packed.response_slot)
 
 
-def _score_chunk(params, critic_params, ref_params, pi, pm, ri, rm, key, *, model: Qwen2Config,
-                 cfg: TrainConfig, use_ref: bool, use_old: bool,
-                 packed: PackedInputs | None = None):
+def score_chunk(params, critic_params, ref_params, pi, pm, ri, rm, key, *, model: Qwen2Config,
+                cfg: TrainConfig, use_ref: bool, use_old: bool,
+                packed: PackedInputs | None = None):
     """(old [B, Tr], ref [B, Tr], values [B], value_std [B]) f32 of one chunk of rows (params
-    already effective: `_scoring_params`); packed: the rows' packed layout (`_states`)."""
+    already effective: `scoring_params`); packed: the rows' packed layout (`_states`)."""
     kind = cfg.critic_kind
     run = dict(compute_dtype=cfg.compute_dtype)
     old = jnp.zeros(ri.shape, jnp.float32)
@@ -132,8 +132,8 @@ def _gather_chunk(batch: SampleBatch, idx, real, *, widths):
 
 def _score_rows(params, critic_params, ref_params, b: SampleBatch, key, packed=None, *,
                 model: Qwen2Config, cfg: TrainConfig, use_ref: bool, use_old: bool = True):
-    params, critic_params = _scoring_params(params, critic_params, ref_params, cfg)
-    old, ref, v, s = _score_chunk(params, critic_params, ref_params, b.prompt_ids, b.prompt_mask,
+    params, critic_params = scoring_params(params, critic_params, ref_params, cfg)
+    old, ref, v, s = score_chunk(params, critic_params, ref_params, b.prompt_ids, b.prompt_mask,
                                   b.response_ids, b.response_mask, key, model=model, cfg=cfg,
                                   use_ref=use_ref, use_old=use_old, packed=packed)
     return Scores(old, ref, jnp.where(b.valid, v, 0.0), jnp.where(b.valid, s, 0.0))
@@ -185,7 +185,9 @@ def _advantages(batch: SampleBatch, step, *, algo: str, est):
 advantages = jax.jit(_advantages, static_argnames=("algo", "est"))
 
 
-def _gather(batch, adv, w, targets, idx, real):
+def gather_targets(batch, adv, w, targets, idx, real):
+    """The rows idx [m] int32 of `batch` (real [m] bool, False = padding entry, whose row comes
+    out invalid) and their adv, w, targets [m] f32 (gathered from the batch's [R])."""
     take = lambda x: jnp.take(x, idx, axis=0)  # noqa: E731
     return _take_rows(batch, idx, real), take(adv), take(w), take(targets)
 
@@ -241,7 +243,9 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
     return loss, metrics
 
 
-def _metric_keys(cfg: TrainConfig, on_policy: bool = False) -> tuple[str, ...]:
+def metric_keys(cfg: TrainConfig, on_policy: bool = False) -> tuple[str, ...]:
+    """The metric names a mini-batch step reports for cfg (KL, entropy and the value metrics
+    only when their terms are on; "sampler_abs" only on-policy)."""
     keys = ["loss/action", "loss/strategy", "pg_loss", "clip_frac", "dual_clip_frac",
             "approx_kl_old", "ratio_mean"]
     if cfg.loss.kl_coef:
@@ -255,12 +259,13 @@ def _metric_keys(cfg: TrainConfig, on_policy: bool = False) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def _masked_targets(valid, adv, w, targets):
+def masked_targets(valid, adv, w, targets):
+    """adv, w, targets [m] f32 with 0 on the rows where valid [m] bool is False."""
     # Rows outside the loss must not carry NaN into the gradient (0 * NaN = NaN).
     return jnp.where(valid, adv, 0.0), jnp.where(valid, w, 0.0), jnp.where(valid, targets, 0.0)
 
 
-def _minibatch_counts(mb: SampleBatch):
+def minibatch_loss_counts(mb: SampleBatch):
     """The whole mini-batch's loss normalizers (`loss_normalizers`) and valid step-sample count."""
     norms = loss_normalizers(loss_mask(mb), mb.kind)
     n_values = jnp.sum(mb.valid & (mb.kind == KIND_ACTION)).astype(jnp.float32)
@@ -294,7 +299,7 @@ class Scores(NamedTuple):
     value_std: jax.Array
 
 
-def _zero_carry(params, critic_params, keys) -> GradCarry:
+def empty_carry(params, critic_params, keys) -> GradCarry:
     """An empty `GradCarry` for the metric names `keys`."""
     z = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
     return GradCarry(jax.tree.map(jnp.zeros_like, params),
@@ -302,11 +307,11 @@ def _zero_carry(params, critic_params, keys) -> GradCarry:
                      z(), z())
 
 
-def _accumulate_micro(carry, params, critic_params, b: SampleBatch, a, ww, tt, norms, n_values,
-                      base, *, model: Qwen2Config, cfg: TrainConfig, on_policy: bool, keys,
-                      packed: PackedInputs | None = None):
+def add_micro_batch(carry, params, critic_params, b: SampleBatch, a, ww, tt, norms, n_values,
+                    base, *, model: Qwen2Config, cfg: TrainConfig, on_policy: bool, keys,
+                    packed: PackedInputs | None = None):
     """carry + one micro-batch's loss, gradients and metric sums (`micro_loss`; metrics scaled
-    by what they average over, so `_finish_carry` returns whole-mini-batch means). A micro-batch
+    by what they average over, so `finish_carry` returns whole-mini-batch means). A micro-batch
     of padding rows only (the tail of a short mini-batch) costs nothing (``lax.cond``)."""
     gp, gc, loss_sum, msum, tok, val = carry
     grad_fn = jax.value_and_grad(micro_loss, argnums=(0, 1), has_aux=True)
@@ -333,7 +338,7 @@ def _accumulate_micro(carry, params, critic_params, b: SampleBatch, a, ww, tt, n
                      new_m, tok + n_tok, val + n_val)
 
 
-def _finish_carry(carry, keys):
+def finish_carry(carry, keys):
     """(loss f32, grads of params, grads of critic_params, metrics) from the accumulator."""
     gp, gc, loss, msum, tok, val = carry
     metrics = {}
@@ -344,7 +349,7 @@ def _finish_carry(carry, keys):
     return loss, gp, gc, metrics
 
 
-def _apply_grads(state: TrainState, loss, gp, gc, metrics, *, cfg: TrainConfig):
+def apply_grads(state: TrainState, loss, gp, gc, metrics, *, cfg: TrainConfig):
     """The optimizer half of a mini-batch step: AdamW on params (and critic) from summed
     gradients; a non-finite loss, gradient or update leaves the state bit-identical."""
     gnorm = optax.global_norm(gp)
@@ -381,7 +386,7 @@ def _apply_grads(state: TrainState, loss, gp, gc, metrics, *, cfg: TrainConfig):
 
 
 def _grouped_counts(batch: SampleBatch, idx, real):
-    return _minibatch_counts(_take_rows(batch, idx, real))
+    return minibatch_loss_counts(_take_rows(batch, idx, real))
 
 
 minibatch_counts = jax.jit(_grouped_counts)
@@ -393,10 +398,10 @@ counts (`loss_normalizers`) and the valid step-sample count (f32), shared by its
 def _micro_step(carry, params, critic_params, b: SampleBatch, a, ww, tt, norms, n_values,
                 base=None, packed=None, *, model: Qwen2Config, cfg: TrainConfig,
                 on_policy: bool = False):
-    a, ww, tt = _masked_targets(b.valid, a, ww, tt)
-    return _accumulate_micro(carry, params, critic_params, b, a, ww, tt, norms, n_values, base,
-                             model=model, cfg=cfg, on_policy=on_policy,
-                             keys=_metric_keys(cfg, on_policy), packed=packed)
+    a, ww, tt = masked_targets(b.valid, a, ww, tt)
+    return add_micro_batch(carry, params, critic_params, b, a, ww, tt, norms, n_values, base,
+                           model=model, cfg=cfg, on_policy=on_policy,
+                           keys=metric_keys(cfg, on_policy), packed=packed)
 
 
 accumulate_micro = jax.jit(_micro_step, static_argnames=("model", "cfg", "on_policy"),
@@ -415,7 +420,7 @@ program per micro-batch shape (m, wp, wr).
 
 
 def _gather_micro(batch: SampleBatch, adv, w, targets, idx, real, *, widths):
-    b, a, ww, tt = _gather(batch, adv, w, targets, idx, real)
+    b, a, ww, tt = gather_targets(batch, adv, w, targets, idx, real)
     return trim_columns(b, *widths), a, ww, tt
 
 
@@ -436,7 +441,7 @@ def zero_carry(params, critic_params, *, cfg: TrainConfig, on_policy: bool = Fal
     micro-batch shape met first as a mini-batch's first micro-batch (a fresh carry) and later
     as a following one (a previous result) would otherwise compile the gradient step twice:
     minutes on CPU for a real model."""
-    gp, gc, *rest = _zero_carry(params, critic_params, _metric_keys(cfg, on_policy))
+    gp, gc, *rest = empty_carry(params, critic_params, metric_keys(cfg, on_policy))
     sharding = jax.tree.leaves(params)[0].sharding
     if isinstance(sharding, NamedSharding):
         sharding = NamedSharding(sharding.mesh, PartitionSpec())
@@ -444,8 +449,8 @@ def zero_carry(params, critic_params, *, cfg: TrainConfig, on_policy: bool = Fal
 
 
 def _apply_carry(state: TrainState, carry, *, cfg: TrainConfig, on_policy: bool = False):
-    loss, gp, gc, metrics = _finish_carry(carry, _metric_keys(cfg, on_policy))
-    return _apply_grads(state, loss, gp, gc, metrics, cfg=cfg)
+    loss, gp, gc, metrics = finish_carry(carry, metric_keys(cfg, on_policy))
+    return apply_grads(state, loss, gp, gc, metrics, cfg=cfg)
 
 
 _apply_static = ("cfg", "on_policy")

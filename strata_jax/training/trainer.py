@@ -13,7 +13,7 @@ Flow of `Trainer.update(state, batch, ref_params)` (docs/method.md §9):
    step is skipped and counted in metrics["skipped_steps"].
 
 The scoring passes and the micro-batches run over prefix-tree packed rows
-(training/prefix_tree.py, docs/design.md §12.1): each shared prompt prefix is computed once,
+(training/prefix_tree/, docs/design.md §12.1): each shared prompt prefix is computed once,
 and the update is exact with respect to the per-row objective (docs/method.md §9). The plain
 per-row forward (`Trainer(per_row=True)`: every row at the batch's width, `score_batch` and
 `train_minibatch`) is kept only as the reference the tests hold the packed update to.
@@ -42,12 +42,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from strata_jax import buckets
 from strata_jax.algos import SampleBatch, loss_mask, pad_rows
 from strata_jax.distributed import host_values
 from strata_jax.models import Qwen2Config, init_params, param_shardings
 from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
 from strata_jax.sharding import logical_to_spec
-from strata_jax.sampling.buckets import bucket
 from strata_jax.training.batching import minibatch_plan, num_minibatches, trim_padding
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 _merge = jax.jit(apply_lora, static_argnums=(2, 3))
 
 
-def _host_ids(batch: SampleBatch) -> tuple[np.ndarray, ...]:
+def host_ids(batch: SampleBatch) -> tuple[np.ndarray, ...]:
     """The batch's (prompt_ids, prompt_mask, response_ids, response_mask) on the host (a
     multi-host global batch gathered: every process plans the same micro-batches)."""
     return tuple(host_values(getattr(batch, f)) for f in
@@ -107,7 +107,7 @@ class Trainer:
       cfg: TrainConfig (``TrainConfig.from_config(c)``).
       mesh: device mesh (`strata_jax.sharding.make_mesh`); None = default device, no sharding.
       per_row: run the plain per-row forward instead of the packed prefix tree (every row at
-        the batch's width, micro_batch_size rows per micro-batch): the same numbers up to float
+        the batch's width, micro_batch_rows rows per micro-batch): the same numbers up to float
         summation order, more work; the tests' reference, not a production path.
 
     Attributes:
@@ -260,34 +260,13 @@ class Trainer:
         sizes = dict(self.mesh.shape)
         return int(np.prod([sizes.get(a, 1) for a in LOGICAL_RULES["batch"] or ()]))
 
-    def pack_shape(self, rows: int, tp: int, tr: int) -> tuple[int, int, int]:
-        """(W, P, shards) of the packed micro-batches for a budget of `rows` per-row rows of
-        tp + tr columns: W slots per packed row, never less than tp + tr (the longest row must
-        fit): cfg.pack_width, or when 0 the budget over the batch shards rounded down to a
-        power of two, capped at 2048 (at least tp + tr rounded up to one); P = budget // W
-        packed rows per micro-batch, rounded down to a power of two, then up to a multiple of
-        the batch shards (so a micro-batch shards over the data axes instead of being
-        replicated, and holds about the tokens of a per-row micro-batch).
-
-        Why a bounded W: one packed row of the whole budget compiles a forward of budget /
-        block query blocks per layer and cannot shard over the data axes; a bounded W keeps the
-        compiled program the per-row one's size and P spreads the budget over devices (each
-        micro-batch then runs at 3W / 4 or W, `prefix_tree.micro_widths`). Why
-        powers of two: tp drifts from iteration to iteration, and every new (W, P) compiles
-        the forward and backward again; rounded, a run meets one or two values.
-        """
-        row, budget = tp + tr, rows * (tp + tr)
+    def pack_shape(self, rows: int, tp: int, tr: int, tokens: int = 0) -> tuple[int, int, int]:
+        """(W, P, shards) of the packed micro-batches for a budget of `tokens` slots (0: `rows`
+        per-row rows of tp + tr columns): `buckets.pack_shape` over this trainer's batch shards
+        with cfg.pack_width (0: the budget over the shards, a power of two capped at 2048)."""
         shards = self.batch_shards()
-
-        def floor2(n):
-            return 1 << (max(int(n), 1).bit_length() - 1)
-
-        if self.cfg.pack_width:
-            width = -(-max(row, int(self.cfg.pack_width)) // 8) * 8
-        else:
-            width = max(bucket(row), min(2048, floor2(budget // shards)))
-        rows_per_micro = floor2(max(1, budget // width))
-        rows_per_micro = -(-rows_per_micro // shards) * shards
+        width, rows_per_micro = buckets.pack_shape(rows, tp, tr, shards, self.cfg.pack_width,
+                                                   tokens)
         return width, rows_per_micro, shards
 
     def _packed_inputs(self, mb: PackedMicroBatch) -> PackedInputs:
@@ -333,7 +312,7 @@ class Trainer:
         nothing reads, keep 0 logprobs on the packed path.
         Raises ValueError when LoRA is on or loss.kl_coef != 0 and ref_params is None."""
         cfg = self.cfg
-        chunk = cfg.score_rows or cfg.micro_batch_size
+        chunk = cfg.score_rows or cfg.micro_batch_rows
         use_ref = bool(cfg.loss.kl_coef)
         if self.lora and ref_params is None:
             raise ValueError("LoRA is on (lora.rank > 0): pass the frozen base params as "
@@ -350,27 +329,31 @@ class Trainer:
             if self.per_row:
                 return score_batch(state.params, state.critic_params, ref, batch, key,
                                    chunk_rows=chunk, **static)
-            return self._packed_score(state, batch, ref, key, chunk, static)
+            # score_rows set: its rows at the batch's width; else the update's micro-batch budget
+            tokens = 0 if cfg.score_rows else cfg.micro_batch_tokens
+            return self._packed_score(state, batch, ref, key, chunk, tokens, static)
 
     def _plan(self, ids: tuple, idx: np.ndarray, real: np.ndarray, rows: int,
-              mark_key: str) -> list[PackedMicroBatch]:
+              mark_key: str, tokens: int = 0) -> list[PackedMicroBatch]:
         """The packed micro-batches of rows idx[real] (`prefix_tree.packed_micro_batches`) at
-        the token budget of `rows` rows of the batch's width (`pack_shape`), padded up to this
-        trainer's `shape_marks` of `mark_key` ("score" or "train": separate programs).
-        ids: the batch's host (prompt_ids, prompt_mask, response_ids, response_mask)."""
-        width, rows_per_micro, shards = self.pack_shape(rows, ids[0].shape[1], ids[2].shape[1])
+        the token budget `tokens` (0: `rows` rows of the batch's width; `pack_shape`), padded
+        up to this trainer's `shape_marks` of `mark_key` ("score" or "train": separate
+        programs). ids: the batch's host (prompt_ids, prompt_mask, response_ids, response_mask)."""
+        width, rows_per_micro, shards = self.pack_shape(rows, ids[0].shape[1], ids[2].shape[1],
+                                                        tokens)
         return packed_micro_batches(*ids, idx, real, max_width=width,
                                     rows_per_micro=rows_per_micro, row_multiple=shards,
                                     response_floor=self.cfg.response_floor,
                                     marks=self.shape_marks, mark_key=mark_key)
 
-    def _packed_score(self, state, batch, ref, key, chunk, static):
+    def _packed_score(self, state, batch, ref, key, chunk, tokens, static):
         """`score` over prefix-tree packed micro-batches of all valid rows (a token budget of
-        `chunk` rows at the batch's width each): the same scores, each shared prefix computed
-        once; the value-std dropout masks are drawn per packed chunk."""
-        ids = _host_ids(batch)
+        `tokens` slots, or when 0 of `chunk` rows at the batch's width, each): the same scores,
+        each shared prefix computed once; the value-std dropout masks are drawn per packed
+        chunk."""
+        ids = host_ids(batch)
         plan = self._plan(ids, np.arange(batch.num_rows), host_values(batch.valid), chunk,
-                          "score")
+                          "score", tokens)
         scores = Scores(jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
                         jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
         for j, mb in enumerate(plan):
@@ -388,11 +371,12 @@ class Trainer:
         """Epochs x mini-batches of optimizer steps on a scored batch with given advantages.
 
         Each mini-batch's rows are packed into a prefix tree (`prefix_tree.packed_micro_batches`)
-        and run as micro-batches of P packed rows of W slots (`pack_shape`: the token budget of
-        micro_batch_size rows at the batch's width; shapes padded up to `shape_marks`), one
+        and run as micro-batches of P packed rows of W slots (`pack_shape`: the token budget
+        cfg.micro_batch_tokens, or when 0 micro_batch_rows rows at the batch's width; shapes
+        padded up to `shape_marks`), one
         `accumulate_micro` each, then `apply_step`: the per-row step up to float summation
         order, each shared prefix computed once. `per_row`: `train_minibatch` over micro-batches
-        of micro_batch_size rows at the batch's width.
+        of micro_batch_rows rows at the batch's width.
 
         Args: batch scored (`score`); adv, weights, targets [R] f32; key: shuffling PRNGKey;
         base: the frozen base params when LoRA is on (else ignored); on_policy: the batch was
@@ -403,10 +387,10 @@ class Trainer:
         state.step.
         """
         cfg = self.cfg
-        m = cfg.micro_batch_size
+        m = cfg.micro_batch_rows
         # host_values: a multi-host global batch is gathered (every process plans the same steps).
         valid, kind = host_values(batch.valid), host_values(batch.kind)
-        ids = _host_ids(batch)   # on the host once (every process: the same plan)
+        ids = host_ids(batch)   # on the host once (every process: the same plan)
         pm, rm = ids[1], ids[3]
         n_tokens = np.sum(pm, axis=1) + np.sum(rm, axis=1)
         tp, tr = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
@@ -427,7 +411,7 @@ class Trainer:
                         # micro-batches holding a real row run at the batch's width
                         computed = int(real.reshape(-1, m).any(1).sum()) * m * (tp + tr)
                     else:
-                        packed = self._plan(ids, idx, real, m, "train")
+                        packed = self._plan(ids, idx, real, m, "train", cfg.micro_batch_tokens)
                         state, met = self._packed_step(state, batch, adv, weights, targets,
                                                        idx, real, packed, base, on_policy)
                         computed = sum(p.num_slots for p in packed)

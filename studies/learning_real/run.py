@@ -76,7 +76,7 @@ def run_variant(args, p: dict, env: str, algo: str, seed: int) -> tuple[str, str
         f"rollout.max_action_tokens={p['action_tokens']}",
         f"rollout.max_strategy_tokens={p['strategy_tokens']}",
         f"rollout.max_judge_tokens={p['judge_tokens']}",
-        f"env.max_prompt_tokens={p['prompt_tokens']}", f"optim.micro_batch_size={p['micro']}",
+        f"env.max_prompt_tokens={p['prompt_tokens']}", f"optim.micro_batch_rows={p['micro']}",
         f"train.compute_dtype={p['dtype']}", f"rollout.sampler_dtype={p['dtype']}",
         f"model.remat={p['remat'] if env == 'memory_key' else p['sw_remat']}",
         "ckpt.every=1", "eval.every=0"]

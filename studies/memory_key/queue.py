@@ -54,7 +54,7 @@ def train_extra(args, algo: str, seed: int) -> tuple[str, ...]:
            "ckpt.every=1", "ckpt.keep=2", "eval.every=0", f"model.remat={args.remat}",
            # the first iterations' update batches, replayed by benchmarks/prefix_tree.py
            "log.dump_batches=2",
-           f"optim.micro_batch_size={args.micro}",
+           f"optim.micro_batch_rows={args.micro}",
            # --updates-per-iteration optimizer steps over one iteration's rows (about: the row
            # count is known only after the rollout): more updates, no more rollouts
            f"optim.mini_batch_size={max(args.micro, rows_hint // args.updates_per_iteration)}")
@@ -114,11 +114,13 @@ def same_setting(a: list[str], b: list[str]) -> bool:
     their ``--config=<file>:<tokens>`` argument (`strata_jax.validation.MEMORY_KNOBS`: a
     resume may change them, so a run re-run with less memory after an OOM is the same job)
     and for retired fields (`strata_jax.config.RETIRED`: ignored by the run, so a kept job
-    that set one is the job without it). Imported here: the queue process stays free of jax,
-    beside the runs it starts."""
-    from strata_jax.config import RETIRED
+    that set one is the job without it); a renamed memory knob's old name
+    (`strata_jax.config.RENAMED_FIELDS`) is skipped as the knob. Imported here: the queue
+    process stays free of jax, beside the runs it starts."""
+    from strata_jax.config import RENAMED_FIELDS, RETIRED
     from strata_jax.validation import MEMORY_KNOBS
-    skip = set(MEMORY_KNOBS) | set(RETIRED)
+    skip = set(MEMORY_KNOBS) | set(RETIRED) | {
+        old for old, (_, new) in RENAMED_FIELDS.items() if new in MEMORY_KNOBS}
 
     def strip(argv):
         out = []
