@@ -5,6 +5,7 @@ import os
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 import pytest
 
 from configs import sciworld
@@ -108,10 +109,12 @@ def test_sampler_params_cast_follows_config():
     paper = sciworld.get_config()
     # fp32 masters for AdamW at lr 1e-6; bf16 for the sampler and the train forward
     assert paper.model.dtype == "float32" and paper.train.compute_dtype == "bfloat16"
-    cast = ex.sampler_params(paper, params)
+    from strata_jax.sampling import SamplerCopy
+    cast = SamplerCopy.from_config(paper, None)(params)
     assert {x.dtype for x in jax.tree.leaves(cast)} == {jnp.dtype(jnp.bfloat16)}
+    np.testing.assert_array_equal(np.asarray(cast["a"], np.float32), np.ones((2, 3)))
     tiny = sciworld.get_config("tiny")
-    assert ex.sampler_params(tiny, params) is params  # already fp32: no copy
+    assert SamplerCopy.from_config(tiny, None)(params) is params  # already fp32: no copy
 
 
 def test_validate_rejects_settings_that_defeat_resume_or_are_ambiguous():

@@ -38,7 +38,7 @@ from strata_jax.rollout import PromptBuilder, RolloutConfig, ScriptedPolicy, col
 from strata_jax.rollout.episodes import action_stop_text
 from strata_jax.rollout.prompts import PromptIds
 from strata_jax.sampling import Sampler, SamplingParams
-from strata_jax import warm_start
+from strata_jax.jobs import warm_start
 from strata_jax.training import sft
 
 MK_TASKS = [Task("memory_key", "memory_key", s, "train") for s in (0, 1)]

@@ -1,14 +1,13 @@
-"""strata-jax training: rollout -> update -> metrics -> checkpoint, resumable.
-
-    python train.py --config=configs/sciworld.py:tiny            # CPU smoke run, real ScienceWorld
-    python train.py --config=configs/sciworld.py --config.model.path=/ckpt/Qwen2.5-1.5B-Instruct
-    python train.py --config=configs/sciworld.py:grpo,matched    # a baseline at the StraTA budget
+"""The training job: rollout -> update -> log -> checkpoint -> eval, resumable (train.py runs it).
 
 Every run lives in ``config.workdir``: ``ckpt/`` (orbax), ``metrics.jsonl`` + ``tb/``
-(tensorboardX), ``trajectories.jsonl``. Re-running the same command resumes from the newest
-restorable checkpoint (raise ``--config.iterations`` to continue a finished run); SIGTERM
-(preemption), SIGHUP (a closed terminal or ssh session) and Ctrl-C save and exit after the
-iteration in flight, with status 75 (a finished run exits 0; the table: docs/reliability.md).
+(tensorboardX), ``trajectories.jsonl``. Running the same config again resumes from the newest
+restorable checkpoint (raise ``iterations`` to continue a finished run); SIGTERM (preemption),
+SIGHUP (a closed terminal or ssh session) and Ctrl-C save and stop after the iteration in
+flight (`stop_flag`; train.py then exits with status 75, the table: docs/reliability.md).
+
+The preflight is `strata_jax.jobs.prepare`, the pieces come from `strata_jax.jobs.assemble`;
+the iterations are written out here, in one loop (`run`).
 """
 from __future__ import annotations
 
@@ -16,15 +15,7 @@ import logging
 import os
 import time
 
-from absl import app, flags
-from ml_collections import config_flags
-
-from strata_jax.cli import EXIT_FINISHED, EXIT_PREEMPTED, guarded, parse_flags
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file, e.g. configs/sciworld.py:tiny", lock_config=False)
-flags.mark_flags_as_required(["config"])
-
+# the logger of train.py's log lines (the name they have always carried)
 log = logging.getLogger("strata_jax.train")
 TB_EPISODES = 2   # sample episodes per iteration in TensorBoard's text tab
 
@@ -34,39 +25,23 @@ def run(c) -> dict:
     {"status": "done" | "preempted", "step": int, "workdir": str, "last_metrics": dict}.
     Raises ConfigError (bad config, a model path that does not resolve, another run on the
     workdir, a resume that would not continue the stored run, an unreachable env server) before
-    anything is built; nothing is written to the workdir before the config is known good."""
-    from strata_jax import experiment as ex
-    from strata_jax.metrics import CompileCounter
+    anything is built (`strata_jax.jobs.prepare`); nothing is written to the workdir before the
+    config is known good."""
+    from strata_jax.jobs.assemble import assemble
+    from strata_jax.jobs.prepare import prepare
 
-    # Multi-host: jax.distributed from c.distributed / the environment, before any other JAX
-    # use; a no-op for one process. See strata_jax/distributed.py.
-    from strata_jax import distributed
-    distributed.initialize(c)
-    ex.validate(c)             # every field, before anything is built or written
-    ex.use_compilation_cache(c)
-    ex.use_host_allocator(c)
-    distributed.check_config(c)
-    ex.resolve(c)
-    ex.check_env(c)            # e.g. the WebShop server answers
-    if c.model.path:
-        ex.checkpoint_dir(c)   # a missing path / unreachable hub id: one line, nothing written
-    ex.check_resume(c, ex.stored_config(os.path.join(c.workdir, "ckpt")))
-    compiles = CompileCounter.install()
-    workdir = ex.workdir(c)
-    # One run per workdir: a second one refuses to start (the lock dies with its holder).
-    lock = ex.WorkdirLock(workdir).acquire() if distributed.is_primary() else None
-    try:
-        # Again under the lock: another run may have written the workdir meanwhile.
-        ex.check_resume(c, ex.stored_config(os.path.join(workdir, "ckpt")))
-        return _train(c, workdir, compiles, mesh=ex.build_mesh(c))
-    finally:
-        if lock is not None:
-            lock.release()
+    with prepare(c, "train") as p:
+        # setup: model, warm start, sampler, trainer, prompts, judge, tasks, envs
+        r = assemble(c, train=True, mesh=p.mesh)
+        try:
+            return _train(c, p.workdir, p.compiles, r)
+        finally:
+            r.pool.close()
 
 
-def _train(c, workdir, compiles, mesh) -> dict:
-    """The run of `run` once the workdir is locked: setup, resume, then one explicit loop of
-    ``rollout -> update -> log -> checkpoint -> eval`` per iteration."""
+def _train(c, workdir, compiles, r) -> dict:
+    """The run of `run` once the workdir is locked and the `Run` `r` assembled: resume, then one
+    explicit loop of ``rollout -> update -> log -> checkpoint -> eval`` per iteration."""
     import jax
 
     from envs_bridge.pool import pool_metrics
@@ -74,26 +49,15 @@ def _train(c, workdir, compiles, mesh) -> dict:
     from strata_jax import experiment as ex
     from strata_jax.evaluation import eval_tasks, evaluate
     from strata_jax.metrics import MetricsWriter, Progress, cpu_seconds
-    from strata_jax.rollout import (RolloutConfig, SamplerPolicy, build_judge_model,
-                                    make_prompt_builder, prefix_metrics)
-    from strata_jax.sampling import Sampler
-    from strata_jax.training import Checkpointer, LoopCheckpoints, Trainer, TrainConfig
-    from strata_jax.warm_start import maybe_warm_start
+    from strata_jax.rollout import RolloutConfig, prefix_metrics
+    from strata_jax.training import Checkpointer, LoopCheckpoints
 
-    # --- setup: model, warm start, sampler, trainer, prompts, tasks ------------------------
-    tokenizer = ex.build_tokenizer(c)
-    model_cfg, init_params = ex.build_model(c, tokenizer, mesh)
-    init_params = maybe_warm_start(c, model_cfg, init_params, tokenizer, c.workdir, mesh=mesh)
-    sampler_mesh = distributed.local_mesh(mesh)   # rollouts are per host: the sampler stays local
-    sampler = Sampler(model_cfg, mesh=sampler_mesh, max_cache_len=ex.max_cache_len(c, model_cfg))
-    trainer = Trainer(model_cfg, TrainConfig.from_config(c), mesh)
+    trainer, policy, pool, task_sampler = r.trainer, r.policy, r.pool, r.task_sampler
+    builder, judge, mesh, init_params = r.builder, r.judge, r.mesh, r.init_params
     rollout_cfg = RolloutConfig.from_config(c)
-    builder = make_prompt_builder(tokenizer, c)
-    judge = build_judge_model(c, sampler_mesh)   # None: the policy judges itself
-    task_sampler = ex.TaskSampler(ex.task_list(c), seed=c.seed)
     # The reference model is the initial policy, frozen (docs/method.md §8.2). With LoRA the
     # frozen base is both the reference and the model the adapters ride on (always passed).
-    ref_params = init_params if c.loss.kl_coef or trainer.lora else None
+    ref_params = init_params if trainer.needs_reference else None
 
     # --- resume: the newest restorable checkpoint, or a fresh state -------------------------
     # This process holds the workdir lock: it is the one writer, so the tmp folders of saves cut
@@ -115,19 +79,11 @@ def _train(c, workdir, compiles, mesh) -> dict:
         log.info("resumed from step %d in %s", meta["step"], workdir)
     start = int(jax.device_get(state.step))
 
-    def policy_params(state):
-        """The sampler's copy of the policy: LoRA adapters merged into the base, cast to the
-        sampler dtype, and (multi-host) gathered onto this host's devices."""
-        merged = trainer.policy_params(state, init_params)
-        local = distributed.to_local(ex.sampler_params(c, merged), model_cfg, sampler_mesh)
-        return ex.sampler_layout(c, model_cfg, local)
-
-    policy = SamplerPolicy(sampler, policy_params(state),
-                           prefix_cache_mb=c.rollout.prefix_cache_mb)
+    # the sampler's copy of the policy (LoRA merged, sampler dtype, this host's devices, layout)
+    policy.set_params(r.copy.of_state(trainer, state, init_params))
     # Rows logged after the restored step belong to the lost iterations: drop them on resume.
     writer = MetricsWriter(workdir, enabled=jax.process_index() == 0, resume_step=start)
     progress = Progress(c.iterations, start=start)
-    pool = ex.build_pool(c)
     tasks_for_eval = eval_tasks(c, c.eval.split) if c.eval.every > 0 else []
 
     def maybe_eval(step):
@@ -150,7 +106,7 @@ def _train(c, workdir, compiles, mesh) -> dict:
                  "continue it", workdir, start, c.iterations)
 
     # --- the loop ----------------------------------------------------------------------------
-    flag = _stop_flag().install()
+    flag = stop_flag().install()
     status, last = "done", {}
     try:
         with LoopCheckpoints(ckpt, config=c) as saves:
@@ -171,8 +127,7 @@ def _train(c, workdir, compiles, mesh) -> dict:
                 t_update = time.time()
                 if step < c.log.get("dump_batches", 0):
                     _dump_batch(c, workdir, step, result.batch)
-                batch = distributed.global_batch(
-                    result.batch, mesh, trainer.cfg.score_rows or trainer.cfg.micro_batch_size)
+                batch = distributed.global_batch(result.batch, mesh, trainer.score_chunk)
                 state, metrics = trainer.update(state, batch, ref_params)
                 done = int(jax.device_get(state.step))
                 # log
@@ -191,14 +146,13 @@ def _train(c, workdir, compiles, mesh) -> dict:
                     saves.save(state, task_sampler.get_state(), trainer.host_state())
                 saves.mark(state, task_sampler.get_state(), trainer.host_state())
                 # eval (with the updated policy, which the next rollout samples from too)
-                policy.set_params(policy_params(state))
+                policy.set_params(r.copy.of_state(trainer, state, init_params))
                 maybe_eval(done)
             if start >= c.iterations:   # nothing to run: the state as it is (a restored step
                 # on disk is not saved again)
                 saves.save(state, task_sampler.get_state(), trainer.host_state())
     finally:
         flag.uninstall()
-        pool.close()
         writer.close()
         ckpt.close()
     step = int(jax.device_get(state.step))
@@ -286,7 +240,7 @@ def _log_iteration(c, writer, progress, step, m, result) -> None:
                           f"success {m.get('rollout/success_rate', float('nan')):.2f}")
 
 
-def _stop_flag():
+def stop_flag():
     """The run's stop flag (`PreemptionFlag` on SIGTERM, SIGHUP and SIGINT): SIGTERM, SIGHUP
     (a closed terminal or ssh session) and the first Ctrl-C ask for a clean stop (the
     iteration in flight finishes, a checkpoint is saved, the run exits 75; one log line says
@@ -309,19 +263,4 @@ def _stop_flag():
     return StopFlag((signal.SIGTERM, signal.SIGHUP, signal.SIGINT))
 
 
-@guarded
-def main(argv):
-    del argv
-    from strata_jax.metrics import quiet_logs
-    quiet_logs()
-    summary = run(_CONFIG.value)
-    if summary["status"] == "preempted":
-        print(f"preempted: step {summary['step']} saved, outputs in {summary['workdir']}; the "
-              "same command continues the run")
-        return EXIT_PREEMPTED
-    print(f"{summary['status']}: step {summary['step']}, outputs in {summary['workdir']}")
-    return EXIT_FINISHED
-
-
-if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+__all__ = ["run", "stop_flag", "TB_EPISODES"]
