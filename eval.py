@@ -28,7 +28,7 @@ Prints one line per family, the overall success rate and score, the rollout's in
 env-rejected and strategy-format-failure fractions, and where it wrote: the metrics to
 ``<workdir>/eval_<split>_step<k>.json`` and every episode to
 ``<workdir>/eval_<split>_step<k>_trajectories.jsonl`` (read it with
-``python -m strata_jax.trajectories <that file>``). The work is `strata_jax.evaluation.run.run_eval`
+``python -m strata_jax.trajectories <that file>``). The job is `strata_jax.jobs.evaluate.run_eval`
 (also what the notebook calls).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from __future__ import annotations
 from absl import app, flags
 from ml_collections import config_flags
 
-from strata_jax.cli import guarded, parse_flags
+from strata_jax.jobs.cli import guarded, parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=False)
@@ -59,7 +59,7 @@ flags.mark_flags_as_required(["config"])
 @guarded
 def main(argv):
     del argv
-    from strata_jax.evaluation.run import run_eval
+    from strata_jax.jobs.evaluate import run_eval
     from strata_jax.evaluation import format_metrics
     from strata_jax.metrics import quiet_logs
     quiet_logs()

@@ -16,14 +16,14 @@ whatever its variant or workdir, reuses it. To start any run from an export expl
     # or, without the warm-start hook: --config.model.path=<export dir> --config.model.preset=
     #   --config.model.tokenizer=offline   (the export has no tokenizer files)
 
-Data and loss: strata_jax/training/sft/; the cache rules: strata_jax/warm_start.py.
+Data and loss: strata_jax/training/sft/; the job and the cache rules: strata_jax/jobs/warm_start.py.
 """
 from __future__ import annotations
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from strata_jax.cli import guarded, parse_flags
+from strata_jax.jobs.cli import guarded, parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/builtin.py:tiny", lock_config=False)
@@ -32,18 +32,13 @@ _FORCE = flags.DEFINE_bool("force", False, "Retrain even when the cache dir hold
 flags.mark_flags_as_required(["config"])
 
 
-def run(c, out: str = "", force: bool = False) -> dict:
-    """`strata_jax.warm_start.export_warm_start` (returns {"out", "cached", "meta"})."""
-    from strata_jax.warm_start import export_warm_start
-    return export_warm_start(c, out, force, log_fn=print)
-
-
 @guarded
 def main(argv):
     del argv
+    from strata_jax.jobs.warm_start import export_warm_start
     from strata_jax.metrics import quiet_logs
     quiet_logs()
-    res = run(_CONFIG.value, _OUT.value, _FORCE.value)
+    res = export_warm_start(_CONFIG.value, _OUT.value, _FORCE.value, log_fn=print)
     m = res["meta"]
     print(f"{'cached' if res['cached'] else 'trained'}: {res['out']}  (episodes {m['episodes']}, "
           f"examples {m['examples']}, loss {m['first_loss']:.3f} -> {m['final_loss']:.3f}, "

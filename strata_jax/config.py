@@ -6,7 +6,7 @@ that dict without importing ``configs/`` (which is not part of the installed pac
 
 * `ConfigError`: a config that cannot run (every user-facing config mistake is one).
 * `set_override` / `parse_value` / `field_type`: the one parser of command-line text for a
-  dotted field, shared by ``--config.<field>=<text>`` (`strata_jax.cli`) and the variant form
+  dotted field, shared by ``--config.<field>=<text>`` (`strata_jax.jobs.cli`) and the variant form
   ``--config=configs/x.py:<field>=<text>`` (``configs/base.py:apply_variant``).
 * `read_fields`: builds a frozen option dataclass (``LossConfig``, ``TrainConfig``, ...) from
   the dict, reading every field from its one source key; a missing key or a key of the

@@ -1,5 +1,5 @@
 """Exit statuses and stop signals shared by every entry point (train.py, eval.py, sft.py,
-``python -m strata_jax.models.fetch``); `strata_jax.cli` re-exports them. A module of its own,
+``python -m strata_jax.models.fetch``); `strata_jax.jobs.cli` re-exports them. A module of its own,
 importing nothing of the package, so that any module can use it without an import cycle.
 
 Every entry point exits with one of these statuses, so a script can tell the outcomes apart

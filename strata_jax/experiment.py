@@ -1,14 +1,15 @@
 """Build every piece of a run from one experiment config (configs/*.py).
 
-`train.py`, `eval.py`, `sft.py` and the notebook share this assembly so that a config means the
-same thing everywhere:
+`strata_jax.jobs` (train, evaluate, the warm start; train.py, eval.py, sft.py and the notebook
+run those) builds from these so that a config means the same thing everywhere:
 
     config -> validate -> mesh -> tokenizer -> model config + params
-           [-> warm start: strata_jax/warm_start.py, a separate step]
+           [-> warm start: strata_jax/jobs/warm_start.py, a separate step]
            -> task lists / TaskSampler -> EnvPool -> Sampler + SamplerPolicy -> PromptBuilder
            -> Trainer + Checkpointer
 
-Nothing here owns a loop; `train.py` runs the iterations. The config checks (key set, values,
+`strata_jax.jobs.assemble` puts them together into one `Run` (the preflight before it:
+`strata_jax.jobs.prepare`). Nothing here owns a loop. The config checks (key set, values,
 resume compatibility) are `strata_jax.validation`, re-exported here. Source: docs/design.md §2
 and §3.
 """
@@ -33,7 +34,7 @@ from strata_jax.models import (PRESETS, Qwen2Config, init_params, load_params, l
                                shard_params)
 from strata_jax.models.loading import checkpoint_config, resolve_checkpoint
 from strata_jax.validation import ENV_KWARGS
-# The checks a run calls through this module (train.py, eval.py, sft.py, notebooks); the rest of
+# The checks a run calls through this module (strata_jax.jobs, tests); the rest of
 # strata_jax.validation (key tables, check_keys, ...) is imported from there.
 from strata_jax.validation import (ASSEMBLY_KEYS, OPTIONAL_KEYS,  # noqa: F401
                                    RESUME_MAY_CHANGE, check_keys, check_resume, config_keys,
@@ -114,7 +115,7 @@ def use_host_allocator(c: Any) -> bool:
     whose freed pages stay resident: a run of several programs with buffers of many sizes (the
     packed update's micro-batch shapes) holds more than its largest program needs. A fixed
     threshold (``mallopt(M_MMAP_THRESHOLD)``, what ``MALLOC_MMAP_THRESHOLD_`` sets) turns that
-    adjustment off. Process-wide; call once at start-up (train.py, eval.py, the warm start).
+    adjustment off. Process-wide; call once at start-up (`strata_jax.jobs.prepare`).
     Source: glibc malloc(3) / mallopt(3), "M_MMAP_THRESHOLD"; figures: docs/results.md.
     `c` is a validated config (`validate`: 0-32 MiB, glibc's range). Returns True when set,
     False when 0 or when the C library has no mallopt or refuses it (a warning then; the
@@ -153,7 +154,8 @@ def build_tokenizer(c: Any):
 def checkpoint_dir(c: Any) -> str:
     """``model.path`` as a local directory or GGUF file (`resolve_checkpoint`), with its model
     config read and checked (`checkpoint_config`: a GGUF file's header pre-scan and bounds; a
-    directory's config.json), so that train.py refuses a bad model before it writes anything.
+    directory's config.json), so that a training run refuses a bad model before it writes
+    anything (`strata_jax.jobs.prepare`).
     A missing path, a file that is not a usable GGUF file, a bad config.json or a hub id /
     model name that cannot be downloaded is a ConfigError that names ``--config.model.path``."""
     try:
@@ -186,7 +188,7 @@ def abstract_params(c: Any, model_cfg: Qwen2Config) -> Any:
 def build_model(c: Any, tokenizer: Any, mesh: jax.sharding.Mesh | None
                 ) -> tuple[Qwen2Config, Any]:
     """Model config and the params as built or loaded, before any warm start (the run's
-    initial params are these after `strata_jax.warm_start.maybe_warm_start`).
+    initial params are these after `strata_jax.jobs.warm_start.maybe_warm_start`).
 
     model.preset: random weights of a named shape (seeded by c.seed), the vocabulary widened to
     hold every tokenizer id. model.path: an HF checkpoint dir, a GGUF file, a model name of
@@ -202,48 +204,6 @@ def build_model(c: Any, tokenizer: Any, mesh: jax.sharding.Mesh | None
             params = shard_params(params, cfg, mesh)
         return cfg, params
     return cfg, load_params(checkpoint_dir(c), cfg, dtype=dtype, mesh=mesh)
-
-
-def sampler_params(c: Any, params: Any) -> Any:
-    """The policy params as the sampler reads them: cast to ``rollout.sampler_dtype`` (bf16
-    halves the bytes a decode step streams; the trainer keeps fp32 masters and recomputes pi_old
-    itself, so the cast only shows up in the logged sampler-trainer mismatch)."""
-    dtype = jnp.dtype(c.rollout.sampler_dtype or c.model.dtype)
-    return _cast(params, dtype)
-
-
-def sampler_layout(c: Any, config: Qwen2Config, params: Any) -> Any:
-    """The sampler's copy in the layout of ``rollout.sampler_layout`` (call it after
-    `sampler_params` and after any host-local gathering, on the copy the sampler reads).
-
-    "" keeps the stored HF [out, in] layout; otherwise a comma list for
-    `strata_jax.models.sampler_layout.parse_sampler_layout`: ``fuse_qkv``, ``fuse_gate_up`` and
-    projection names stored pre-transposed [in, out] (``SAMPLER_PROJECTIONS``), or "in_out" for
-    every decoder projection [in, out] (docs/design.md §12). The trainer's params are not
-    touched. When the sampler dtype equals the model dtype (no cast copy), the prepared copy
-    costs one more copy of the transformed weights. Raises ConfigError for an unknown name.
-    """
-    from strata_jax.models.sampler_layout import parse_sampler_layout, prepare_sampler_params
-    spec = str(c.rollout.sampler_layout or "")
-    try:
-        kw = parse_sampler_layout(spec)
-        return prepare_sampler_params(params, config, **kw) if kw else params
-    except ValueError as e:
-        raise ConfigError(f"rollout.sampler_layout={spec!r}: {e}") from None
-
-
-@jax.jit
-def _cast_bf16(params):
-    return jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-
-
-def _cast(params: Any, dtype: Any) -> Any:
-    leaves = jax.tree.leaves(params)
-    if all(x.dtype == dtype for x in leaves):
-        return params
-    if dtype == jnp.bfloat16:
-        return _cast_bf16(params)
-    return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
 def env_kwargs(c: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import pytest
 from configs import base, sciworld
 from strata_jax import config as schema
 from strata_jax import experiment as ex
-from strata_jax.cli import split_config_args
+from strata_jax.jobs.cli import split_config_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,8 +83,10 @@ def test_cli_overrides_reach_the_config_for_every_field():
     """Through the real flag parser (ml_collections + absl), one subprocess with every field."""
     fields = all_overrides()
     args = [f"--config.{k}={text}" for k, _, text, _ in fields if k != "workdir"]
-    code = ("import sys, json, train; from strata_jax.cli import parse_flags; "
-            "parse_flags(sys.argv); print(json.dumps(train._CONFIG.value.to_dict(), default=list))")
+    code = ("import sys, json; from ml_collections import config_flags; "
+            "from strata_jax.jobs.cli import parse_flags; "
+            "cfg = config_flags.DEFINE_config_file('config', None, lock_config=False); "
+            "parse_flags(sys.argv); print(json.dumps(cfg.value.to_dict(), default=list))")
     out = subprocess.run([sys.executable, "-c", code, "--config=configs/sciworld.py:tiny", *args],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -188,7 +190,7 @@ def test_top_k_minus_one_means_off():
 
 def test_each_variant_has_its_own_run_folder_and_all_share_one_warm_start():
     from strata_jax.models import load_tokenizer
-    from strata_jax.warm_start import warm_start_dir
+    from strata_jax.jobs.warm_start import warm_start_dir
     names = {v: sciworld.get_config(v).workdir
              for v in ("tiny", "tiny,grpo", "grpo,tiny", "tiny,gigpo,matched", "tiny,vanilla",
                        "tiny,optim.lr=1e-5", "tiny,grpo,workdir=/tmp/mine")}
@@ -279,7 +281,7 @@ def test_a_hostile_model_file_is_one_line_before_anything_is_written(tmp_path, s
 def test_damaged_runs_and_checkpoints_are_user_errors_of_one_line(capsys):
     """A checkpoint that cannot be restored, a damaged metrics.jsonl and a bad model file end
     train.py / eval.py with one line and status 2 (they were tracebacks)."""
-    from strata_jax.cli import guarded, user_errors
+    from strata_jax.jobs.cli import guarded, user_errors
     from strata_jax.metrics import DamagedLogError
     from strata_jax.models.gguf import GGUFError
     from strata_jax.training import NoRestorableCheckpointError
@@ -314,8 +316,8 @@ def test_existing_run_of_another_config_is_refused_in_one_line(tmp_path):
 def test_ctrl_c_is_a_clean_stop_and_a_second_one_stops_at_once():
     import signal
 
-    import train
-    flag = train._stop_flag().install()
+    from strata_jax.jobs.train import stop_flag
+    flag = stop_flag().install()
     try:
         assert not flag.requested
         os.kill(os.getpid(), signal.SIGINT)          # first Ctrl-C: finish the iteration, save
@@ -325,7 +327,7 @@ def test_ctrl_c_is_a_clean_stop_and_a_second_one_stops_at_once():
     finally:
         flag.uninstall()
     for sig in (signal.SIGTERM, signal.SIGHUP):       # preemption, a closed terminal: the same
-        flag = train._stop_flag().install()           # clean stop
+        flag = stop_flag().install()                  # clean stop
         try:
             os.kill(os.getpid(), sig)
             assert flag.requested
@@ -334,7 +336,7 @@ def test_ctrl_c_is_a_clean_stop_and_a_second_one_stops_at_once():
 
 
 def test_guarded_main_turns_ctrl_c_and_user_errors_into_one_line(capsys):
-    from strata_jax.cli import guarded
+    from strata_jax.jobs.cli import guarded
 
     def interrupted(argv):
         raise KeyboardInterrupt
@@ -394,7 +396,7 @@ def test_a_stop_signal_outside_the_loop_is_one_line_130_and_runs_cleanup(tmp_pat
     # children SIGHUP ignored, which install_stop_handlers rightly keeps.
     code = (f"import os, signal, sys, time\nsys.argv = ['prog.py']\n"
             f"signal.signal(signal.{sig}, signal.SIG_DFL)\n"
-            f"from strata_jax.cli import guarded\n"
+            f"from strata_jax.jobs.cli import guarded\n"
             f"def main(argv):\n"
             f"    try:\n"
             f"        os.kill(os.getpid(), signal.{sig}); time.sleep(30)\n"
@@ -412,18 +414,23 @@ def test_a_stop_signal_outside_the_loop_is_one_line_130_and_runs_cleanup(tmp_pat
 def test_a_preempted_run_exits_75_a_finished_one_0(monkeypatch, capsys):
     import signal
 
+    import importlib.util
     import types
 
-    import train
     from strata_jax import metrics
-    monkeypatch.setattr(train, "_CONFIG", types.SimpleNamespace(value=None))
+    from strata_jax.jobs import train as job
+    # the train.py script's main (loaded from its file: it is no module of the library)
+    spec = importlib.util.spec_from_file_location("_train_script", os.path.join(ROOT, "train.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "_CONFIG", types.SimpleNamespace(value=None))
     monkeypatch.setattr(metrics, "quiet_logs", lambda: None)
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         for status, code in (("done", 0), ("preempted", 75)):
-            monkeypatch.setattr(train, "run", lambda c, s=status: {"status": s, "step": 3,
-                                                                   "workdir": "w"})
-            assert train.main([]) == code
+            monkeypatch.setattr(job, "run", lambda c, s=status: {"status": s, "step": 3,
+                                                                 "workdir": "w"})
+            assert script.main([]) == code
     finally:
         for s, h in before.items():
             signal.signal(s, h)

@@ -101,7 +101,7 @@ def test_same_command_twice_gives_the_same_numbers(tmp_path, monkeypatch):
 
     # Resuming run b on the same number of train tasks in another order is refused: the saved
     # position would continue with other tasks (the task-list fingerprint).
-    import train
+    from strata_jax.jobs import train
     from strata_jax import experiment as ex
     c = _small_config(b)
     c.iterations, c.sft.cache_dir = 3, str(tmp_path / "b_ws")

@@ -61,7 +61,7 @@ def small_config(workdir: str):
 
 
 def _driver(pid: int, n: int, port: int, workdir: str) -> None:
-    import train
+    from strata_jax.jobs import train
     c = small_config(workdir)
     c.distributed.coordinator_address = f"localhost:{port}"
     c.distributed.num_processes = n
@@ -138,7 +138,7 @@ def _restore(c, step):
 def test_two_processes_equal_one_process_with_8_devices(tmp_path):
     import jax
 
-    import train
+    from strata_jax.jobs import train
     from strata_jax.metrics import read_jsonl
     assert jax.device_count() == 8
     port = _free_port()

@@ -5,6 +5,7 @@ import os
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 import pytest
 
 from configs import sciworld
@@ -101,17 +102,19 @@ def test_summarize_per_family_scores_in_env_units():
     assert m["eval/success"] == pytest.approx(1 / 3) and m["eval/crashed"] == 1.0
 
 
-def test_sampler_params_cast_follows_config():
+def test_sampler_copy_cast_follows_config():
     import jax
     import jax.numpy as jnp
     params = {"a": jnp.ones((2, 3), jnp.float32), "b": [jnp.zeros(4, jnp.float32)]}
     paper = sciworld.get_config()
     # fp32 masters for AdamW at lr 1e-6; bf16 for the sampler and the train forward
     assert paper.model.dtype == "float32" and paper.train.compute_dtype == "bfloat16"
-    cast = ex.sampler_params(paper, params)
+    from strata_jax.sampling import SamplerCopy
+    cast = SamplerCopy.from_config(paper, None)(params)
     assert {x.dtype for x in jax.tree.leaves(cast)} == {jnp.dtype(jnp.bfloat16)}
+    np.testing.assert_array_equal(np.asarray(cast["a"], np.float32), np.ones((2, 3)))
     tiny = sciworld.get_config("tiny")
-    assert ex.sampler_params(tiny, params) is params  # already fp32: no copy
+    assert SamplerCopy.from_config(tiny, None)(params) is params  # already fp32: no copy
 
 
 def test_validate_rejects_settings_that_defeat_resume_or_are_ambiguous():
@@ -262,3 +265,23 @@ def test_swapped_or_damaged_cache_entries_are_evicted_and_recompiled(fresh_jax_c
     assert cache.evicted[-1] == a.name[:-len("-cache")]
     assert unseal(a.name[:-len("-cache")], a.read_bytes()) is not None   # good again
 
+
+
+def test_the_trainer_owns_when_a_reference_is_needed_and_the_score_chunk():
+    """`Trainer.needs_reference` (KL on, or LoRA: the frozen base) and `Trainer.score_chunk`
+    (score_rows, else the micro-batch size), the rules the training loop reads."""
+    from strata_jax.training import Trainer, TrainConfig
+    c = sciworld.get_config("tiny")
+
+    def trainer(**fields):
+        for k, v in fields.items():
+            section, name = k.split("__")
+            c[section][name] = v
+        return Trainer(PRESETS["tiny"], TrainConfig.from_config(c), None)
+
+    t = trainer(loss__kl_coef=0.0, lora__rank=0, train__score_rows=0, optim__micro_batch_size=4)
+    assert (t.needs_reference, t.score_chunk) == (False, 4)
+    t = trainer(loss__kl_coef=0.01, train__score_rows=6)
+    assert (t.needs_reference, t.score_chunk) == (True, 6)
+    t = trainer(loss__kl_coef=0.0, lora__rank=8)   # the adapters ride on the frozen base
+    assert t.lora and t.needs_reference

@@ -283,7 +283,7 @@ def test_critic_scorer_gives_the_trainers_values(algo, kind):
 
 def test_critic_choice_without_a_critic_is_a_clear_error(tmp_path):
     from strata_jax import experiment as ex
-    from strata_jax.evaluation.run import run_eval
+    from strata_jax.jobs.evaluate import run_eval
     from strata_jax.models import init_params
     from strata_jax.training import Trainer
     from tests.trainer_fixtures import TINY, train_config
@@ -332,7 +332,7 @@ def test_run_eval_reports_the_prefill_work_with_and_without_the_prefix_cache(tmp
     float rounding (the values agree to rounding, not bit for bit) cannot turn a sampled token
     into another: 2 memory_key episodes of 3 steps, the same prompts in both runs."""
     import json
-    from strata_jax.evaluation.run import run_eval
+    from strata_jax.jobs.evaluate import run_eval
     got = {}
     for mb in (0.0, 16.0):
         c = builtin.get_config("tiny")

@@ -151,7 +151,7 @@ def test_command_extraction_sees_through_continuations_and_placeholders():
 
 @pytest.mark.parametrize("page", ["README.md", "docs/running.md", "docs/models.md"])
 def test_shown_commands_parse_and_validate(page, monkeypatch):
-    from strata_jax.cli import load_config, split_config_args
+    from strata_jax.jobs.cli import load_config, split_config_args
     from strata_jax.config import set_override
     from strata_jax.validation import validate
 

@@ -134,7 +134,7 @@ def test_second_run_on_a_workdir_refuses_and_a_killed_holder_leaves_no_stuck_loc
                            match=rf"{tmp_path} is in use by another run \(pid {proc.pid} on "):
             ex.WorkdirLock(str(tmp_path)).acquire()
         # train.run refuses before building anything (no ckpt/, no metrics)
-        import train
+        from strata_jax.jobs import train
         c = sciworld.get_config("tiny")
         c.workdir = str(tmp_path)
         with pytest.raises(ex.ConfigError, match="in use by another run"):

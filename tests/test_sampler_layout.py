@@ -137,17 +137,20 @@ def test_bad_input(setup):
 
 def test_rollout_sampler_layout_config(setup):
     from configs.base import get_base_config
-    from strata_jax import experiment as ex
+    from strata_jax.config import ConfigError
+    from strata_jax.sampling import SamplerCopy
     config, params, _ = setup
     c = get_base_config()
-    assert ex.sampler_layout(c, config, params) is params   # "" = the stored layout, no copy
+    c.rollout.sampler_dtype = ""   # the params' own dtype: only the layout changes them
+    c.model.dtype = str(params["embed"].dtype)
+    assert SamplerCopy.from_config(c, config)(params) is params   # "" = the stored layout, no copy
     c.rollout.sampler_layout = "in_out,fuse_qkv"
-    p = ex.sampler_layout(c, config, params)
+    p = SamplerCopy.from_config(c, config)(params)
     layer = p["layers"][1]
     assert isinstance(layer["qkv_proj"], InOutWeight) and isinstance(layer["gate_proj"], InOutWeight)
     assert "q_proj" not in layer and isinstance(params["layers"][1]["q_proj"], jax.Array)
     np.testing.assert_array_equal(np.asarray(layer["down_proj"].w),
                                   np.asarray(params["layers"][1]["down_proj"]).T)
     c.rollout.sampler_layout = "in_out,bogus"
-    with pytest.raises(ex.ConfigError, match="unknown item 'bogus'"):
-        ex.sampler_layout(c, config, params)
+    with pytest.raises(ConfigError, match="unknown item 'bogus'"):
+        SamplerCopy.from_config(c, config)

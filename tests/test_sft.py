@@ -1,4 +1,4 @@
-"""Behaviour-cloning warm start (strata_jax/training/sft/, strata_jax/warm_start.py).
+"""Behaviour-cloning warm start (strata_jax/training/sft/, strata_jax/jobs/warm_start.py).
 
 1. The SFT examples are the rollout's own prompts: a real `collect_rollout` (StraTA and flat) on
    memory_key, played by a scripted policy that answers ONLY prompts found among the SFT examples
@@ -38,7 +38,7 @@ from strata_jax.rollout import PromptBuilder, RolloutConfig, ScriptedPolicy, col
 from strata_jax.rollout.episodes import action_stop_text
 from strata_jax.rollout.prompts import PromptIds
 from strata_jax.sampling import Sampler, SamplingParams
-from strata_jax import warm_start
+from strata_jax.jobs import warm_start
 from strata_jax.training import sft
 
 MK_TASKS = [Task("memory_key", "memory_key", s, "train") for s in (0, 1)]

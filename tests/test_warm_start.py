@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from configs import builtin
-from strata_jax import warm_start
+from strata_jax.jobs import warm_start
 
 
 class Py4JLikeError(Exception):

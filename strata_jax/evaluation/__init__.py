@@ -1,13 +1,13 @@
-"""Evaluation: everything eval.py and the training loop's periodic eval run.
+"""Evaluation: the protocol and its test-time scaling, which eval.py's job
+(`strata_jax.jobs.evaluate`) and the training loop's periodic eval run.
 
 - ``protocol``  the eval protocol of docs/method.md §10 (one strategy per task at the eval
                 temperature; per-family success, score and cost) and the task lists it plays.
 - ``scaling``   its optional test-time strategy scaling (S candidates, probes, a chooser;
                 docs/method.md §10.1), eval.py only.
-- ``run``       eval.py's job: load a checkpoint or the config's model, play, write the files.
 
-The protocol's names are re-exported here; ``scaling`` and ``run`` are imported where used
-(they pull in the trainer and the checkpoint code the protocol does not need).
+The protocol's names are re-exported here; ``scaling`` is imported where used (it pulls in
+code the protocol does not need).
 """
 from strata_jax.evaluation.protocol import (
     SCORE_SCALE,

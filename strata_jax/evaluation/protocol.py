@@ -9,7 +9,7 @@ ScienceWorld final score 0-100), overall and per task family. Baselines (flat ro
 evaluated with one episode per task and no strategy.
 
 `format_metrics` is eval.py's printed report; eval.py's job itself (load a checkpoint, play
-`eval_tasks`, write JSON + episodes) is `strata_jax.evaluation.run.run_eval`, the one module
+`eval_tasks`, write JSON + episodes) is `strata_jax.jobs.evaluate.run_eval`, the one module
 that also reaches the test-time scaling, so neither imports the other.
 """
 from __future__ import annotations

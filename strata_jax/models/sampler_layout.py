@@ -3,7 +3,7 @@
 The trainer keeps HF's [out, in] matrices (`strata_jax.models.qwen2`); the decode step may run
 faster on some backends with projections stored [in, out] (`InOutWeight`, dispatched by the
 decoder's linear layer) or with q|k|v and gate|up fused. `prepare_sampler_params` builds that
-copy; ``rollout.sampler_layout`` picks it (`strata_jax.experiment.sampler_layout`).
+copy; ``rollout.sampler_layout`` picks it (`strata_jax.sampling.SamplerCopy`).
 """
 from __future__ import annotations
 

@@ -124,7 +124,8 @@ def build_judge_model(c: Any, mesh: Any = None) -> JudgeModel | None:
     policy judges itself).
 
     Loads ``path`` with `strata_jax.models.load_checkpoint` (a local HF dir, a GGUF file or a
-    hub id) in ``rollout.sampler_dtype``, its tokenizer (``judge_model.tokenizer``: "" = the
+    hub id) in ``rollout.sampler_dtype``, hands the params through the run's
+    `strata_jax.sampling.SamplerCopy` (``rollout.sampler_layout``), its tokenizer (``judge_model.tokenizer``: "" = the
     checkpoint's own, "offline" = the shipped Qwen BPE, else a dir or GGUF file), and a
     `Sampler` whose cache holds ``env.max_prompt_tokens + rollout.max_judge_tokens``.
 
@@ -143,10 +144,10 @@ def build_judge_model(c: Any, mesh: Any = None) -> JudgeModel | None:
     from strata_jax.models import load_checkpoint, load_tokenizer
     from strata_jax.models.loading import resolve_checkpoint
     from strata_jax.rollout.policy import SamplerPolicy
-    from strata_jax.sampling import Sampler
+    from strata_jax.sampling import Sampler, SamplerCopy
 
     dtype = jnp.dtype(c.rollout.get("sampler_dtype", "") or c.model.dtype)
-    config, params = load_checkpoint(path, dtype=dtype, mesh=mesh)
+    config, params = load_checkpoint(path, dtype=dtype, mesh=mesh)   # already on `mesh`
     tok_spec = str(jm.tokenizer or "")
     tokenizer = load_tokenizer(None if tok_spec == "offline"
                                else tok_spec or resolve_checkpoint(path))
@@ -156,5 +157,5 @@ def build_judge_model(c: Any, mesh: Any = None) -> JudgeModel | None:
                          f"{config.max_position_embeddings} tokens, less than env.max_prompt_tokens"
                          f" + rollout.max_judge_tokens = {need}: lower them or pick another judge")
     sampler = Sampler(config, mesh=mesh, max_cache_len=need)
-    return JudgeModel(SamplerPolicy(sampler, params),
+    return JudgeModel(SamplerPolicy(sampler, SamplerCopy.from_config(c, config)(params)),
                       PromptBuilder(tokenizer, c.env.max_prompt_tokens))

@@ -6,7 +6,9 @@ Public API:
   ``GenerationBatch``; ``select_next_tokens`` and its parts (top-k / top-p masks, sampling,
   argmax); ``bucket``; ``compiled_program_count``; ``StopText`` / ``build_stop_text`` (stop
   strings checked on device, `strata_jax.sampling.stops`); ``PrefixKVCache`` (prefix KV kept
-  across ``generate_with_prefixes`` calls, `strata_jax.sampling.prefix_cache`).
+  across ``generate_with_prefixes`` calls, `strata_jax.sampling.prefix_cache`); ``SamplerCopy``
+  (params -> the copy a sampler reads: cast, host-local gather, layout;
+  `strata_jax.sampling.sampler_copy`).
 """
 
 from strata_jax.buckets import bucket
@@ -15,6 +17,7 @@ from strata_jax.sampling.params import SamplingParams
 from strata_jax.sampling.prefix_cache import PrefixKVCache
 from strata_jax.sampling.programs import compiled_program_count
 from strata_jax.sampling.sampler import Sampler
+from strata_jax.sampling.sampler_copy import SamplerCopy
 from strata_jax.sampling.selection import (greedy_argmax, sample_categorical,
                                            select_next_tokens, top_k_mask, top_p_mask)
 from strata_jax.sampling.stops import StopText, build_stop_text
@@ -23,5 +26,5 @@ __all__ = [
     "Sampler", "SamplingParams", "Generation", "GenerationBatch", "FINISH_STOP",
     "FINISH_LENGTH", "bucket", "compiled_program_count", "select_next_tokens", "top_k_mask",
     "top_p_mask", "sample_categorical", "greedy_argmax", "StopText", "build_stop_text",
-    "PrefixKVCache",
+    "PrefixKVCache", "SamplerCopy",
 ]

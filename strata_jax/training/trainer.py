@@ -145,6 +145,19 @@ class Trainer:
         """True when the trainable params are LoRA adapters (cfg.lora.rank > 0)."""
         return self.cfg.lora.enabled
 
+    @property
+    def needs_reference(self) -> bool:
+        """Whether `update` needs ``ref_params``: the KL penalty is on (loss.kl_coef != 0; the
+        reference is the initial policy, frozen: docs/method.md §8.2) or LoRA is (the frozen
+        base the adapters ride on, which is also the KL reference)."""
+        return bool(self.cfg.loss.kl_coef) or self.lora
+
+    @property
+    def score_chunk(self) -> int:
+        """Rows per scoring chunk (cfg.score_rows, else the micro-batch size): the multiple a
+        multi-host global batch's row count is padded to (`distributed.global_batch`)."""
+        return self.cfg.score_rows or self.cfg.micro_batch_rows
+
     def init_state(self, params: Params, key: jax.Array) -> TrainState:
         """A fresh `TrainState` from policy params (step 0): critic per cfg.critic_kind (PPO: a
         copy of params + head), zero optimizer moments, rng = a uint32 [2] key derived from key.
@@ -312,7 +325,7 @@ class Trainer:
         nothing reads, keep 0 logprobs on the packed path.
         Raises ValueError when LoRA is on or loss.kl_coef != 0 and ref_params is None."""
         cfg = self.cfg
-        chunk = cfg.score_rows or cfg.micro_batch_rows
+        chunk = self.score_chunk
         use_ref = bool(cfg.loss.kl_coef)
         if self.lora and ref_params is None:
             raise ValueError("LoRA is on (lora.rank > 0): pass the frozen base params as "

@@ -65,7 +65,7 @@ def sciworld_config(args, algo: str, seed: int):
 
 def warm_start(make, args, env: str) -> str:
     """Train (or reuse) the env's warm start; returns the export dir."""
-    from strata_jax.warm_start import export_warm_start
+    from strata_jax.jobs.warm_start import export_warm_start
     c = make(args, "strata", 0)
     out = os.path.join(args.out, f"warm_start_{env}")
     t0 = time.time()
@@ -90,7 +90,7 @@ def code_copy_probe(args, export: str, episodes: int = 48) -> dict:
     import numpy as np
     from strata_jax.models import Qwen2Config, load_params, load_tokenizer
     from strata_jax.training import sft
-    from strata_jax.warm_start import sft_examples
+    from strata_jax.jobs.warm_start import sft_examples
     from strata_jax.training.scoring import response_logprobs, response_states
 
     c = memory_key_config(args, "strata", 0)
@@ -129,7 +129,7 @@ def code_copy_probe(args, export: str, episodes: int = 48) -> dict:
 
 def rl_run(make, args, env: str, algo: str, seed: int, export: str) -> dict:
     """One RL run from the export; returns per-iteration metrics."""
-    import train
+    from strata_jax.jobs import train
     from strata_jax.algos.table import get_algorithm
     from strata_jax.metrics import read_jsonl
     c = make(args, algo, seed)

@@ -1,5 +1,5 @@
 """Behaviour cloning (SFT) on expert trajectories rendered with the rollout's prompts: the
-library half of the warm start (`strata_jax.warm_start` runs it for an experiment config).
+library half of the warm start (`strata_jax.jobs.warm_start` runs it for an experiment config).
 
 Why: a randomly initialised tiny model never emits a parsable ``<action>``, so RL from scratch
 on CPU has no signal. Cloning an expert first gives a policy whose actions reach the env from

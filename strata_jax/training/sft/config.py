@@ -45,7 +45,7 @@ class SFTConfig:
         warmup then cosine decay to 0 at ``steps``).
       logprob_chunk: response positions per LM-head chunk.
       seed: data and batch order seed. log_every: steps between loss log lines.
-      cache_dir: where `strata_jax.warm_start` keeps exports, one sub-folder per fingerprint
+      cache_dir: where `strata_jax.jobs.warm_start` keeps exports, one sub-folder per fingerprint
         (configs/base.py: ``runs/warm_start``; "" = ``<workdir>/warm_start``).
     """
 

@@ -1,7 +1,8 @@
-"""eval.py's job: load a run's checkpoint (or the config's model), play the eval protocol
-(`strata_jax.evaluation.protocol`) or, with ``eval.strategy_samples`` > 1, its test-time
-strategy scaling (`strata_jax.evaluation.scaling`), and write the metrics JSON and every
-episode (docs/method.md §10).
+"""The evaluation job (eval.py runs it): load a run's checkpoint (or the config's model), play
+the eval protocol (`strata_jax.evaluation.protocol`) or, with ``eval.strategy_samples`` > 1,
+its test-time strategy scaling (`strata_jax.evaluation.scaling`), and write the metrics JSON
+and every episode (docs/method.md §10). The preflight is `strata_jax.jobs.prepare`, the pieces
+come from `strata_jax.jobs.assemble` (``train=False``).
 """
 from __future__ import annotations
 
@@ -35,21 +36,37 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     strategy_choice="critic" for a run or model without a critic) and FileNotFoundError (no
     restorable checkpoint in the run folder).
     """
-    import json
     import os
 
+    from strata_jax.evaluation.scaling import TestTimeConfig
+    from strata_jax.jobs.assemble import assemble
+    from strata_jax.jobs.prepare import prepare
+    from strata_jax.training import TrainConfig
+
+    with prepare(c, "evaluate", check=lambda c: _check(c, use_checkpoint)) as p:
+        tt = TestTimeConfig.from_config(c)
+        split = split or c.eval.split
+        ckpt_dir = os.path.join(c.workdir, "ckpt")
+        if use_checkpoint and not os.path.isdir(ckpt_dir):
+            raise FileNotFoundError(f"no checkpoint in {ckpt_dir}; train first (python train.py "
+                                    "with the same --config) or pass --no_checkpoint to "
+                                    "evaluate config.model as is")
+        # LoRA adapters need their frozen base (the run's initial params); full fine-tuning
+        # needs only the shapes: nothing is loaded or trained besides the checkpoint.
+        r = assemble(c, train=False, mesh=p.mesh,
+                     initial=not use_checkpoint or TrainConfig.from_config(c).lora.enabled)
+        try:
+            return _evaluate(c, r, split, step, use_checkpoint, tt, ckpt_dir)
+        finally:
+            r.pool.close()
+
+
+def _check(c: Any, use_checkpoint: bool) -> None:
+    """eval's own preflight check (after resolve): the test-time scaling settings, and that a
+    critic chooser has a critic to read. Raises ConfigError."""
     from strata_jax import experiment as ex
-    from strata_jax.rollout import SamplerPolicy, make_prompt_builder, prefix_metrics
-    from strata_jax.sampling import Sampler
-    from strata_jax.training import Checkpointer, Trainer, TrainConfig
-
-    from strata_jax.rollout import build_judge_model
-    from strata_jax.evaluation.scaling import TestTimeConfig, critic_scorer, evaluate_scaled
-
-    ex.validate(c)
-    ex.use_compilation_cache(c)
-    ex.use_host_allocator(c)
-    ex.resolve(c)
+    from strata_jax.evaluation.scaling import TestTimeConfig
+    from strata_jax.training import TrainConfig
     try:
         tt = TestTimeConfig.from_config(c)
     except ValueError as e:
@@ -63,23 +80,23 @@ def run_eval(c, split: str | None = None, step: int | None = None,
         raise ex.ConfigError(f"eval.strategy_choice=critic needs a critic and a {c.algo} run "
                              f"has none (train.critic={c.train.critic!r}); evaluate a ppo / "
                              "stapo run or use strategy_choice=judge or first_action")
-    ex.check_env(c)   # e.g. the WebShop server answers
-    split = split or c.eval.split
-    ckpt_dir = os.path.join(c.workdir, "ckpt")
-    if use_checkpoint and not os.path.isdir(ckpt_dir):
-        raise FileNotFoundError(f"no checkpoint in {ckpt_dir}; train first (python train.py "
-                                "with the same --config) or pass --no_checkpoint to evaluate "
-                                "config.model as is")
-    mesh = ex.build_mesh(c)
-    tokenizer = ex.build_tokenizer(c)
-    at, critic = 0, None
+
+
+def _evaluate(c, r, split, step, use_checkpoint, tt, ckpt_dir) -> dict:
+    """`run_eval` once the `Run` `r` is assembled (its pool closed by the caller): restore,
+    play, write."""
+    import json
+    import os
+
+    from strata_jax import experiment as ex
+    from strata_jax.evaluation.scaling import critic_scorer, evaluate_scaled
+    from strata_jax.rollout import prefix_metrics
+    from strata_jax.training import Checkpointer, Trainer, TrainConfig
+
+    wants_critic = tt.enabled and tt.strategy_choice == "critic"
+    at, critic, base, params = 0, None, r.init_params, r.init_params
     if use_checkpoint:
-        trainer = Trainer(ex.model_config(c, tokenizer), TrainConfig.from_config(c), mesh)
-        model_cfg = trainer.model
-        # LoRA adapters need their frozen base (the run's initial params); full fine-tuning
-        # needs only the shapes: nothing is loaded or trained besides the checkpoint.
-        base = (_initial_params(c, tokenizer, mesh)[1] if trainer.lora
-                else ex.abstract_params(c, model_cfg))
+        trainer = Trainer(r.model, TrainConfig.from_config(c), r.mesh)
         ckpt = Checkpointer(ckpt_dir, keep=c.ckpt.keep)
         restored = ckpt.restore(trainer.abstract_state(base), step=step)
         ckpt.close()
@@ -97,17 +114,12 @@ def run_eval(c, split: str | None = None, step: int | None = None,
                 raise ex.ConfigError(str(e)) from None
         print(f"evaluating checkpoint step {at} of {c.workdir}", flush=True)
     else:
-        model_cfg, params = _initial_params(c, tokenizer, mesh)
         print(f"evaluating the config's model as is ({c.model.path or 'preset ' + c.model.preset}"
               + (f", warm start {c.model.warm_start}" if c.model.warm_start else "") + ")",
               flush=True)
     tasks = eval_tasks(c, split)
-    sampler = Sampler(model_cfg, mesh=mesh, max_cache_len=ex.max_cache_len(c, model_cfg))
-    policy = SamplerPolicy(sampler, ex.sampler_layout(c, model_cfg,
-                                                      ex.sampler_params(c, params)),
-                           prefix_cache_mb=c.rollout.prefix_cache_mb)
-    builder = make_prompt_builder(tokenizer, c)
-    pool = ex.build_pool(c)
+    policy, pool, builder = r.policy, r.pool, r.builder
+    policy.set_params(r.copy(params))
     print(f"playing {len(tasks)} tasks on split {split!r} "
           f"({int(c.eval.episodes_per_family)} per family)"
           + (f", {tt.strategy_samples} candidates each ({tt.strategy_choice} chooses, "
@@ -115,17 +127,13 @@ def run_eval(c, split: str | None = None, step: int | None = None,
              if tt.enabled else "") + " (the first batch of 16 includes compiling the sampler: "
           "minutes on a CPU for a real model) ...", flush=True)
     prefill0 = policy.prefix_stats()
-    try:
-        if tt.enabled:
-            judge = build_judge_model(c, mesh) if tt.strategy_choice == "judge" else None
-            metrics, episodes = evaluate_scaled(c, policy, pool, builder, tasks,
-                                                key=ex.seed_key(c, 2, at), critic=critic,
-                                                judge=judge)
-        else:
-            metrics, episodes = evaluate(c, policy, pool, builder, tasks,
-                                         key=ex.seed_key(c, 2, at), progress=_progress_line())
-    finally:
-        pool.close()
+    if tt.enabled:
+        metrics, episodes = evaluate_scaled(c, policy, pool, builder, tasks,
+                                            key=ex.seed_key(c, 2, at), critic=critic,
+                                            judge=r.judge)
+    else:
+        metrics, episodes = evaluate(c, policy, pool, builder, tasks,
+                                     key=ex.seed_key(c, 2, at), progress=_progress_line())
     # the prefill's work over the whole eval (eval/prompt_tokens, eval/prefill_tokens, ...)
     metrics.update(prefix_metrics(prefill0, policy.prefix_stats(), prefix="eval"))
     metrics["step"] = at
@@ -158,11 +166,4 @@ def _progress_line():
     return show
 
 
-def _initial_params(c: Any, tokenizer: Any, mesh: Any) -> tuple[Any, Any]:
-    """The run's initial params for evaluation: `experiment.build_model`, then the warm start
-    only when it is already cached (eval never trains one: a ConfigError says to run sft.py)."""
-    from strata_jax import experiment as ex
-    from strata_jax.warm_start import maybe_warm_start
-    model_cfg, params = ex.build_model(c, tokenizer, mesh)
-    return model_cfg, maybe_warm_start(c, model_cfg, params, tokenizer, c.workdir, mesh=mesh,
-                                       train=False)
+__all__ = ["run_eval"]

@@ -1,4 +1,4 @@
-"""The warm start of a run: an explicit step after `experiment.build_model`.
+"""The warm start of a run: a step after `experiment.build_model`, and sft.py's job.
 
     model_cfg, params = experiment.build_model(c, tokenizer, mesh)    # builds / loads only
     params = warm_start.maybe_warm_start(c, model_cfg, params, tokenizer, c.workdir, mesh=mesh)
@@ -8,9 +8,9 @@
 HF export in ``<sft.cache_dir>/<fingerprint>/`` (default ``runs/warm_start/<fingerprint>``: one
 folder beside the runs, shared by every variant, run folder and eval of the same setting,
 since the fingerprint covers all the warm start depends on; ``sft.cache_dir=""`` keeps it per
-run in ``<workdir>/warm_start``); any other value is an export directory. ``train.py`` and
-``eval.py`` (`evaluation.run.run_eval`, which never trains one) call `maybe_warm_start`; ``sft.py``
-runs `export_warm_start`, the warm start alone.
+run in ``<workdir>/warm_start``); any other value is an export directory. The assembly of
+training and evaluation (`strata_jax.jobs.assemble`; evaluation never trains one) calls
+`maybe_warm_start`; ``sft.py`` runs `export_warm_start`, the warm start alone.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ from strata_jax.training.config import remat_policy
 from strata_jax.training.sft import (KINDS, ExpertEpisode, SFTConfig, SFTExample, build_examples,
                                      collect_expert_episodes, train_sft)
 
-log = logging.getLogger(__name__)
+# the logger of the warm start's log lines (the name they have always carried)
+log = logging.getLogger("strata_jax.warm_start")
 
 META_FILE = "sft_meta.json"
 
@@ -95,7 +96,7 @@ def source_fingerprint() -> str:
     commit, a local edit) is still found; `maybe_warm_start` says so when it loads one, since
     a run from it is not the run a clean clone of this code makes (docs/reliability.md).
     """
-    base = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     files = []
     for root in _SOURCE_ROOTS:
         for d, _, names in os.walk(os.path.join(base, root)):
@@ -183,25 +184,23 @@ def run_sft(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any, out_dir
 
 def export_warm_start(c: Any, out: str = "", force: bool = False,
                       log_fn: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The whole `sft.py` job: the run's tokenizer and initial params as built
-    (`experiment.build_model`, before any warm start), `run_sft`, export to `out` (default
-    `warm_start_dir`). An export whose meta file exists is reused unless `force`.
+    """The whole `sft.py` job: the preflight (`strata_jax.jobs.prepare`), the run's tokenizer
+    and initial params as built (`experiment.build_model`, before any warm start), `run_sft`,
+    export to `out` (default `warm_start_dir`). An export whose meta file exists is reused unless `force`.
 
     Returns {"out": export dir, "cached": bool, "meta": the sft_meta.json dict}.
     Raises experiment.ConfigError for a config that cannot run (`experiment.validate`)."""
-    ex.validate(c)
-    ex.use_compilation_cache(c)
-    ex.use_host_allocator(c)
-    ex.resolve(c)
-    tokenizer = ex.build_tokenizer(c)
-    model_cfg, params = ex.build_model(c, tokenizer, None)
-    out = out or warm_start_dir(c, model_cfg, c.workdir)
-    meta_file = os.path.join(out, META_FILE)
-    if os.path.isfile(meta_file) and not force:
-        with open(meta_file) as f:
-            return {"out": out, "cached": True, "meta": json.load(f)}
-    _, meta = run_sft(c, model_cfg, params, tokenizer, out, log_fn=log_fn)
-    return {"out": out, "cached": False, "meta": meta}
+    from strata_jax.jobs.prepare import prepare
+    with prepare(c, "warm_start"):   # validate, resolve, process settings; no mesh
+        tokenizer = ex.build_tokenizer(c)
+        model_cfg, params = ex.build_model(c, tokenizer, None)
+        out = out or warm_start_dir(c, model_cfg, c.workdir)
+        meta_file = os.path.join(out, META_FILE)
+        if os.path.isfile(meta_file) and not force:
+            with open(meta_file) as f:
+                return {"out": out, "cached": True, "meta": json.load(f)}
+        _, meta = run_sft(c, model_cfg, params, tokenizer, out, log_fn=log_fn)
+        return {"out": out, "cached": False, "meta": meta}
 
 
 def warm_start_dir(c: Any, model_cfg: Qwen2Config, workdir: str) -> str:

@@ -1,4 +1,5 @@
-"""Command-line handling shared by the entry points (train.py, eval.py, sft.py).
+"""Command-line handling shared by the entry points (train.py, eval.py, sft.py: each parses its
+flags and calls its job in `strata_jax.jobs`).
 
 * `parse_flags`: absl's flag parsing, except that every ``--config.<field>=<value>`` override is
   parsed here, by the field's declared type, with the same parser as the colon form
@@ -197,13 +198,13 @@ def _dotted_fields(config: Any, prefix: str = "") -> list[str]:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean the user has something to change, not a bug: a config that cannot
-    run (`experiment.ConfigError`), a missing file or checkpoint (FileNotFoundError, including
+    run (`strata_jax.config.ConfigError`), a missing file or checkpoint (FileNotFoundError, including
     ALFWorld's missing game data), a checkpoint that cannot be written (`CheckpointWriteError`:
     a full disk; its message names the path and the space needed) or restored
     (`NoRestorableCheckpointError`: names each step and file), a model file that cannot be used
     (`GGUFError`: malformed, hostile or inconsistent), a damaged run log (`DamagedLogError`:
     names the file and line)."""
-    from strata_jax.experiment import ConfigError
+    from strata_jax.config import ConfigError
     from strata_jax.metrics import DamagedLogError
     from strata_jax.models.gguf import GGUFError
     from strata_jax.training.checkpoint import CheckpointWriteError, NoRestorableCheckpointError
