@@ -16,7 +16,7 @@ kept them).
     python -m benchmarks.compilations --algo strata --micro 8 --mini 40 \\
         --batches studies/memory_key/results/keep25/run_strata_s0/batches/*.npz
 
-Measures, never asserts (the plateau itself is a test: tests/test_train_packed.py).
+Measures, never asserts (the plateau itself is a test: tests/training/test_train_packed.py).
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ docs/method.md §11.1).
 - Deterministic observations: the JVM runs with a constant identity hash
   (`DETERMINISTIC_JVM_OPTS`); with the default one, a room's objects are listed in an order that
   differs between JVMs, so the episodes of one group saw different text and a resumed run did
-  not replay the uninterrupted one (tests/test_sciworld.py; no measurable step-time cost).
+  not replay the uninterrupted one (tests/envs_bridge/test_sciworld.py; no measurable step-time cost).
 - Ambiguous commands ("Ambiguous request: Please enter the number ...") are answered with
   option 0; the choice is logged at debug level, returned in info["ambiguous_resolved"] and
   counted by the rollout (``rollout/ambiguous_resolved_frac``).
@@ -154,7 +154,7 @@ def load_eval_list(path: str, split: str = "test") -> list[Task]:
 # per-JVM-thread random state: the same task and actions then render objects in a different
 # order from one JVM to the next (fresh JVMs on one task and variation give several distinct
 # observation sequences). A constant hash leaves insertion order, which is a function of the
-# task, variation and actions only (tests/test_sciworld.py checks one sequence across JVMs).
+# task, variation and actions only (tests/envs_bridge/test_sciworld.py checks one sequence across JVMs).
 DETERMINISTIC_JVM_OPTS = ("-XX:+UnlockExperimentalVMOptions", "-XX:hashCode=2")
 
 

@@ -20,7 +20,7 @@ holds exactly the bytes jax stored under that key; it does not protect against s
 can write the folder and recompute digests (jax's cache runs code it loads: keep it private).
 
 The hook wraps ``jax._src.compilation_cache.get_file_cache`` (jax's private API, checked by
-tests/test_entrypoints.py); if a jax version lacks it, a warning says the entries are unsealed.
+tests/jobs/test_entrypoints.py); if a jax version lacks it, a warning says the entries are unsealed.
 """
 from __future__ import annotations
 

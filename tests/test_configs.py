@@ -5,6 +5,7 @@ import os
 import pytest
 
 from configs import base
+from tests.fixtures.paths import REPO_ROOT
 
 
 @pytest.mark.parametrize("name", ["sciworld", "alfworld", "webshop"])
@@ -89,7 +90,7 @@ def test_reading_a_config_imports_no_jax():
     included) loads neither jax nor flax nor optax."""
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO_ROOT
     code = ("import sys; from configs import sciworld; sciworld.get_config('tiny,grpo,matched'); "
             "print([m for m in ('jax', 'flax', 'optax') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,

@@ -14,8 +14,9 @@ import sys
 
 import numpy as np
 import pytest
+from tests.fixtures.paths import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO_ROOT
 
 
 def small_config(workdir: str):

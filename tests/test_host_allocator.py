@@ -15,8 +15,9 @@ import pytest
 from strata_jax import experiment as ex
 from strata_jax.config import ConfigError
 from strata_jax.validation import validate
+from tests.fixtures.paths import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO_ROOT
 
 _PROBE = r"""
 import ctypes, json

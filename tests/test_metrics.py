@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from strata_jax.metrics import MetricsWriter, Progress, memory_metrics, read_jsonl
+from tests.fixtures.paths import REPO_ROOT
 
 
 def test_scalars_and_trajectories_round_trip(tmp_path):
@@ -177,7 +178,7 @@ def test_memory_metrics_host_peak_and_device_peak():
               f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, "
               "text=True, check=True).stdout)")
     out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True,
-                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         check=True, cwd=REPO_ROOT)
     peak, rss, peak_after, rss_after = map(float, out.stdout.strip().splitlines()[-1].split())
     assert 400 / 1024 <= peak < 600 / 1024, peak
     # (the kernel's per-thread RSS counters are synced lazily: equal to within a few pages)

@@ -10,7 +10,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from strata_jax.models import (Qwen2Config, forward, init_cache, init_params, param_shardings,
                                shard_params, token_logprobs_and_entropy)
 from strata_jax.sharding import constrain, logical_to_spec, make_mesh
-from tests.model_fixtures import padded_batch
+from tests.fixtures.models import padded_batch
+from tests.fixtures.paths import REPO_ROOT
 
 CONFIG = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
@@ -25,7 +26,7 @@ def test_sharding_utilities_import_no_model():
     code = ("import sys, strata_jax.sharding; "
             "print(sorted(m for m in sys.modules if m.startswith('strata_jax')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+                         timeout=120, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['strata_jax', 'strata_jax.sharding']"
 

@@ -16,8 +16,9 @@ from envs_bridge.agentgym_http import webshop_action_fits
 from strata_jax.models import load_tokenizer
 from strata_jax.rollout import PromptBuilder, RolloutConfig, ScriptedPolicy, collect_rollout
 from strata_jax.trajectories import format_episode, load
+from tests.fixtures.paths import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO_ROOT
 RAW = "I would walk north and type the code."
 
 

@@ -5,11 +5,11 @@ Each row of `WEIGHTS` is a `Weight`: the params key (the top-level key, or the k
 layer's dict), the HF name and the GGUF name; a per-layer row carries ``{i}`` (the layer index)
 in both names. Loading and export (`loading.load_params`, `loading.export_params`) and the GGUF
 reader (`gguf_tensors`, `gguf.gguf_config`) go through this table only, so a new weight is
-added here once, plus its shape and logical axes in `qwen2.py` (tests/test_loading.py checks
+added here once, plus its shape and logical axes in `qwen2.py` (tests/models/test_loading.py checks
 that the two list the same keys).
 
 Sources: transformers ``modeling_qwen2.py`` (Qwen2ForCausalLM state-dict names) and llama.cpp
-``gguf-py/gguf/constants.py`` (MODEL_ARCH.QWEN2's ``TENSOR_NAMES``); tests/test_gguf.py checks
+``gguf-py/gguf/constants.py`` (MODEL_ARCH.QWEN2's ``TENSOR_NAMES``); tests/models/test_gguf.py checks
 every row against the ``gguf`` package's own HF -> GGUF name map (``tensor_mapping.py``).
 """
 from __future__ import annotations
