@@ -244,7 +244,7 @@ def torch_update_worker(args) -> dict:
     if args.mode == "lora":
         for p in model.parameters():
             p.requires_grad_(False)
-        _add_lora(torch, model, args.rank, alpha=64.0)
+        add_torch_lora(torch, model, args.rank, alpha=64.0)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-6, weight_decay=0.01)
     ids_np, scores = _batch_arrays(args, model.config.vocab_size)
@@ -282,7 +282,7 @@ def torch_update_worker(args) -> dict:
             "rss_loaded_gb": rss_loaded, "threads": torch.get_num_threads(), "load": _load()}
 
 
-def _add_lora(torch, model, rank: int, alpha: float) -> None:
+def add_torch_lora(torch, model, rank: int, alpha: float) -> None:
     """Wrap every q/k/v/o/gate/up/down Linear as base(x) + (alpha / rank) * (x A^T) B^T
     (A kaiming-uniform like PEFT, B = 0), the same adapters the strata-jax run trains."""
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -153,7 +153,7 @@ def peak_rss_gb() -> float:
 def torch_update(model, params, batch, args, after_warmup=None
                  ) -> tuple[float, list[float], int]:
     """The user's alternative: a transformers/torch per-row update of the same rows with the
-    same LoRA (rank --lora on every projection, `benchmarks.iteration._add_lora`; full
+    same LoRA (rank --lora on every projection, `benchmarks.iteration.add_torch_lora`; full
     fine-tuning with --lora 0), the same weights (exported from `params` as an HF checkpoint).
 
     Rows sorted by length go --micro at a time, each micro-batch left-padded to its own longest
@@ -174,7 +174,7 @@ def torch_update(model, params, batch, args, after_warmup=None
     import torch
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.iteration import _add_lora
+    from benchmarks.iteration import add_torch_lora
     from strata_jax.models.loading import export_params
     with tempfile.TemporaryDirectory() as d:
         export_params(params, model, d, dtype="float32")
@@ -186,7 +186,7 @@ def torch_update(model, params, batch, args, after_warmup=None
     if args.lora:
         for w in net.parameters():
             w.requires_grad_(False)
-        _add_lora(torch, net, args.lora, alpha=args.lora_alpha)
+        add_torch_lora(torch, net, args.lora, alpha=args.lora_alpha)
     trainable = [w for w in net.parameters() if w.requires_grad]
     adapters = [m for m in net.modules() if hasattr(m, "scale") and hasattr(m, "base")]
     ref_pass = args.kl > 0 and bool(adapters)

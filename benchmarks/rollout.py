@@ -19,7 +19,7 @@ import jax  # noqa: E402
 
 from envs_bridge import EnvPool, Task  # noqa: E402
 from envs_bridge.builtin import GridNavEnv  # noqa: E402
-from envs_bridge.registry import _FACTORIES, register_env  # noqa: E402
+from envs_bridge.registry import list_envs, register_env  # noqa: E402
 from strata_jax.models import load_tokenizer  # noqa: E402
 from strata_jax.rollout import (PromptBuilder, RolloutConfig, ScriptedPolicy,  # noqa: E402
                                 collect_rollout)
@@ -37,7 +37,7 @@ class _SlowGrid(GridNavEnv):
         return super()._step(action)
 
 
-if _SlowGrid.name not in _FACTORIES:
+if _SlowGrid.name not in list_envs():
     register_env(_SlowGrid.name, _SlowGrid)
 
 

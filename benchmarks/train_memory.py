@@ -108,7 +108,7 @@ def analyse_batch(model: Qwen2Config, args) -> list[dict]:
     from strata_jax.training.steps import (accumulate_micro, apply_step, empty_carry,
                                            gather_chunk, gather_micro, metric_keys,
                                            minibatch_counts, score_rows)
-    from strata_jax.training.trainer import host_ids
+    from strata_jax.training.batching import host_ids
     c = base.get_base_config()
     c.algo = args.algo
     c.lora.rank = args.rank

@@ -13,6 +13,7 @@ import numpy as np
 from strata_jax.algos import KIND_ACTION, KIND_STRATEGY, SampleBatch
 from strata_jax.algos.batch import pad_batch
 from strata_jax.buckets import bucket_size, response_columns
+from strata_jax.distributed import host_values
 
 _TOKEN_FIELDS = ("response_ids", "response_mask", "sampler_logprobs", "old_logprobs",
                  "ref_logprobs")
@@ -112,5 +113,12 @@ def minibatch_plan(valid: np.ndarray, kind: np.ndarray, mini_batch_size: int, ro
     return plan
 
 
-__all__ = ["trim_padding", "trim_columns", "row_widths",
+
+def host_ids(batch: SampleBatch) -> tuple[np.ndarray, ...]:
+    """The batch's (prompt_ids, prompt_mask, response_ids, response_mask) on the host (a
+    multi-host global batch gathered: every process plans the same micro-batches)."""
+    return tuple(host_values(getattr(batch, f)) for f in
+                 ("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
+
+__all__ = ["host_ids", "trim_padding", "trim_columns", "row_widths",
            "num_minibatches", "minibatch_plan"]

@@ -17,6 +17,7 @@ import warnings
 
 import jax
 
+from strata_jax.training.prefix_tree import parse_shape_marks
 from strata_jax.training.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,6 @@ def checked_trainer_state(step: int, directory: str, meta: dict) -> dict:
     """meta with its trainer state's shape marks set to None, and one warning, when they are
     malformed: they only pre-size padded shapes, which the next batches raise again, so
     ignoring them loses nothing (refusing the step would lose its progress)."""
-    from strata_jax.training.trainer import parse_shape_marks   # the trainer's rule
     host = meta.get("trainer_state")
     if not isinstance(host, dict) or host.get("shape_marks") is None:
         return meta

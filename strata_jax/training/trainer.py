@@ -48,10 +48,11 @@ from strata_jax.distributed import host_values
 from strata_jax.models import Qwen2Config, init_params, param_shardings
 from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
 from strata_jax.sharding import logical_to_spec
-from strata_jax.training.batching import minibatch_plan, num_minibatches, trim_padding
+from strata_jax.training.batching import host_ids, minibatch_plan, num_minibatches, trim_padding
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
-from strata_jax.training.prefix_tree import PackedMicroBatch, packed_micro_batches
+from strata_jax.training.prefix_tree import (PackedMicroBatch, packed_micro_batches,
+                                             parse_shape_marks)
 from strata_jax.training.scoring import PackedInputs
 from strata_jax.training.state import TrainState, create_train_state, make_optimizer
 from strata_jax.training.per_row import gather_rows, minibatch_step, score_batch
@@ -65,37 +66,7 @@ log = logging.getLogger(__name__)
 _merge = jax.jit(apply_lora, static_argnums=(2, 3))
 
 
-def host_ids(batch: SampleBatch) -> tuple[np.ndarray, ...]:
-    """The batch's (prompt_ids, prompt_mask, response_ids, response_mask) on the host (a
-    multi-host global batch gathered: every process plans the same micro-batches)."""
-    return tuple(host_values(getattr(batch, f)) for f in
-                 ("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
-
-
 # ----------------------------------------------------------------------------- the trainer
-
-
-def parse_shape_marks(rows) -> dict[tuple[str, int, int], tuple[int, int, int, int]]:
-    """The trainer's shape marks from their JSON rows (`Trainer.host_state`'s "shape_marks").
-
-    rows: None or a list of [pass, P, W, m, wr, A, N] (a row of 6, from a checkpoint written
-    before the response-slot mark, gets N = 0). Returns {(pass, P, W): (m, wr, A, N)}.
-    Raises ValueError (one line) on a row that is not such a list of a name and integers.
-    """
-    if rows is not None and not isinstance(rows, (list, tuple)):
-        raise ValueError(f"shape marks must be a list of [pass, P, W, m, wr, A, N]; got {rows!r}")
-    marks = {}
-    for row in rows or []:
-        if isinstance(row, (list, tuple)) and len(row) == 6:
-            row = [*row, 0]
-        try:
-            if len(row) != 7 or not isinstance(row[0], str):
-                raise TypeError
-            marks[(row[0], int(row[1]), int(row[2]))] = tuple(int(x) for x in row[3:])
-        except (TypeError, ValueError):
-            raise ValueError(f"a shape mark must be [pass, P, W, m, wr, A, N]; got {row!r}"
-                             ) from None
-    return marks
 
 
 @dataclasses.dataclass
@@ -502,4 +473,4 @@ class Trainer:
         return state, metrics
 
 
-__all__ = ["Trainer", "parse_shape_marks"]
+__all__ = ["Trainer"]

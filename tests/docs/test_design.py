@@ -99,3 +99,39 @@ def test_tests_mirror_the_package():
         assert any(f.startswith("test_") for f in os.listdir(os.path.join(tests, d))), d
     loose = [f for f in os.listdir(tests) if f.endswith(".py") and not f.startswith("test_")]
     assert sorted(loose) == ["__init__.py", "conftest.py"], loose
+
+
+def _modules(tops=(*PACKAGES, "benchmarks", "studies")):
+    for top in tops:
+        for dirpath, dirs, files in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = [d for d in dirs if d not in ("__pycache__", "results")]
+            for f in files:
+                if f.endswith(".py"):
+                    yield os.path.join(dirpath, f)
+
+
+def test_every_module_is_at_most_500_lines():
+    long = {}
+    for path in _modules():
+        with open(path, encoding="utf-8") as f:
+            n = sum(1 for _ in f)
+        if n > 500:
+            long[os.path.relpath(path, ROOT)] = n
+    assert long == {}, f"split these along their seams: {long}"
+
+
+def test_no_module_imports_another_modules_private_names():
+    """``from <our module> import _name`` reaches into another module's internals: such a
+    name gets a public name (or moves to where it is used). The tests are held to it too."""
+    import ast
+    ours = (*PACKAGES, "benchmarks", "studies")
+    found = []
+    for path in _modules((*ours, "tests")):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and \
+                    node.module.split(".")[0] in ours:
+                found += [f"{os.path.relpath(path, ROOT)}: {node.module}.{a.name}"
+                          for a in node.names if a.name.startswith("_")]
+    assert found == []

@@ -205,4 +205,27 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     return out
 
 
-__all__ = ["PackedMicroBatch", "packed_micro_batches", "micro_row_counts"]
+def parse_shape_marks(rows) -> dict[tuple[str, int, int], tuple[int, int, int, int]]:
+    """The trainer's shape marks from their JSON rows (`Trainer.host_state`'s "shape_marks").
+
+    rows: None or a list of [pass, P, W, m, wr, A, N] (a row of 6, from a checkpoint written
+    before the response-slot mark, gets N = 0). Returns {(pass, P, W): (m, wr, A, N)}.
+    Raises ValueError (one line) on a row that is not such a list of a name and integers.
+    """
+    if rows is not None and not isinstance(rows, (list, tuple)):
+        raise ValueError(f"shape marks must be a list of [pass, P, W, m, wr, A, N]; got {rows!r}")
+    marks = {}
+    for row in rows or []:
+        if isinstance(row, (list, tuple)) and len(row) == 6:
+            row = [*row, 0]
+        try:
+            if len(row) != 7 or not isinstance(row[0], str):
+                raise TypeError
+            marks[(row[0], int(row[1]), int(row[2]))] = tuple(int(x) for x in row[3:])
+        except (TypeError, ValueError):
+            raise ValueError(f"a shape mark must be [pass, P, W, m, wr, A, N]; got {row!r}"
+                             ) from None
+    return marks
+
+
+__all__ = ["PackedMicroBatch", "packed_micro_batches", "micro_row_counts", "parse_shape_marks"]
