@@ -7,6 +7,8 @@ trajectories (strategy, steps, verdict) go to ``<workdir>/trajectories.jsonl``.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 import math
@@ -253,6 +255,60 @@ def _proc_status(path: str = "/proc/self/status") -> dict[str, float]:
     except OSError:
         pass
     return out
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (malloc.h, glibc >= 2.33): every field a size_t."""
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def host_memory_parts() -> dict[str, float]:
+    """What holds this process's host memory now, as metric keys, so that a resident set that
+    grows over a run can be put on its cause (docs/performance.md, "Host memory over a run"):
+
+    - ``mem/live_arrays``, ``mem/live_array_gb``: the live jax arrays (`jax.live_arrays`) and
+      their bytes; on XLA's CPU backend these are host memory.
+    - ``mem/malloc_in_use_gb``, ``mem/malloc_free_gb``, ``mem/malloc_mmapped_gb``: glibc's
+      allocator (``mallinfo2``): bytes allocated and not freed in its arenas (XLA's compiled
+      programs and buffers, Python's large objects), bytes freed but kept by the arenas (what
+      ``malloc_trim`` could return), and bytes in mmapped chunks. Left out without glibc 2.33+.
+    - ``mem/gc_objects``: objects the Python garbage collector tracks (a growing count is a
+      Python-side leak; their bytes are in malloc_in_use).
+    - ``mem/python_heap_gb``: Python's allocations as `tracemalloc` traces them, only while it
+      traces (``python -X tracemalloc``; off by default: it slows Python down).
+
+    Cheap enough for every iteration (one pass over the live arrays and the gc lists); reads
+    only, frees nothing. Keys whose source is unavailable are left out, never guessed.
+    """
+    import gc
+    import tracemalloc
+
+    import jax
+
+    arrays = jax.live_arrays()
+    out = {"mem/live_arrays": float(len(arrays)),
+           "mem/live_array_gb": sum(a.nbytes for a in arrays) / 2**30,
+           "mem/gc_objects": float(len(gc.get_objects()))}
+    info = _mallinfo2()
+    if info is not None:
+        out["mem/malloc_in_use_gb"] = info.uordblks / 2**30
+        out["mem/malloc_free_gb"] = info.fordblks / 2**30
+        out["mem/malloc_mmapped_gb"] = info.hblkhd / 2**30
+    if tracemalloc.is_tracing():
+        out["mem/python_heap_gb"] = tracemalloc.get_traced_memory()[0] / 2**30
+    return out
+
+
+def _mallinfo2() -> "_MallInfo2 | None":
+    """glibc's allocator statistics, or None where the C library has no ``mallinfo2``."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn()
 
 
 def memory_metrics(devices: Iterable[Any] | None = None) -> dict[str, float]:

@@ -199,3 +199,25 @@ def test_memory_metrics_host_peak_and_device_peak():
     m = memory_metrics(devices)
     assert m["mem/device_peak_gb"] == 3.0
     assert "mem/device_peak_gb" not in memory_metrics([Device(None)])
+
+
+def test_host_memory_parts_counts_live_arrays_and_their_bytes():
+    import ctypes.util
+    import gc
+
+    import jax.numpy as jnp
+
+    from strata_jax.metrics import host_memory_parts
+    gc.collect()
+    before = host_memory_parts()
+    x = jnp.zeros((1024, 256), jnp.float32)   # 1 MiB
+    x.block_until_ready()
+    after = host_memory_parts()
+    assert after["mem/live_arrays"] == before["mem/live_arrays"] + 1
+    assert math.isclose(after["mem/live_array_gb"] - before["mem/live_array_gb"], 2**20 / 2**30)
+    assert after["mem/gc_objects"] > 0
+    if ctypes.util.find_library("c") and hasattr(ctypes.CDLL(ctypes.util.find_library("c")),
+                                                 "mallinfo2"):
+        assert after["mem/malloc_in_use_gb"] > 0 and after["mem/malloc_free_gb"] >= 0
+    assert "mem/python_heap_gb" not in after   # tracemalloc is off
+    del x

@@ -199,12 +199,12 @@ def _iteration_metrics(c, result, metrics, env_failures, compiles, *, rollout_s,
                        iteration_s, iteration_cpu_s) -> dict:
     """One iteration's metrics row: the rollout's stats, the update's metrics, env failure
     counters, wall / CPU seconds (this process + its JVMs), compile counts, peak host / device
-    memory so far (`memory_metrics`), throughputs
+    memory so far (`memory_metrics`) and what holds it now (`host_memory_parts`), throughputs
     (env steps, sampled and trained tokens per second) and the train episodes' summary."""
     import numpy as np
 
     from strata_jax.evaluation import summarize
-    from strata_jax.metrics import memory_metrics
+    from strata_jax.metrics import host_memory_parts, memory_metrics
     from strata_jax.sampling import compiled_program_count
 
     m = {**result.stats, **metrics, "time/rollout_s": rollout_s, **env_failures,
@@ -213,7 +213,7 @@ def _iteration_metrics(c, result, metrics, env_failures, compiles, *, rollout_s,
          "compile/sampler_programs": float(compiled_program_count()),
          "compile/count": float(compiles.count), "compile/seconds": compiles.seconds,
          "compile/cache_hits": float(compiles.cache_hits),
-         **memory_metrics()}
+         **memory_metrics(), **host_memory_parts()}
     steps = max(result.stats.get("rollout/steps", 0.0), 1.0)
     m["perf/env_steps_per_s"] = steps / max(rollout_s, 1e-9)
     generated = float(np.sum(np.asarray(result.batch.response_mask)))
