@@ -189,6 +189,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.optim.mini_batch_size = 256  # step samples per optimizer step
     c.optim.micro_batch_rows = 8   # gradient accumulation unit, rows (mini-batches pad to a multiple)
     c.optim.micro_batch_tokens = 0  # the packed update's token budget per unit (0 = rows x width)
+    c.optim.skip_empty_steps = True  # no AdamW step for a mini-batch that carries no gradient
 
     # --- Trainer execution (strata_jax.training.TrainConfig; c.optim / c.loss hold the math) --
     c.train = ml_collections.ConfigDict()

@@ -23,7 +23,7 @@ LR_SCHEDULES = ("constant", "cosine")
 
 # TrainConfig fields read from c.optim / c.train (every key of those sections is one of these).
 _OPTIM_FIELDS = ("lr", "critic_lr", "weight_decay", "grad_clip", "warmup_steps", "ppo_epochs",
-                 "mini_batch_size", "micro_batch_rows", "micro_batch_tokens")
+                 "mini_batch_size", "micro_batch_rows", "micro_batch_tokens", "skip_empty_steps")
 _TRAIN_FIELDS = ("adam_eps", "lr_schedule", "decay_steps", "compute_dtype", "logprob_chunk",
                  "score_rows", "recompute_old", "trim_padding", "response_floor",
                  "pack_width", "donate_state",
@@ -62,7 +62,9 @@ class TrainConfig:
       evenly over the mini-batches on top), micro_batch_rows (rows per gradient-accumulation
       unit on the per-row path; the mini-batch plan pads each mini-batch to a multiple of it),
       micro_batch_tokens (the packed update's token budget per micro-batch; 0 =
-      micro_batch_rows rows at the batch's prompt + response columns).
+      micro_batch_rows rows at the batch's prompt + response columns), skip_empty_steps (a
+      mini-batch none of whose rows can move the loss takes no optimizer step: see
+      `Trainer.train_on_batch` and docs/method.md §9.3).
       adam_eps: AdamW epsilon (torch's default 1e-8).
     Model execution: remat ("none" | "full" | "dots": jax.checkpoint policy over the forward),
       compute_dtype ("float32" | "bfloat16": params are cast for the forward, the optimizer keeps
@@ -117,6 +119,7 @@ class TrainConfig:
     mini_batch_size: int = 256
     micro_batch_rows: int = 8
     micro_batch_tokens: int = 0
+    skip_empty_steps: bool = True
     remat: str = "dots"
     compute_dtype: str = "bfloat16"
     logprob_chunk: int = 64

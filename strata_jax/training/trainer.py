@@ -348,6 +348,18 @@ class Trainer:
             scores = scatter_scores(scores, i, r, new)
         return batch.replace(**scores._asdict())
 
+    def inert_rows(self, adv: jax.Array, weights: jax.Array) -> np.ndarray | None:
+        """[R] bool on the host: rows that cannot change the gradient (advantage x sample
+        weight exactly 0) when no other loss term is on (loss.kl_coef and loss.entropy_coef 0,
+        no critic), so a mini-batch of only such rows has a gradient of exactly 0; None when
+        cfg.skip_empty_steps is off or another term is on (every row counts).
+        docs/method.md §9.3."""
+        cfg = self.cfg
+        if (not cfg.skip_empty_steps or cfg.loss.kl_coef or cfg.loss.entropy_coef
+                or cfg.critic_kind != "none"):
+            return None
+        return host_values(adv * weights) == 0
+
     def train_on_batch(self, state: TrainState, batch: SampleBatch, adv: jax.Array,
                        weights: jax.Array, targets: jax.Array, key: jax.Array,
                        base: Params | None = None, on_policy: bool = False
@@ -367,13 +379,14 @@ class Trainer:
         scored without the old-logprob pass (`Trainer.on_policy`; must plan one mini-batch).
         Returns (state, per-step metric dicts of device scalars, each with host ints
         "computed_tokens" (the slots the forward ran over: packed rows x W, or rows x columns)
-        and "real_tokens" (prompt + response tokens of its real rows)). Does not advance
-        state.step.
+        and "real_tokens" (prompt + response tokens of its real rows); a mini-batch of only
+        `inert_rows` is not run and gives ``{"empty": True}``). Does not advance state.step.
         """
         cfg = self.cfg
         m = cfg.micro_batch_rows
         # host_values: a multi-host global batch is gathered (every process plans the same steps).
         valid, kind = host_values(batch.valid), host_values(batch.kind)
+        inert = self.inert_rows(adv, weights)
         ids = host_ids(batch)   # on the host once (every process: the same plan)
         pm, rm = ids[1], ids[3]
         n_tokens = np.sum(pm, axis=1) + np.sum(rm, axis=1)
@@ -385,6 +398,9 @@ class Trainer:
         with self._ctx():
             for _ in range(cfg.ppo_epochs):
                 for idx, real in minibatch_plan(valid, kind, cfg.mini_batch_size, m, rng):
+                    if inert is not None and bool(np.all(inert[idx[real]])):
+                        out.append({"empty": True})   # no gradient: no optimizer step
+                        continue
                     real_tokens = int(np.sum(n_tokens[idx[real]]))
                     if self.per_row:
                         mb, a, w, t = gather_rows(batch, adv, weights, targets, jnp.asarray(idx),
@@ -431,7 +447,8 @@ class Trainer:
         ref_params: frozen initial policy params (needed when loss.kl_coef != 0, and always with
         LoRA, where they are the base the adapters ride on).
         Returns (new state, metrics: host floats — means over optimizer steps of the loss
-        metrics, `skipped_steps` (non-finite steps not applied), `optimizer_steps`, advantage
+        metrics, `skipped_steps` (non-finite steps not applied), `optimizer_steps`,
+        `empty_steps` (mini-batches with no gradient, not run: `inert_rows`), advantage
         metrics of the estimator, `mismatch/sampler_abs` = mean |sampler - trainer| logprob
         over loss tokens). Raises ValueError when kl_coef != 0 and ref_params is None.
         """
@@ -447,7 +464,11 @@ class Trainer:
         state, steps = self.train_on_batch(state, scored, adv, w, targets, k_plan, ref_params,
                                            on_policy=on_policy)
         state = state.replace(step=state.step + 1, rng=rng)
-        if on_policy:  # measured inside the one step, against the same pi_old
+        empty = sum(1 for s in steps if s.get("empty"))
+        steps = [s for s in steps if not s.get("empty")]
+        if on_policy and not steps:   # the one mini-batch was empty: no step measured it
+            mism = None
+        elif on_policy:  # measured inside the one step, against the same pi_old
             mism = steps[0].pop("sampler_abs")
         else:
             mask = loss_mask(scored)
@@ -465,7 +486,9 @@ class Trainer:
             metrics[f"train/{k}"] = float(np.mean(vals))
         metrics["skipped_steps"] = float(sum(float(s["skipped"]) for s in host_steps))
         metrics["optimizer_steps"] = float(len(host_steps))
-        metrics["mismatch/sampler_abs"] = float(mism)
+        metrics["empty_steps"] = float(empty)
+        if mism is not None:
+            metrics["mismatch/sampler_abs"] = float(mism)
         if metrics["skipped_steps"]:
             log.warning("iteration %d: skipped %d of %d optimizer steps with a non-finite loss or "
                         "gradient (params and optimizer state left unchanged)",
