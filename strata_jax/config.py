@@ -57,15 +57,20 @@ def _is_dict(node: Any) -> bool:
     return hasattr(node, "keys") and hasattr(node, "__getitem__") and not isinstance(node, str)
 
 
-def nearest(name: str, names: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest of `names` to `name` (difflib), or ""."""
+def nearest(name: str, names: Iterable[str], prefix: str = "") -> str:
+    """`` (did you mean 'x'?)`` for the closest of `names` to `name` (difflib), or "";
+    `prefix` (e.g. ``"optim."``) is put before the suggested name, so that it can be typed
+    as it stands."""
     hint = difflib.get_close_matches(name, list(names), n=1)
-    return f" (did you mean {hint[0]!r}?)" if hint else ""
+    return f" (did you mean {prefix + hint[0]!r}?)" if hint else ""
 
 
 def _unknown(node: Any, key: str, leaf: str) -> str:
+    """The message for dotted `key` whose last part `leaf` is not a key of `node`; the
+    suggestion is the full dotted name (``optim.lrr`` -> 'optim.lr')."""
     names = list(node.keys()) if _is_dict(node) else []
-    return f"unknown config field {key!r}" + nearest(leaf, names)
+    parent = key.rpartition(".")[0]
+    return f"unknown config field {key!r}" + nearest(leaf, names, f"{parent}." if parent else "")
 
 
 def field_type(c: Any, key: str) -> str:

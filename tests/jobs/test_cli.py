@@ -107,7 +107,7 @@ def test_cli_overrides_reach_the_config_for_every_field():
                              "'full', 'dots')"),
     ("adv.std_ddof", "one", "adv.std_ddof='one' is not an integer (or none)"),
     ("optim.lr", "fast", "optim.lr='fast' is not a number"),
-    ("optim.lrr", "1e-5", "unknown config field 'optim.lrr' (did you mean 'lr'?)"),
+    ("optim.lrr", "1e-5", "unknown config field 'optim.lrr' (did you mean 'optim.lr'?)"),
 ])
 def test_both_forms_refuse_what_does_not_fit(key, text, msg):
     with pytest.raises(schema.OverrideError) as e1:
@@ -228,9 +228,10 @@ def _run(script, *args, env=None):
      "--config.<field>=<value>: --config.seed=3"),
     ("eval.py", ["--config=configs/sciworld.py:tiny,optim.lrr=1e-5"],
      "eval.py: --config=configs/sciworld.py:tiny,optim.lrr=1e-5: unknown config field "
-     "'optim.lrr' (did you mean 'lr'?)."),
+     "'optim.lrr' (did you mean 'optim.lr'?)."),
     ("train.py", ["--config=configs/sciworld.py:tiny", "--config.loss.kl_coeff=0.1"],
-     "train.py: --config.loss.kl_coeff names no field of the config (did you mean 'kl_coef'?)."),
+     "train.py: --config.loss.kl_coeff names no field of the config "
+     "(did you mean 'loss.kl_coef'?)."),
     ("train.py", ["--config=configs/sciworld.py:tiny", "--config.rollout.num_strategies=2.7"],
      "train.py: --config.rollout.num_strategies='2.7' is not an integer"),
     ("train.py", ["--config=configs/sciworld.py:tiny", "--config.rollout.top_k=-2"],

@@ -159,7 +159,7 @@ def test_summarize_prefix_for_training_rollouts():
 
 
 @pytest.mark.parametrize("script,config,override,hint", [
-    ("sft.py", "configs/builtin.py:tiny", "--config.sft.stepz", " (did you mean 'steps'?)"),
+    ("sft.py", "configs/builtin.py:tiny", "--config.sft.stepz", " (did you mean 'sft.steps'?)"),
     ("train.py", "configs/sciworld.py:tiny", "--config.model.nope", ""),
 ])
 def test_unknown_config_override_is_one_clear_line(script, config, override, hint):
