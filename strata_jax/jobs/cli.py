@@ -76,8 +76,7 @@ def load_config(spec: str) -> Any:
     and FileNotFoundError."""
     path, _, arg = spec.partition(":")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {path!r} does not exist (e.g. "
-                                "--config=configs/sciworld.py:tiny)")
+        raise FileNotFoundError(missing_config_message(path))
     root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -85,6 +84,29 @@ def load_config(spec: str) -> Any:
     mod = importlib.util.module_from_spec(modspec)
     modspec.loader.exec_module(mod)  # type: ignore[union-attr]
     return mod.get_config(arg) if arg else mod.get_config()
+
+
+def checkout_configs_dir() -> str:
+    """The absolute path of the ``configs/`` folder beside this installed ``strata_jax``
+    package (the checkout's, for an editable install)."""
+    import strata_jax
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(strata_jax.__file__))),
+                        "configs")
+
+
+def missing_config_message(path: str) -> str:
+    """The message for a config file `path` that does not exist: config paths are relative to
+    the current directory, and the checkout's configs/ folder is named (with the same file
+    name there, when it exists)."""
+    configs = checkout_configs_dir()
+    msg = (f"config file {path!r} does not exist; config paths are relative to the current "
+           f"directory {os.getcwd()}, and this checkout's configs are in {configs}")
+    there = os.path.join(configs, os.path.basename(path))
+    if os.path.isfile(there) and not os.path.isabs(path):
+        msg += f" (--config={there}, or run from {os.path.dirname(configs)})"
+    elif not os.path.isfile(there):
+        msg += f" (e.g. --config={os.path.join(configs, 'sciworld.py')}:tiny)"
+    return msg
 
 
 def parse_flags(argv: Sequence[str]) -> list[str]:

@@ -388,6 +388,29 @@ def test_running_a_checkout_config_from_elsewhere_says_where_runs_go(tmp_path):
     assert out.returncode == 2 and "note:" not in out.stderr
 
 
+def test_a_relative_config_path_from_elsewhere_names_the_checkouts_configs(tmp_path):
+    """``configs/sciworld.py`` typed in another directory: the one line says config paths are
+    relative to the current directory and names the checkout's configs/ folder."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
+                          "--config=configs/sciworld.py:tiny"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    configs = os.path.join(ROOT, "configs")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"train.py: --config=configs/sciworld.py:tiny: config file 'configs/sciworld.py' does "
+        f"not exist; config paths are relative to the current directory {tmp_path}, and this "
+        f"checkout's configs are in {configs} (--config={configs}/sciworld.py, or run from "
+        f"{ROOT}). Fields and their defaults: configs/base.py; variants: the experiment file's "
+        "docstring."]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
+                          "--config=nowhere/mine.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(
+        f"train.py: --config=nowhere/mine.py: config file 'nowhere/mine.py' does not exist; config"
+        f" paths are relative to the current directory {tmp_path}, and this checkout's configs "
+        f"are in {configs} (e.g. --config={configs}/sciworld.py:tiny)")
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_a_stop_signal_outside_the_loop_is_one_line_130_and_runs_cleanup(tmp_path, sig):
     """Outside the training loop (setup, a warm start, eval, a fetch) SIGTERM and SIGHUP stop
