@@ -223,21 +223,53 @@ def read_tensorboard(logdir: str) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+def eta_seconds(done: int, total: int, first_done: int, first_end_s: float, now_s: float,
+                settle: int = 1) -> float | None:
+    """Seconds left of a loop of `total` steps, estimated from the steps after the first one
+    of this process (which compiles its programs, so it is no guide to the others).
+
+    done: steps finished; first_done: the step count when the first step of this process
+    ended (1 for a fresh loop, restored step + 1 on a resume); first_end_s: the time it ended;
+    now_s: the time now (seconds, one clock). The rate is (now_s - first_end_s) per
+    (done - first_done) steps. Returns None (the caller prints "eta after compile") until
+    `settle` (>= 1) steps ran after the first: later steps may compile too (new shapes), so a
+    caller whose early steps vary in shape asks for more. 0.0 when nothing is left.
+    """
+    if done >= total:
+        return 0.0
+    n = done - first_done
+    if n < max(settle, 1):
+        return None
+    return (now_s - first_end_s) / n * (total - done)
+
+
+def format_eta(eta_s: float | None) -> str:
+    """``eta 52 s`` / ``eta 4.1 min`` (from two minutes on) for `eta_seconds`'s value; None:
+    ``eta after compile``."""
+    if eta_s is None:
+        return "eta after compile"
+    return f"eta {eta_s:.0f} s" if eta_s < 120 else f"eta {eta_s / 60:.1f} min"
+
+
 class Progress:
-    """A one-line console progress bar with ETA, updated once per iteration."""
+    """A one-line console progress bar with ETA, updated once per iteration; the ETA follows
+    the iterations after this process's first (`eta_seconds`), which compiles."""
 
     def __init__(self, total: int, start: int = 0, stream=sys.stderr) -> None:
         self.total, self.start, self.stream = total, start, stream
         self.t0 = time.time()
+        self.first: tuple[int, float] | None = None   # (done, time) when the first step ended
 
     def update(self, done: int, info: str = "") -> str:
-        n = done - self.start
-        elapsed = time.time() - self.t0
-        eta = elapsed / n * (self.total - done) if n > 0 else float("nan")
+        now = time.time()
+        elapsed = now - self.t0
+        if self.first is None:
+            self.first = (done, now)
+        eta = format_eta(eta_seconds(done, self.total, self.first[0], self.first[1], now))
         width = 24
         filled = int(width * done / max(self.total, 1))
         line = (f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} "
-                f"elapsed {elapsed:6.1f}s eta {eta:6.1f}s {info}")
+                f"elapsed {elapsed:6.1f}s {eta} {info}")
         print(line, file=self.stream, flush=True)
         return line
 

@@ -52,13 +52,28 @@ def test_disabled_writer_writes_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_eta_follows_the_steps_after_the_first():
+    from strata_jax.metrics import eta_seconds, format_eta
+    # step 1 ended at t=100 (compiling); steps 2-4 took 30 s: 10 s a step, 6 left -> 60 s
+    assert eta_seconds(4, 10, 1, 100.0, 130.0) == 60.0
+    assert eta_seconds(1, 10, 1, 100.0, 100.0) is None           # only the compiling step
+    assert eta_seconds(3, 10, 1, 100.0, 120.0, settle=3) is None  # 2 < 3 settled steps
+    assert eta_seconds(4, 10, 1, 100.0, 130.0, settle=3) == 60.0
+    assert eta_seconds(6, 8, 5, 50.0, 80.0) == 60.0               # a resume from step 4
+    assert eta_seconds(10, 10, 1, 100.0, 500.0) == 0.0
+    assert [format_eta(x) for x in (None, 59.6, 119.0, 246.0)] == [
+        "eta after compile", "eta 60 s", "eta 119 s", "eta 4.1 min"]
+
+
 def test_progress_eta():
     import io
     s = io.StringIO()
     p = Progress(total=4, start=0, stream=s)
-    p.t0 -= 10.0  # pretend 10 s went by for 2 iterations -> 10 s left for 2 more
+    p.t0 -= 50.0  # the first iteration took 50 s (compiling): no ETA from it
+    assert "1/4" in p.update(1) and "eta after compile" in s.getvalue()
+    p.first = (1, p.first[1] - 10.0)   # iteration 2 took 10 s -> 20 s left for 2 more
     line = p.update(2)
-    assert "2/4" in line and "eta   10.0s" in line
+    assert "2/4" in line and "eta 20 s" in line
 
 
 def test_resume_drops_rows_of_lost_iterations(tmp_path):

@@ -200,28 +200,30 @@ def train_sft(params: Any, model_cfg: Qwen2Config, examples: Sequence[SFTExample
         if log_fn and (i % max(cfg.log_every, 1) == 0 or i == cfg.steps - 1
                        or now - last >= SFT_PROGRESS_S):
             log_fn(sft_progress(i + 1, cfg.steps, losses[-1], now - t0,
-                                (now - t1) / i if i else None))
+                                (now - t1) / i if i >= SFT_ETA_SETTLE else None))
             last = now
     return params, losses
 
 
 # Seconds between two progress lines of the warm start at most (besides every log_every steps).
 SFT_PROGRESS_S = 20.0
+# Steps after the first before the warm start's line gives an ETA: batches are bucketed by
+# length, so the early steps still compile the programs of new buckets.
+SFT_ETA_SETTLE = 5
 
 
 def sft_progress(done: int, total: int, loss: float, elapsed_s: float,
                  step_s: float | None) -> str:
     """One progress line of `train_sft`: ``sft step 40/250 [###.....] loss 3.1 | 52 s, eta
     4.1 min``. `step_s` (seconds per step after the first, which compiles) gives the ETA; None
-    (after step 1) prints "eta ?"."""
+    (until `SFT_ETA_SETTLE` steps ran after the first) prints "eta after compile"."""
     width = 20
     bar = "#" * int(width * done / max(total, 1))
-    eta = "?" if step_s is None else (f"{step_s * (total - done):.0f} s"
-                                      if step_s * (total - done) < 120
-                                      else f"{step_s * (total - done) / 60:.1f} min")
+    from strata_jax.metrics import format_eta
+    eta = format_eta(None if step_s is None else step_s * (total - done))
     return (f"sft step {done}/{total} [{bar:.<{width}}] loss {loss:.4f} | "
-            f"{elapsed_s:.0f} s, eta {eta}")
+            f"{elapsed_s:.0f} s, {eta}")
 
 
 __all__ = ["make_sft_batch", "sft_loss", "SFTTrainer", "batch_order", "train_sft",
-           "sft_progress", "SFT_PROGRESS_S"]
+           "sft_progress", "SFT_PROGRESS_S", "SFT_ETA_SETTLE"]
