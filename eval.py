@@ -59,8 +59,7 @@ flags.mark_flags_as_required(["config"])
 @guarded
 def main(argv):
     del argv
-    from strata_jax.jobs.evaluate import run_eval
-    from strata_jax.evaluation import format_metrics
+    from strata_jax.jobs.evaluate import report, run_eval
     from strata_jax.metrics import quiet_logs
     quiet_logs()
     c = _CONFIG.value
@@ -68,8 +67,7 @@ def main(argv):
                         ("strategy_choice", _CHOICE), ("probe_steps", _PROBE)):
         if flag.value is not None:
             c.eval[field] = flag.value
-    print(format_metrics(run_eval(c, _SPLIT.value, _STEP.value,
-                                  use_checkpoint=not _NO_CKPT.value)))
+    print(report(c, run_eval(c, _SPLIT.value, _STEP.value, use_checkpoint=not _NO_CKPT.value)))
     return 0
 
 

@@ -43,9 +43,9 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     from strata_jax.jobs.prepare import prepare
     from strata_jax.training import TrainConfig
 
-    with prepare(c, "evaluate", check=lambda c: _check(c, use_checkpoint)) as p:
+    split = split or c.eval.split
+    with prepare(c, "evaluate", check=lambda c: _check(c, use_checkpoint, split)) as p:
         tt = TestTimeConfig.from_config(c)
-        split = split or c.eval.split
         ckpt_dir = os.path.join(c.workdir, "ckpt")
         if use_checkpoint and not os.path.isdir(ckpt_dir):
             raise FileNotFoundError(f"no checkpoint in {ckpt_dir}; train first (python train.py "
@@ -61,12 +61,15 @@ def run_eval(c, split: str | None = None, step: int | None = None,
             r.pool.close()
 
 
-def _check(c: Any, use_checkpoint: bool) -> None:
-    """eval's own preflight check (after resolve): the test-time scaling settings, and that a
-    critic chooser has a critic to read. Raises ConfigError."""
+def _check(c: Any, use_checkpoint: bool, split: str) -> None:
+    """eval's own preflight check (after resolve, before any model is loaded): the split names
+    tasks of the env (`eval_tasks`: an unknown split is one line listing the known ones), the
+    test-time scaling settings, and that a critic chooser has a critic to read. Raises
+    ConfigError."""
     from strata_jax import experiment as ex
     from strata_jax.evaluation.scaling import TestTimeConfig
     from strata_jax.training import TrainConfig
+    eval_tasks(c, split)
     try:
         tt = TestTimeConfig.from_config(c)
     except ValueError as e:
@@ -124,8 +127,11 @@ def _evaluate(c, r, split, step, use_checkpoint, tt, ckpt_dir) -> dict:
           f"({int(c.eval.episodes_per_family)} per family)"
           + (f", {tt.strategy_samples} candidates each ({tt.strategy_choice} chooses, "
              + (f"{tt.probe_steps}-step probes)" if tt.probe_steps else "full episodes)")
-             if tt.enabled else "") + " (the first batch of 16 includes compiling the sampler: "
-          "minutes on a CPU for a real model) ...", flush=True)
+             if tt.enabled else ""), flush=True)
+    import inspect   # the wave: `evaluate`'s chunk of tasks per rollout call
+    wave = min(len(tasks), inspect.signature(evaluate).parameters["batch_tasks"].default)
+    print(f"compiling the sampler with the first wave of {wave} episodes "
+          "(minutes on a CPU for a real model; a line follows each wave) ...", flush=True)
     prefill0 = policy.prefix_stats()
     if tt.enabled:
         metrics, episodes = evaluate_scaled(c, policy, pool, builder, tasks,
@@ -153,6 +159,39 @@ def _evaluate(c, r, split, step, use_checkpoint, tt, ckpt_dir) -> dict:
     return metrics
 
 
+def score_scale_line(env_name: str) -> str:
+    """The line that says the printed scores' scale for env `env_name`: the env's own score
+    (ScienceWorld / WebShop 0-100, `SCORE_SCALE`) and training's returns, the same / 100;
+    else the 0-1 return that training prints."""
+    from strata_jax.evaluation.protocol import SCORE_SCALE
+    scale = SCORE_SCALE.get(env_name)
+    if scale:
+        return (f"scores are {env_name}'s own, 0-{scale:g} (training prints returns on a 0-1 "
+                f"scale: score / {scale:g})")
+    return "scores are the episode return, 0-1 (as training prints it)"
+
+
+def tiny_model_note(c: Any) -> str | None:
+    """A note when the evaluated model is the tiny random preset (no ``model.path``): its
+    strategies fail the format and its scores are near 0 by design. None otherwise."""
+    if c.model.path or c.model.preset != "tiny":
+        return None
+    return ("note: the model is the tiny random preset (a machinery check, not a policy): "
+            "strategy format failures near 1.000 and scores near 0 are expected")
+
+
+def report(c: Any, metrics: dict) -> str:
+    """eval.py's printed report: `format_metrics` with the scores' scale (`score_scale_line`)
+    and, for the tiny random model, `tiny_model_note` before its "wrote <file>" lines."""
+    from strata_jax.evaluation import format_metrics
+    lines = format_metrics(metrics).splitlines()
+    wrote = len(metrics.get("files", []))
+    note = tiny_model_note(c)
+    extra = [score_scale_line(c.env.name)] + ([note] if note else [])
+    at = len(lines) - wrote
+    return "\n".join(lines[:at] + extra + lines[at:])
+
+
 def _progress_line():
     """`evaluate`'s progress callback: one line per batch of episodes, with the success so far
     and the elapsed time."""
@@ -166,4 +205,4 @@ def _progress_line():
     return show
 
 
-__all__ = ["run_eval"]
+__all__ = ["run_eval", "report", "score_scale_line", "tiny_model_note"]

@@ -229,6 +229,7 @@ def _iteration_metrics(c, result, metrics, env_failures, compiles, *, rollout_s,
 def _log_iteration(c, writer, progress, step, m, result) -> None:
     """Write the metrics row, the trajectory dumps and TensorBoard's sample episodes of
     iteration `step`, and advance the progress line."""
+    from strata_jax.evaluation.protocol import SCORE_SCALE
     from strata_jax.trajectories import format_episode
 
     writer.scalars(step, m)
@@ -236,8 +237,10 @@ def _log_iteration(c, writer, progress, step, m, result) -> None:
     writer.trajectories(step, dumps)
     for k, rec in enumerate(dumps[:TB_EPISODES]):   # TensorBoard's text tab
         writer.text(step, f"episodes/{k}", "```\n" + format_episode(rec) + "\n```")
+    scale = SCORE_SCALE.get(c.env.name)   # eval prints the env's own score; say the relation
     progress.update(step, f"return {m.get('rollout/mean_return', float('nan')):+.3f} "
-                          f"success {m.get('rollout/success_rate', float('nan')):.2f}")
+                          + (f"(0-1: score / {scale:g}) " if scale else "")
+                          + f"success {m.get('rollout/success_rate', float('nan')):.2f}")
 
 
 def stop_flag():

@@ -336,6 +336,8 @@ def test_hf_checkpoint_trains_and_eval_prints_families(tmp_path):
     assert len(overall) == 1 and "episodes 4  (step 1)" in overall[0]
     stem = workdir / "eval_dev_step1"
     assert lines[-2:] == [f"wrote {stem}.json", f"wrote {stem}_trajectories.jsonl"]
+    assert lines[-3] == ("scores are scienceworld's own, 0-100 (training prints returns on a "
+                         "0-1 scale: score / 100)")   # an HF checkpoint: no tiny-model note
     saved = json.loads((workdir / "eval_dev_step1.json").read_text())
     assert saved["eval/episodes"] == 4.0 and saved["step"] == 1
     episodes = read_jsonl(f"{stem}_trajectories.jsonl")
