@@ -138,25 +138,28 @@ def _train(c, workdir, compiles, r) -> dict:
                     iteration_cpu_s=cpu_seconds() - cpu_iter)
                 _log_iteration(c, writer, progress, done, last, result)
                 # checkpoint
-                if flag.requested:   # SIGTERM / the first Ctrl-C: save and stop cleanly
+                if flag.requested and done < c.iterations:   # SIGTERM / the first Ctrl-C:
                     saves.save(state, task_sampler.get_state(), trainer.host_state())
-                    status = "preempted"
+                    status = "preempted"                       # save and stop cleanly
                     break
+                if flag.requested:   # in the last iteration: nothing is left, the run finishes
+                    log.info("stop requested in the last iteration: the run is finished")
                 if saves.due(done) or done == c.iterations:   # the end: saved before its eval
                     saves.save(state, task_sampler.get_state(), trainer.host_state())
                 saves.mark(state, task_sampler.get_state(), trainer.host_state())
                 # eval (with the updated policy, which the next rollout samples from too)
                 policy.set_params(r.copy.of_state(trainer, state, init_params))
                 maybe_eval(done)
-            if start >= c.iterations:   # nothing to run: the state as it is (a restored step
-                # on disk is not saved again)
+            if start >= c.iterations and restored is None:   # nothing to run, nothing on
+                # disk (iterations=0): the initial state; a restored step is on disk already
                 saves.save(state, task_sampler.get_state(), trainer.host_state())
     finally:
         flag.uninstall()
         writer.close()
         ckpt.close()
     step = int(jax.device_get(state.step))
-    log.info("%s at step %d; outputs in %s", status, step, workdir)
+    # debug: the entry point prints the one summary line ("done: step N, outputs in ...")
+    log.debug("%s at step %d; outputs in %s", status, step, workdir)
     return {"status": status, "step": step, "workdir": workdir, "last_metrics": last}
 
 
