@@ -60,3 +60,31 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("peak RSS per test module (GB, this process)")
         for name, gb in sorted(_MODULE_PEAK_GB.items(), key=lambda kv: -kv[1])[:15]:
             terminalreporter.write_line(f"{gb:6.2f}  {name}")
+
+
+# The smoke part (`python -m pytest -q tests -m smoke`, README "Tests"): a few quick modules of
+# every package folder (config and flags, the algorithms' pure functions, parsing and a built-in
+# env, the model's config and tokenizer, prompts and strategies, stop strings, checkpoints,
+# metrics and evaluation's summaries, the docs' checks); every test in them carries the mark.
+SMOKE_MODULES = (
+    "tests/test_config_schema.py", "tests/test_metrics.py",
+    "tests/algos/test_advantages.py", "tests/algos/test_losses.py", "tests/algos/test_batch.py",
+    "tests/benchmarks/test_benchmark_report.py",
+    "tests/docs/test_readme.py", "tests/docs/test_design.py",
+    "tests/envs_bridge/test_parsing.py", "tests/envs_bridge/test_env_builtin.py",
+    "tests/evaluation/test_evaluation.py",
+    "tests/jobs/test_cli.py", "tests/jobs/test_evaluate.py",
+    "tests/models/test_model_config.py", "tests/models/test_tokenizer.py",
+    "tests/rollout/test_fps.py", "tests/rollout/test_prompts.py",
+    "tests/sampling/test_stops.py",
+    "tests/studies/test_studies_layout.py",
+    "tests/training/test_checkpoint.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    smoke = {os.path.join(root, *m.split("/")) for m in SMOKE_MODULES}
+    for item in items:
+        if str(item.path) in smoke:
+            item.add_marker(pytest.mark.smoke)

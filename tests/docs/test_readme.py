@@ -140,6 +140,21 @@ def test_ci_runs_the_readme_test_command():
     assert ci == ["python -m pytest -q tests"] and ci[0] in readme
 
 
+def test_the_smoke_part_the_readme_shows_has_a_module_of_every_test_folder():
+    """``-m smoke`` (README "Tests") selects `SMOKE_MODULES`: each exists, holds no slow test,
+    and every test folder but fixtures/ has one (the top-level modules count as one folder)."""
+    from tests.conftest import SMOKE_MODULES
+    assert "python -m pytest -q tests -m smoke" in bash_commands(_read("README.md"))
+    assert all(os.path.isfile(os.path.join(ROOT, m)) for m in SMOKE_MODULES), SMOKE_MODULES
+    slow = re.compile(r"^(pytestmark = pytest\.mark\.slow|\s*@pytest\.mark\.slow)", re.M)
+    assert not [m for m in SMOKE_MODULES if slow.search(_read(m))]
+    folders = {d for d in os.listdir(os.path.join(ROOT, "tests"))
+               if os.path.isfile(os.path.join(ROOT, "tests", d, "__init__.py"))} - {"fixtures"}
+    covered = {m.split("/")[1] for m in SMOKE_MODULES if m.count("/") == 2}
+    assert folders - covered == set()
+    assert any(m.count("/") == 1 for m in SMOKE_MODULES)   # a top-level module too
+
+
 def test_command_extraction_sees_through_continuations_and_placeholders():
     text = ("```bash\npython train.py --config=configs/builtin.py:tiny \\\n"
             "    --config.seed=2   # a comment\n"
