@@ -3,7 +3,7 @@ in the last iteration finishes the run instead of preempting it, and a finished 
 prints one summary line and does not log its checkpoint a second time.
 
 The loop runs in this process on the built-in memory_key env with the tiny random model, no
-warm start, 1 iteration of 1 task (compiling the sampler and the update: about a minute)."""
+warm start, 1 iteration of 1 task (it compiles the sampler and the update, hence slow)."""
 import logging
 
 import pytest
