@@ -76,7 +76,7 @@ def load_config(spec: str) -> Any:
     and FileNotFoundError."""
     path, _, arg = spec.partition(":")
     if not os.path.isfile(path):
-        raise FileNotFoundError(missing_config_message(path))
+        raise FileNotFoundError(missing_config_message(path, arg))
     root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -94,16 +94,17 @@ def checkout_configs_dir() -> str:
                         "configs")
 
 
-def missing_config_message(path: str) -> str:
-    """The message for a config file `path` that does not exist: config paths are relative to
-    the current directory, and the checkout's configs/ folder is named (with the same file
-    name there, when it exists)."""
+def missing_config_message(path: str, variant: str = "") -> str:
+    """The message for a config file `path` (with its colon `variant`) that does not exist:
+    config paths are relative to the current directory, and the checkout's configs/ folder is
+    named (with the same file and variant there, when that file exists)."""
     configs = checkout_configs_dir()
     msg = (f"config file {path!r} does not exist; config paths are relative to the current "
            f"directory {os.getcwd()}, and this checkout's configs are in {configs}")
     there = os.path.join(configs, os.path.basename(path))
     if os.path.isfile(there) and not os.path.isabs(path):
-        msg += f" (--config={there}, or run from {os.path.dirname(configs)})"
+        msg += (f" (--config={there}{':' + variant if variant else ''}, or run from "
+                f"{os.path.dirname(configs)})")
     elif not os.path.isfile(there):
         msg += f" (e.g. --config={os.path.join(configs, 'sciworld.py')}:tiny)"
     return msg

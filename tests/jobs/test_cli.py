@@ -399,7 +399,7 @@ def test_a_relative_config_path_from_elsewhere_names_the_checkouts_configs(tmp_p
     assert out.stderr.strip().splitlines() == [
         f"train.py: --config=configs/sciworld.py:tiny: config file 'configs/sciworld.py' does "
         f"not exist; config paths are relative to the current directory {tmp_path}, and this "
-        f"checkout's configs are in {configs} (--config={configs}/sciworld.py, or run from "
+        f"checkout's configs are in {configs} (--config={configs}/sciworld.py:tiny, or run from "
         f"{ROOT}). Fields and their defaults: configs/base.py; variants: the experiment file's "
         "docstring."]
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
