@@ -48,7 +48,8 @@ from strata_jax.distributed import host_values
 from strata_jax.models import Qwen2Config, init_params, param_shardings
 from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
 from strata_jax.sharding import logical_to_spec
-from strata_jax.training.batching import host_ids, minibatch_plan, num_minibatches, trim_padding
+from strata_jax.training.batching import (host_ids, inert_rows, minibatch_plan,
+                                         num_minibatches, trim_padding)
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
 from strata_jax.training.prefix_tree import (PackedMicroBatch, packed_micro_batches,
@@ -348,18 +349,6 @@ class Trainer:
             scores = scatter_scores(scores, i, r, new)
         return batch.replace(**scores._asdict())
 
-    def inert_rows(self, adv: jax.Array, weights: jax.Array) -> np.ndarray | None:
-        """[R] bool on the host: rows that cannot change the gradient (advantage x sample
-        weight exactly 0) when no other loss term is on (loss.kl_coef and loss.entropy_coef 0,
-        no critic), so a mini-batch of only such rows has a gradient of exactly 0; None when
-        cfg.skip_empty_steps is off or another term is on (every row counts).
-        docs/method.md §9.3."""
-        cfg = self.cfg
-        if (not cfg.skip_empty_steps or cfg.loss.kl_coef or cfg.loss.entropy_coef
-                or cfg.critic_kind != "none"):
-            return None
-        return host_values(adv * weights) == 0
-
     def train_on_batch(self, state: TrainState, batch: SampleBatch, adv: jax.Array,
                        weights: jax.Array, targets: jax.Array, key: jax.Array,
                        base: Params | None = None, on_policy: bool = False
@@ -380,13 +369,14 @@ class Trainer:
         Returns (state, per-step metric dicts of device scalars, each with host ints
         "computed_tokens" (the slots the forward ran over: packed rows x W, or rows x columns)
         and "real_tokens" (prompt + response tokens of its real rows); a mini-batch of only
-        `inert_rows` is not run and gives ``{"empty": True}``). Does not advance state.step.
+        `batching.inert_rows` is not run and gives ``{"empty": True}``; the packed path computes
+        no inert row). Does not advance state.step.
         """
         cfg = self.cfg
         m = cfg.micro_batch_rows
         # host_values: a multi-host global batch is gathered (every process plans the same steps).
         valid, kind = host_values(batch.valid), host_values(batch.kind)
-        inert = self.inert_rows(adv, weights)
+        inert = inert_rows(adv, weights, cfg)
         ids = host_ids(batch)   # on the host once (every process: the same plan)
         pm, rm = ids[1], ids[3]
         n_tokens = np.sum(pm, axis=1) + np.sum(rm, axis=1)
@@ -398,10 +388,15 @@ class Trainer:
         with self._ctx():
             for _ in range(cfg.ppo_epochs):
                 for idx, real in minibatch_plan(valid, kind, cfg.mini_batch_size, m, rng):
-                    if inert is not None and bool(np.all(inert[idx[real]])):
+                    # the rows that feed the loss (the packed path computes only those; the
+                    # normalisers count every real row)
+                    live = real if inert is None else real & ~inert[idx]
+                    if not live.any():
                         out.append({"empty": True})   # no gradient: no optimizer step
                         continue
-                    real_tokens = int(np.sum(n_tokens[idx[real]]))
+                    live = real if self.per_row else live
+                    real_tokens = int(np.sum(n_tokens[idx[live]]))
+                    inert_tokens = int(np.sum(n_tokens[idx[real & ~live]]))
                     if self.per_row:
                         mb, a, w, t = gather_rows(batch, adv, weights, targets, jnp.asarray(idx),
                                                   jnp.asarray(real))
@@ -411,11 +406,12 @@ class Trainer:
                         # micro-batches holding a real row run at the batch's width
                         computed = int(real.reshape(-1, m).any(1).sum()) * m * (tp + tr)
                     else:
-                        packed = self._plan(ids, idx, real, m, "train", cfg.micro_batch_tokens)
+                        packed = self._plan(ids, idx, live, m, "train", cfg.micro_batch_tokens)
                         state, met = self._packed_step(state, batch, adv, weights, targets,
                                                        idx, real, packed, base, on_policy)
                         computed = sum(p.num_slots for p in packed)
-                    out.append(dict(met, computed_tokens=computed, real_tokens=real_tokens))
+                    out.append(dict(met, computed_tokens=computed, real_tokens=real_tokens,
+                                    inert_tokens=inert_tokens))
         return state, out
 
     def _packed_step(self, state, batch, adv, weights, targets, idx, real,
@@ -448,7 +444,8 @@ class Trainer:
         LoRA, where they are the base the adapters ride on).
         Returns (new state, metrics: host floats — means over optimizer steps of the loss
         metrics, `skipped_steps` (non-finite steps not applied), `optimizer_steps`,
-        `empty_steps` (mini-batches with no gradient, not run: `inert_rows`), advantage
+        `empty_steps` (mini-batches with no gradient, not run: `batching.inert_rows`),
+        `perf/inert_tokens` (tokens of the rows the packed update did not compute), advantage
         metrics of the estimator, `mismatch/sampler_abs` = mean |sampler - trainer| logprob
         over loss tokens). Raises ValueError when kl_coef != 0 and ref_params is None.
         """
@@ -480,6 +477,7 @@ class Trainer:
         metrics: dict[str, float] = {k: float(v) for k, v in host_adv.items()}
         computed = sum(s.pop("computed_tokens") for s in host_steps)
         real_tokens = sum(s.pop("real_tokens") for s in host_steps)
+        metrics["perf/inert_tokens"] = float(sum(s.pop("inert_tokens") for s in host_steps))
         metrics["perf/update_token_fill"] = real_tokens / max(computed, 1)
         for k in (host_steps[0] if host_steps else {}):
             vals = [float(s[k]) for s in host_steps]

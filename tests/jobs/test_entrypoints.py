@@ -280,7 +280,7 @@ def test_the_trainer_owns_when_a_reference_is_needed_and_the_score_chunk():
             c[section][name] = v
         return Trainer(PRESETS["tiny"], TrainConfig.from_config(c), None)
 
-    t = trainer(loss__kl_coef=0.0, lora__rank=0, train__score_rows=0, optim__micro_batch_size=4)
+    t = trainer(loss__kl_coef=0.0, lora__rank=0, train__score_rows=0, optim__micro_batch_rows=4)
     assert (t.needs_reference, t.score_chunk) == (False, 4)
     t = trainer(loss__kl_coef=0.01, train__score_rows=6)
     assert (t.needs_reference, t.score_chunk) == (True, 6)
