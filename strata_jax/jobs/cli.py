@@ -72,8 +72,10 @@ def split_config_args(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, s
 
 def load_config(spec: str) -> Any:
     """The ConfigDict of ``path[:variant]`` (``get_config(variant)`` of that file), as
-    ml_collections' config flag loads it. Raises ValueError (unknown variant, bad ``key=value``)
-    and FileNotFoundError."""
+    ml_collections' config flag loads it. Raises ValueError, one line naming the file (and the
+    line, where there is one), for an unknown variant or bad ``key=value``, a syntax error or
+    an exception while importing the file or in its get_config, and a get_config that returns
+    no ConfigDict; FileNotFoundError for a missing file."""
     path, _, arg = spec.partition(":")
     if not os.path.isfile(path):
         raise FileNotFoundError(missing_config_message(path, arg))
@@ -82,8 +84,45 @@ def load_config(spec: str) -> Any:
         sys.path.insert(0, root)
     modspec = importlib.util.spec_from_file_location("_strata_config_check", path)
     mod = importlib.util.module_from_spec(modspec)
-    modspec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod.get_config(arg) if arg else mod.get_config()
+    try:
+        modspec.loader.exec_module(mod)  # type: ignore[union-attr]
+    except SyntaxError as e:
+        raise ValueError(f"{path}:{e.lineno}: syntax error: {e.msg}; fix the file") from None
+    except Exception as e:  # noqa: BLE001 — the file's own code: report where, not a traceback
+        raise ValueError(f"{_where(e, path)}: importing it raised {type(e).__name__}: "
+                         f"{_first_line(e)}; fix the file") from None
+    if not callable(getattr(mod, "get_config", None)):
+        raise ValueError(f"{path} defines no get_config(); an experiment file returns its "
+                         "ConfigDict from get_config(arg=None)")
+    call = f"get_config({arg!r})" if arg else "get_config()"
+    try:
+        c = mod.get_config(arg) if arg else mod.get_config()
+    except ValueError:
+        raise   # the file's own refusal (an unknown variant, a bad key=value): already one line
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{_where(e, path)}: {call} raised {type(e).__name__}: "
+                         f"{_first_line(e)}; fix the file") from None
+    import ml_collections
+    if not isinstance(c, ml_collections.ConfigDict):
+        raise ValueError(f"{path}: {call} returned a {type(c).__name__}, not an "
+                         "ml_collections.ConfigDict (start from configs/base.py's "
+                         "get_base_config())")
+    return c
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else "(no message)"
+
+
+def _where(e: BaseException, path: str) -> str:
+    """``path:line`` of the innermost traceback frame inside `path` (else `path`)."""
+    import traceback
+    line = None
+    for frame in traceback.extract_tb(e.__traceback__):
+        if os.path.abspath(frame.filename) == os.path.abspath(path):
+            line = frame.lineno
+    return f"{path}:{line}" if line else path
 
 
 def checkout_configs_dir() -> str:

@@ -14,6 +14,7 @@ The steps, in order, and which job takes each (`STEPS`):
     resolve (the algorithm's derived settings)                         all
     the job's own check (`check`, e.g. eval's test-time settings)      all
     env checks (e.g. the WebShop server answers)                       train, evaluate
+    the task list (an unknown env.split, an env.tasks filter matching nothing)  train
     model path check (a missing path / unreachable hub id)             train
     resume check (the stored run's config can be continued)            train
     compile counter, workdir, workdir lock (+ the resume check again)  train
@@ -31,7 +32,7 @@ from strata_jax import experiment as ex
 
 # Which job runs which optional step (module docstring); the others run in every job.
 STEPS = {
-    "train": frozenset({"distributed", "env", "model_path", "resume", "lock", "mesh"}),
+    "train": frozenset({"distributed", "env", "tasks", "model_path", "resume", "lock", "mesh"}),
     "evaluate": frozenset({"env", "mesh"}),
     "warm_start": frozenset(),
 }
@@ -80,6 +81,8 @@ def prepare(c: Any, job: str, check: Callable[[Any], None] | None = None) -> Ite
         check(c)
     if "env" in steps:
         ex.check_env(c)        # e.g. the WebShop server answers
+    if "tasks" in steps:
+        ex.task_list(c)        # the split's tasks exist: refused before the workdir is made
     if "model_path" in steps and c.model.path:
         ex.checkpoint_dir(c)   # a missing path / unreachable hub id: one line, nothing written
     if "resume" in steps:

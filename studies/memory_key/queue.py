@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+from studies.processes import lock_path, running_elsewhere, start_job, wait_until_free
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def variant(args, algo: str, workdir: str, extra: tuple[str, ...] = ()) -> str:
@@ -221,11 +223,22 @@ def run_queue(args) -> None:
             print(f"[{job['name']}] done", flush=True)
             keep(args, job, finished=True)
             continue
+        lock = lock_path(args.out, job["name"])
+        pid = running_elsewhere(lock)
+        if pid is not None:   # the child of a killed queue: let it finish its clean stop
+            print(f"[{job['name']}] still running (pid {pid}, from an earlier queue); waiting "
+                  "for it to stop", flush=True)
+            wait_until_free(lock)
+            if finished_here(job):
+                print(f"[{job['name']}] done", flush=True)
+                keep(args, job, finished=True)
+                continue
         log = os.path.join(args.out, job["name"] + ".log")
         print(f"[{job['name']}] {' '.join(job['argv'][1:])}  (log {log})", flush=True)
         t0, load0 = time.time(), open("/proc/loadavg").read().split()[0]
         with open(log, "a") as f:
-            proc = subprocess.Popen(job["argv"], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+            # dies with this queue, and a restarted queue sees it while it lives
+            proc = start_job(job["argv"], REPO, f, lock)
             while True:   # keep a train run's curve as it grows (--results is committed)
                 try:
                     rc = proc.wait(timeout=args.keep_every)
