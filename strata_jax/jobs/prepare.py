@@ -13,7 +13,7 @@ The steps, in order, and which job takes each (`STEPS`):
     distributed checks (multi-process constraints on the config)       train
     resolve (the algorithm's derived settings)                         all
     the job's own check (`check`, e.g. eval's test-time settings)      all
-    env checks (e.g. the WebShop server answers)                       train, evaluate
+    env checks (e.g. the WebShop server answers, Java for ScienceWorld)  all
     the task list (an unknown env.split, an env.tasks filter matching nothing)  train
     model path check (a missing path / unreachable hub id)             train
     resume check (the stored run's config can be continued)            train
@@ -34,7 +34,7 @@ from strata_jax import experiment as ex
 STEPS = {
     "train": frozenset({"distributed", "env", "tasks", "model_path", "resume", "lock", "mesh"}),
     "evaluate": frozenset({"env", "mesh"}),
-    "warm_start": frozenset(),
+    "warm_start": frozenset({"env"}),
 }
 
 

@@ -74,7 +74,8 @@ def test_no_loopback_is_one_line_naming_it():
 
 
 @pytest.mark.parametrize("script, extra", [("train.py", []),
-                                           ("eval.py", ["--no_checkpoint", "--split=dev"])])
+                                           ("eval.py", ["--no_checkpoint", "--split=dev"]),
+                                           ("sft.py", ["--force"])])
 def test_entry_points_refuse_a_missing_java_in_one_line_before_writing(tmp_path, script, extra):
     empty = tmp_path / "bin"
     empty.mkdir()
