@@ -146,8 +146,10 @@ def test_two_processes_equal_one_process_with_8_devices(tmp_path):
     multi = str(tmp_path / "multi")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(pid), "2", str(port),
-                               multi], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    # as a module from the repo root: run as a script, tests/ would come first on sys.path and
+    # its envs_bridge/ test folder would shadow the envs_bridge package
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_distributed", str(pid), "2",
+                               str(port), multi], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for pid in range(2)]
     try:
         single = small_config(str(tmp_path / "single"))      # this process: 8 devices
