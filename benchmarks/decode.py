@@ -418,7 +418,7 @@ def main() -> None:
         return
 
     if args.frameworks is None:
-        # The transformers column is the CPU comparison (0.5B shape, fp32); other
+        # The transformers column is the CPU comparison (0.5B shape, fp32); other
         # settings (the GPU run) default to jax alone. The parent never imports jax, so a GPU
         # is left entirely to the worker.
         args.frameworks = "jax"

@@ -1,9 +1,9 @@
 """Multi-host: settings from config / environment, the per-host task split, global batch padding,
-and the issue's test: two processes on localhost (4 fake CPU devices each, gloo collectives) run
-one iteration and end with the same params as one process with 8 devices.
+and the end-to-end check: two processes on localhost (4 fake CPU devices each, gloo collectives)
+run one iteration and end with the same params as one process with 8 devices.
 
-Run as a script, this module is the per-process driver:
-    python tests/test_distributed.py <process_id> <num_processes> <port> <workdir>
+Run as a module from the repo root, this is the per-process driver:
+    python -m tests.test_distributed <process_id> <num_processes> <port> <workdir>
 """
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_host_share_union_is_the_global_list():
         host_share(drawn, 0, 4)
 
 
-# ----------------------------------------------------------------------------- the issue's test
+# ----------------------------------------------------------------------------- two processes vs one
 
 
 def _free_port() -> int:
