@@ -89,11 +89,13 @@ class NoRestorableCheckpointError(RuntimeError):
 
 class _DiskFullNoise(logging.Filter):
     """Drops orbax's own error records of a full disk (one per writer thread, each with a
-    traceback, some logged after the save has already failed): `Checkpointer.save` reports
-    the condition as one `CheckpointWriteError` line instead."""
+    traceback, some logged after the save has already failed) and asyncio's "exception was
+    never retrieved" records of its abandoned writes: `Checkpointer.save` reports the condition
+    as one `CheckpointWriteError` line instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+        if record.levelno < logging.ERROR or not ("orbax" in record.pathname
+                                                  or record.name == "asyncio"):
             return True
         text = record.getMessage() + str(record.exc_info[1] if record.exc_info else "")
         return not ("RESOURCE_EXHAUSTED" in text or "No space left on device" in text)
@@ -190,6 +192,7 @@ class Checkpointer:
         self.keep = int(keep)
         self._bad_steps: set[int] = set()   # steps `restore` skipped: a save replaces them
         logging.getLogger("absl").addFilter(_DISK_FULL_NOISE)   # orbax logs through absl
+        logging.getLogger("asyncio").addFilter(_DISK_FULL_NOISE)
         _CLOSED_LOOP_NOISE.install()
         # Retention is done here, after the manifest commits a step (orbax would delete the
         # old steps before that).
