@@ -396,3 +396,18 @@ def test_batches_hold_distinct_examples_and_each_epoch_sees_every_example_once(n
     assert len(set(flat[whole * n:])) == len(flat) - whole * n
     assert batch_order(n, batch_size, steps, seed=3) == order
     assert batch_order(n, batch_size, steps, seed=4) != order
+
+
+def test_the_warm_start_eta_rate_ignores_steps_that_compiled_a_new_shape():
+    """A step whose batch shape is new compiled its program: its seconds are left out of the
+    rate, and there is no rate until SFT_ETA_SETTLE steps of known shapes ran."""
+    from strata_jax.training.sft.cloning import SFT_ETA_SETTLE, StepClock
+    clock = StepClock()
+    a, b = ((8, 64), (8, 16)), ((8, 128), (8, 16))
+    clock.observe(a, 30.0)                  # compiles a
+    for _ in range(SFT_ETA_SETTLE - 1):
+        clock.observe(a, 1.0)
+    clock.observe(b, 25.0)                  # compiles b: left out
+    assert clock.step_s() is None           # SFT_ETA_SETTLE - 1 known-shape steps so far
+    clock.observe(b, 2.0)
+    assert clock.step_s() == (SFT_ETA_SETTLE - 1 + 2.0) / SFT_ETA_SETTLE

@@ -187,8 +187,8 @@ def train_sft(params: Any, model_cfg: Qwen2Config, examples: Sequence[SFTExample
     opt_state = trainer.init(params)
     rows = min(cfg.batch_size, len(examples))
     losses: list[float] = []
-    t0 = last = time.time()
-    t1 = None   # end of step 1 (which includes compilation): the ETA uses the steps after it
+    t0 = last = prev = time.time()
+    clock = StepClock()   # the ETA's rate, from steps that compiled nothing
     if log_fn:
         log_fn(f"sft: {cfg.steps} steps of {rows} examples; compiling the first step ...")
     for i, idx in enumerate(batch_order(len(examples), cfg.batch_size, cfg.steps, cfg.seed)):
@@ -196,19 +196,38 @@ def train_sft(params: Any, model_cfg: Qwen2Config, examples: Sequence[SFTExample
         params, opt_state, loss = trainer.step(params, opt_state, batch)
         losses.append(float(loss))
         now = time.time()
-        t1 = t1 or now
+        clock.observe((batch["prompt_ids"].shape, batch["response_ids"].shape), now - prev)
+        prev = now
         if log_fn and (i % max(cfg.log_every, 1) == 0 or i == cfg.steps - 1
                        or now - last >= SFT_PROGRESS_S):
-            log_fn(sft_progress(i + 1, cfg.steps, losses[-1], now - t0,
-                                (now - t1) / i if i >= SFT_ETA_SETTLE else None))
+            log_fn(sft_progress(i + 1, cfg.steps, losses[-1], now - t0, clock.step_s()))
             last = now
     return params, losses
 
 
+class StepClock:
+    """Seconds per step for the warm start's ETA, from the steps that ran an already compiled
+    program: a step whose batch shape is new to the process compiled that shape's program
+    (batches are bucketed by length, so new shapes keep coming for a while), and its time says
+    nothing about the steps left. `step_s` is None until `SFT_ETA_SETTLE` such steps ran."""
+
+    def __init__(self) -> None:
+        self.shapes: set = set()
+        self.seconds, self.steps = 0.0, 0
+
+    def observe(self, shape: tuple, seconds: float) -> None:
+        """One step of batch `shape` that took `seconds` (wall)."""
+        if shape in self.shapes:
+            self.seconds, self.steps = self.seconds + seconds, self.steps + 1
+        self.shapes.add(shape)
+
+    def step_s(self) -> float | None:
+        return self.seconds / self.steps if self.steps >= SFT_ETA_SETTLE else None
+
+
 # Seconds between two progress lines of the warm start at most (besides every log_every steps).
 SFT_PROGRESS_S = 20.0
-# Steps after the first before the warm start's line gives an ETA: batches are bucketed by
-# length, so the early steps still compile the programs of new buckets.
+# Steps of already compiled shapes before the warm start's line gives an ETA (`StepClock`).
 SFT_ETA_SETTLE = 5
 
 
@@ -226,4 +245,4 @@ def sft_progress(done: int, total: int, loss: float, elapsed_s: float,
 
 
 __all__ = ["make_sft_batch", "sft_loss", "SFTTrainer", "batch_order", "train_sft",
-           "sft_progress", "SFT_PROGRESS_S", "SFT_ETA_SETTLE"]
+           "sft_progress", "SFT_PROGRESS_S", "SFT_ETA_SETTLE", "StepClock"]
