@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import json
 import logging
 import math
@@ -333,14 +334,21 @@ def host_memory_parts() -> dict[str, float]:
     return out
 
 
-def _mallinfo2() -> "_MallInfo2 | None":
-    """glibc's allocator statistics, or None where the C library has no ``mallinfo2``."""
+@functools.lru_cache(maxsize=1)
+def _mallinfo2_fn():
+    """The C library's ``mallinfo2`` (restype set once), or None where it has none."""
     try:
         fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
     except (OSError, AttributeError):
         return None
     fn.restype = _MallInfo2
-    return fn()
+    return fn
+
+
+def _mallinfo2() -> "_MallInfo2 | None":
+    """glibc's allocator statistics now, or None where the C library has no ``mallinfo2``."""
+    fn = _mallinfo2_fn()
+    return fn() if fn is not None else None
 
 
 def memory_metrics(devices: Iterable[Any] | None = None) -> dict[str, float]:

@@ -222,6 +222,8 @@ class StepClock:
         self.shapes.add(shape)
 
     def step_s(self) -> float | None:
+        """Mean wall seconds per step over the known-shape steps; None before
+        `SFT_ETA_SETTLE` of them ran (the line then says "eta after compile")."""
         return self.seconds / self.steps if self.steps >= SFT_ETA_SETTLE else None
 
 
