@@ -57,6 +57,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sft.plan_code_keep = 0.0     # with mask: this fraction of the plans keep the code
     c.sft.train_strategies = True  # False: clone actions only; the model keeps its own strategies
     c.sft.clone_guesses = True     # False: no StraTA-form row types a code its prompt hides
+    c.sft.strata_prompts = "run"   # run | window | full: the history the StraTA-form rows see
+    c.sft.flat_prompts = "run"     # ... and the flat-form rows ("run" = the run's own prompts)
     c.sft.max_gold_steps = 30
     c.sft.steps = 300
     c.sft.batch_size = 16

@@ -61,6 +61,7 @@ def get_config(arg: str | None = None):
     c.env.code_digits = 3          # memory_key only (other built-ins ignore it)
     c.env.code_attempts = 0        # memory_key: tries before the keypad locks (0 = unlimited;
                                    # 1 caps a policy without the code at chance)
+    c.env.corridor_rooms = ""      # memory_key: "lo-hi" corridor lengths ("" = 3-5; longer = unseen worlds)
     c.env.max_steps = 10
     c.env.max_prompt_tokens = 1024
     c.adv.gigpo_step_norm = "mean_std_norm"

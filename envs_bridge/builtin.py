@@ -79,6 +79,22 @@ class _BuiltinEnv(TextEnv):
         }
 
 
+def parse_rooms(spec: str | int | None) -> tuple[int, int]:
+    """memory_key's ``corridor_rooms`` as (lo, hi) inclusive: "lo-hi", "n" or n; "" / None =
+    (3, 5). Raises ValueError naming the accepted forms for anything else (lo < 1, lo > hi)."""
+    if spec in (None, ""):
+        return 3, 5
+    parts = str(spec).split("-")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        lo, hi = 0, -1
+    if not 1 <= lo <= hi:
+        raise ValueError(f"memory_key corridor_rooms must be 'lo-hi' with 1 <= lo <= hi or one "
+                         f"number of rooms (e.g. '6-8', '7'), got {spec!r}")
+    return lo, hi
+
+
 class MemoryKeyEnv(_BuiltinEnv):
     """Vault code shown only at step 1; walk `corridor` rooms north, then `enter <code>`.
 
@@ -117,15 +133,21 @@ class MemoryKeyEnv(_BuiltinEnv):
       code_digits: length of the code (1..9, default 3). A policy that has forgotten the code
         guesses right with probability 10**-code_digits per try.
       code_attempts: tries before the keypad locks (0 = unlimited, see above).
-    Raises ValueError for code_digits outside 1..9 or a negative code_attempts.
+      corridor_rooms: the corridor lengths drawn, "lo-hi" inclusive or one number ("7"); ""
+        or None = "3-5", the worlds training meets. Longer corridors are worlds a policy
+        trained on 3-5 never saw (and need max_steps >= rooms + 1).
+    Raises ValueError for code_digits outside 1..9, a negative code_attempts or a malformed
+    corridor_rooms.
     """
 
     name = "memory_key"
     environment = "a text adventure (memory key)"
     templates = ("go north", "go south", "enter <digits>", "look")
 
-    def __init__(self, max_steps: int = 20, code_digits: int = 3, code_attempts: int = 0) -> None:
+    def __init__(self, max_steps: int = 20, code_digits: int = 3, code_attempts: int = 0,
+                 corridor_rooms: str | None = None) -> None:
         super().__init__(max_steps)
+        self.rooms = parse_rooms(corridor_rooms)
         if not 1 <= int(code_digits) <= 9:
             raise ValueError(f"memory_key code_digits must be in 1..9, got {code_digits!r}")
         if int(code_attempts) < 0:
@@ -137,7 +159,7 @@ class MemoryKeyEnv(_BuiltinEnv):
     def _reset(self, task: Task) -> tuple[str, dict[str, Any]]:
         rng = random.Random(task.variation)
         self.code = "".join(str(rng.randrange(10)) for _ in range(self.code_digits))
-        self.corridor = rng.randint(3, 5)
+        self.corridor = rng.randint(*self.rooms)
         self.pos = 0
         self.attempts_left = self.code_attempts
         self._desc = "Open the vault at the far north end of the corridor by entering its code."

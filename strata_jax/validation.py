@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 # Optional c.env fields passed to the env constructor (besides max_steps) when the config sets
 # them and the env's constructor takes them (`env_kwargs`).
 ENV_KWARGS = ("server_url", "data_dir", "jvm_max_heap_mb", "fetch_valid_actions", "code_digits",
-              "code_attempts")
+              "code_attempts", "corridor_rooms")
 
 # The config keys the run assembly reads itself (this module, train.py, eval.py, evaluation,
 # distributed, metrics, checkpoints, prompts); the option dataclasses declare theirs

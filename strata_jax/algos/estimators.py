@@ -17,7 +17,7 @@ Every estimator has ONE signature:
 Use `compute_advantages(name, batch, config, step)`: it looks the estimator up and applies the
 `stapo_weighting` modifier when the config asks for it.
 
-Names: grpo, rloo, gigpo, gae, strata, stapo. Which estimator an algorithm (``c.algo``) uses is
+Names: grpo, rloo, gigpo, gae, strata, strata_traj, stapo. Which estimator an algorithm (``c.algo``) uses is
 its entry in `strata_jax.algos.table.ALGORITHMS` (ppo -> gae, dapo -> grpo). Source:
 docs/method.md §4-§7.
 """
@@ -355,4 +355,62 @@ def strata(b: SampleBatch, c: EstimatorConfig, step=0):
     m["strata/invalid_step_frac"] = jnp.sum(inval * act) / na
     m["strata/strategy_reward_mean"] = jnp.sum(rz) / jnp.maximum(jnp.sum(has_eps.astype(jnp.float32)), 1.0)
     m["row/strategy_reward"] = rz + r_rev
+    return adv, weights, m
+
+
+@register_estimator("strata_traj")
+def strata_traj(b: SampleBatch, c: EstimatorConfig, step=0):
+    """StraTA's prompts, a trajectory-level estimator: the ablation without the two-level
+    advantage (docs/method.md §5.11).
+
+    Action level: GRPO over the episodes of the whole task (its N x M episodes across every
+    strategy, one value per episode, ddof pinned 0 and eps as StraTA's), broadcast to every
+    step, then A -= kappa on judge-flagged steps and A -= invalid_penalty on format-invalid
+    steps (judge_mode "reward": step scores with those penalties, group statistics over the
+    task's step samples). Strategy rows: the mean of their episodes' advantages (before the
+    step penalties), the credit a trajectory-level estimator gives tokens that M trajectories
+    share; no strategy reward, no top-delta, no grouping over strategies; a strategy without a
+    valid episode gets weight 0. Revisions (when the rollout revised strategies) keep StraTA's
+    revision level. So StraTA and this estimator see the same rows and differ only in the
+    advantage. Metrics: as `strata`, plus row/strategy_reward = the strategy's mean return.
+    """
+    R = b.num_rows
+    act = _action_mask(b)
+    strat = _strategy_mask(b) & (b.anchor_id == 0)
+    judge = b.judge_flag.astype(jnp.float32)
+    inval = b.invalid.astype(jnp.float32)
+    rows = jnp.arange(R, dtype=jnp.int32)
+    traj_seg = dense_group_ids([b.task_id, b.trajectory_id], act)
+    first_row = jax.ops.segment_min(jnp.where(act, rows, R), traj_seg, num_segments=R + 1)
+    rep = act & (rows == first_row[traj_seg])                 # one row per episode
+    task_seg = dense_group_ids([b.task_id], act)
+    a_rep, st_a = group_normalize(b.score, jnp.where(rep, task_seg, R), rep,
+                                  norm_by_std=c.norm_by_std, ddof=c.ddof(0), eps=c.eps,
+                                  singleton="grpo")
+    a_ep = jax.ops.segment_sum(a_rep, jnp.where(rep, traj_seg, R), num_segments=R + 1)[traj_seg]
+    if c.judge_mode == "advantage":
+        a_act = a_ep - c.judge_kappa * judge - c.invalid_penalty * inval
+    else:
+        s = b.score - c.judge_kappa * judge - c.invalid_penalty * inval
+        a_act, st_a = group_normalize(s, task_seg, act, norm_by_std=c.norm_by_std,
+                                      ddof=c.ddof(0), eps=c.eps, singleton="grpo")
+    # the strategy row's credit: the mean episode advantage of its (task, strategy) group
+    ts = dense_group_ids([b.task_id, b.strategy_id], act | strat)
+    ts_rep = jnp.where(rep, ts, R)
+    n_eps = jax.ops.segment_sum(rep.astype(jnp.float32), ts_rep, num_segments=R + 1)
+    a_sum = jax.ops.segment_sum(jnp.where(rep, a_rep, 0.0), ts_rep, num_segments=R + 1)
+    r_sum = jax.ops.segment_sum(jnp.where(rep, b.score, 0.0), ts_rep, num_segments=R + 1)
+    has_eps = strat & (n_eps[ts] > 0)
+    a_strat = jnp.where(has_eps, a_sum[ts] / jnp.maximum(n_eps[ts], 1.0), 0.0)
+    r_mean = jnp.where(has_eps, r_sum[ts] / jnp.maximum(n_eps[ts], 1.0), 0.0)
+    a_rev, r_rev, rev, st_r = revision_advantages(b, c)
+    adv = jnp.where(act, a_act, jnp.where(has_eps, a_strat, a_rev)).astype(jnp.float32)
+    weights = (act | has_eps | rev).astype(jnp.float32)
+    m = advantage_metrics(adv, b, [st_a, st_r])
+    na = jnp.maximum(jnp.sum(act.astype(jnp.float32)), 1.0)
+    m["strata/judge_step_frac"] = jnp.sum(judge * act) / na
+    m["strata/invalid_step_frac"] = jnp.sum(inval * act) / na
+    m["strata/strategy_reward_mean"] = (jnp.sum(r_mean)
+                                        / jnp.maximum(jnp.sum(has_eps.astype(jnp.float32)), 1.0))
+    m["row/strategy_reward"] = r_mean + r_rev
     return adv, weights, m

@@ -18,7 +18,7 @@ consumer                           reads
 
 Adding an algorithm is one `ALGORITHMS` entry plus, when no registered estimator fits, its
 estimator (``@register_estimator``); docs/design.md §13.1 has the recipe. Sources for each entry:
-docs/method.md §5 (StraTA), §6 (baselines), §7 (STAPO).
+docs/method.md §5 (StraTA; §5.11 its trajectory-level ablation), §6 (baselines), §7 (STAPO).
 """
 from __future__ import annotations
 
@@ -74,6 +74,8 @@ class Algorithm:
 
 ALGORITHMS: dict[str, Algorithm] = {
     "strata": Algorithm(estimator="strata", rollout="strata"),
+    # the ablation: StraTA's rollout and prompts, a trajectory-level advantage (§5.11)
+    "strata_traj": Algorithm(estimator="strata_traj", rollout="strata"),
     "grpo": Algorithm(estimator="grpo"),
     "rloo": Algorithm(estimator="rloo"),
     "gigpo": Algorithm(estimator="gigpo"),

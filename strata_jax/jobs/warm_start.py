@@ -35,7 +35,7 @@ from strata_jax.rollout import make_prompt_builder
 from strata_jax.exits import exception_chain
 from strata_jax.training.config import remat_policy
 from strata_jax.training.sft import (KINDS, ExpertEpisode, SFTConfig, SFTExample, build_examples,
-                                     collect_expert_episodes, train_sft)
+                                     collect_expert_episodes, renders_full, train_sft)
 
 # the logger of the warm start's log lines (the name they have always carried)
 log = logging.getLogger("strata_jax.warm_start")
@@ -73,7 +73,10 @@ def sft_examples(c: Any, tokenizer: Any, cfg: SFTConfig | None = None
     if not eps:
         raise ValueError(f"no expert episode for env {c.env.name!r} (tasks {tuple(c.env.tasks)}): "
                          "every gold path exceeded sft.max_gold_steps?")
-    return build_examples(make_prompt_builder(tokenizer, c), eps, cfg), eps
+    run_cum = bool(c.rollout.cumulative_prompts)
+    builder = make_prompt_builder(tokenizer, c, renders_full(cfg, "strata", run_cum))
+    flat = make_prompt_builder(tokenizer, c, renders_full(cfg, "flat", run_cum))
+    return build_examples(builder, eps, cfg, flat_builder=flat), eps
 
 
 # Version of the examples' rendering: bump it when prompts or targets change shape, so that a
@@ -129,7 +132,13 @@ def stale_export_warning(out_dir: str) -> str | None:
 
 def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
     """A 12-hex id of everything the warm start depends on (data, prompts, model, init)."""
-    sft = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"}
+    # the two forms' renderings stand in the env entry below, as what they resolve to, so a
+    # StraTA arm and a cumulative flat arm that name the same renderings share one warm start
+    drop = ("cache_dir", "strata_prompts", "flat_prompts")
+    sft = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in drop}
+    run_cum = bool(c.rollout.cumulative_prompts)
+    full = (renders_full(cfg, "strata", run_cum), renders_full(cfg, "flat", run_cum))
+    # one bool when both forms see the same history: the fingerprints from before the option
     for k, default in (("plan_code", "keep"), ("train_strategies", True),
                        ("plan_code_keep", 0.0), ("clone_guesses", True)):
         if sft[k] == default:   # the rendering before the option existed: existing
@@ -142,7 +151,7 @@ def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
              model=dataclasses.asdict(model_cfg), init=[c.model.path, c.model.preset, init_seed,
                                                         c.model.dtype, c.model.tokenizer],
              env=[c.env.name, list(c.env.tasks), c.env.max_prompt_tokens, c.env.history_length,
-                  c.env.max_steps, bool(c.rollout.cumulative_prompts)],
+                  c.env.max_steps, full[0] if full[0] == full[1] else list(full)],
              env_kwargs=ex.env_kwargs(c))  # e.g. memory_key's code_digits changes the data
     if c.rollout.format_examples:   # other instructions in every rendered prompt (absent when
         d["format_examples"] = True  # off, so existing fingerprints stay valid)

@@ -153,11 +153,14 @@ def _buckets(v: Any) -> tuple[int, ...] | None:
     return None if v is None else tuple(int(x) for x in v)
 
 
-def make_prompt_builder(tokenizer: Any, c: Any) -> PromptBuilder:
+def make_prompt_builder(tokenizer: Any, c: Any, cumulative: bool | None = None) -> PromptBuilder:
     """`PromptBuilder` from the experiment config: env.max_prompt_tokens, env.history_length,
-    the whole trajectory (history_length=None) when rollout.cumulative_prompts, and the answer
-    templates when rollout.format_examples."""
-    hist = None if c.rollout.cumulative_prompts else c.env.history_length
+    the whole trajectory (history_length=None) when `cumulative` (None: the config's
+    rollout.cumulative_prompts; the warm start renders a form otherwise when asked), and the
+    answer templates when rollout.format_examples."""
+    if cumulative is None:
+        cumulative = bool(c.rollout.cumulative_prompts)
+    hist = None if cumulative else c.env.history_length
     return PromptBuilder(tokenizer, c.env.max_prompt_tokens, hist,
                          format_examples=bool(c.rollout.format_examples))
 

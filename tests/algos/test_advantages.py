@@ -258,6 +258,42 @@ def test_strategy_without_valid_episodes_gets_zero_and_leaves_stats():
     np.testing.assert_array_equal(w, [1, 1, 0, 1, 1, 0])
 
 
+def test_strata_traj_normalises_over_the_tasks_episodes_and_credits_a_strategy_its_mean():
+    """The ablation (docs/method.md §5.11) on StraTA's batch: one GRPO group of the task's 8
+    episodes (returns 1, .5, .5, -.5 x3, 2, 2: mean .5625, ddof-0 std .9822646), the judge and
+    invalid penalties on their steps, and each strategy row the mean of its episodes'
+    advantages: no top-delta, no length / format penalty, no grouping over strategies."""
+    recs = _strata_batch()
+    adv, w, m = run("strata_traj", recs)
+    a = lambda r: (r - 0.5625) / (0.982264602843857 + EPS)   # noqa: E731
+    np.testing.assert_allclose(adv[3:], [a(1), a(1) - 0.1, a(.5) - 0.1, a(.5), a(-.5), a(-.5),
+                                         a(-.5), a(2), a(2)], rtol=1e-5)
+    np.testing.assert_allclose(adv[:3], [0.10604735, -1.08168300, 1.46345346], rtol=1e-5)
+    np.testing.assert_allclose(adv[:3], [(a(1) + 2 * a(.5)) / 3, a(-.5), a(2)], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(m["row/strategy_reward"])[:3], [2 / 3, -0.5, 2.0],
+                               rtol=1e-6)
+    np.testing.assert_array_equal(w, np.ones(len(recs)))
+    # the same rows under StraTA differ only in the advantages
+    _, w_strata, _ = run("strata", recs)
+    np.testing.assert_array_equal(w, w_strata)
+
+
+def test_strata_traj_strategy_without_episodes_and_reward_mode():
+    recs = [strat(0, 0), strat(0, 1), strat(0, 2), act(0, 0, 0, 1.0, strategy_id=0),
+            act(0, 1, 0, 0.0, strategy_id=1), act(0, 2, 0, 0.5, strategy_id=2, valid=False)]
+    adv, w, _ = run("strata_traj", recs)
+    # two valid episodes, returns 1 and 0: +-.5 / (.5 + eps); the third strategy: weight 0
+    np.testing.assert_allclose(adv, [0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS), 0, 0.5 / (0.5 + EPS),
+                                     -0.5 / (0.5 + EPS), 0], rtol=1e-5)
+    np.testing.assert_array_equal(w, [1, 1, 0, 1, 1, 0])
+    # judge_mode "reward": step scores over the task's step samples (s = 1, .9, .4, .5,
+    # -.5 x3, 2, 2), the strategy rows still the mean episode advantage
+    adv, _, _ = run("strata_traj", _strata_batch(), judge_mode="reward")
+    s = np.array([1, .9, .4, .5, -.5, -.5, -.5, 2, 2])
+    np.testing.assert_allclose(adv[3:], (s - s.mean()) / (s.std() + EPS), rtol=1e-5)
+    np.testing.assert_allclose(adv[:3], [0.10604735, -1.08168300, 1.46345346], rtol=1e-5)
+
+
 def rev(task, sid, traj, step, ordinal, score, **kw):
     """A strategy-revision row: kind STRATEGY, anchor_id = ordinal, score = return from `step`."""
     return dict(prompt_ids=[1, 2, 3], response_ids=[5, 6], task_id=task, strategy_id=sid,
@@ -404,7 +440,7 @@ def test_dapo_filter_drops_all_equal_groups():
 
 
 def test_registry_names_and_unknown_name():
-    assert sorted(ESTIMATORS) == ["gae", "gigpo", "grpo", "rloo", "stapo", "strata"]
+    assert sorted(ESTIMATORS) == ["gae", "gigpo", "grpo", "rloo", "stapo", "strata", "strata_traj"]
     for n in ESTIMATORS:
         assert callable(get_estimator(n))
     # algorithm names are the table's, not the registry's: ppo runs gae, dapo runs grpo

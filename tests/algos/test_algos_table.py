@@ -21,9 +21,10 @@ from tests.fixtures.paths import REPO_ROOT
 def test_table_and_estimator_registry_agree():
     # every entry runs a registered estimator, and every registered estimator serves an entry
     assert {a.estimator for a in ALGORITHMS.values()} == set(ESTIMATORS)
-    assert tuple(ALGORITHMS) == ("strata", "grpo", "rloo", "gigpo", "ppo", "dapo", "stapo")
+    assert tuple(ALGORITHMS) == ("strata", "strata_traj", "grpo", "rloo", "gigpo", "ppo", "dapo",
+                               "stapo")
     # the facts the code used to spell as name comparisons (docs/method.md §5-§7)
-    assert [n for n, a in ALGORITHMS.items() if a.rollout == "strata"] == ["strata"]
+    assert [n for n, a in ALGORITHMS.items() if a.rollout == "strata"] == ["strata", "strata_traj"]
     assert {n: a.critic for n, a in ALGORITHMS.items() if a.critic != "none"} == \
         {"ppo": "separate", "stapo": "head"}
     assert [n for n, a in ALGORITHMS.items() if a.refill] == ["dapo"]

@@ -311,3 +311,33 @@ def test_numpy_reward_and_done_are_accepted_as_plain_python():
     _LyingEnv.result = ("o", np.float32(0.5), np.bool_(True), {})
     obs, r, done, info = env.step("guess 3")
     assert (r, done, type(r), type(done)) == (0.5, True, float, bool)
+
+
+def test_memory_key_corridor_rooms_draws_unseen_lengths_and_keeps_the_default_worlds():
+    """corridor_rooms "6-7": every world's corridor is 6 or 7 rooms (the expert walks it and
+    the vault says so); unset, the worlds are the 3-5 ones, draw for draw (same code, same
+    length for each seed); malformed specs are refused with the accepted forms."""
+    import random as _random
+    default, longer = make_env("memory_key", code_digits=1), make_env(
+        "memory_key", code_digits=1, corridor_rooms="6-7", max_steps=12)
+    lengths = set()
+    for seed in range(40):
+        t = Task("memory_key", "memory_key", seed)
+        obs_d, _ = default.reset(t)
+        rng = _random.Random(seed)
+        code = str(rng.randrange(10))
+        assert default.corridor == rng.randint(3, 5) and f"'vault code {code}'" in obs_d
+        obs_l, _ = longer.reset(t)
+        assert f"'vault code {code}'" in obs_l   # the code draw comes first: same code
+        lengths.add(longer.corridor)
+        moves = 0
+        while longer.expert_action() == "go north":
+            obs, *_ = longer.step("go north")
+            moves += 1
+        assert moves == longer.corridor and obs.startswith("You stand before the vault")
+        assert longer.step(f"enter {code}")[1:3] == (1.0, True)
+    assert lengths == {6, 7}
+    assert make_env("memory_key", corridor_rooms="7").rooms == (7, 7)
+    for bad in ("7-6", "0-3", "six", "1-2-3"):
+        with pytest.raises(ValueError, match="corridor_rooms must be 'lo-hi'"):
+            make_env("memory_key", corridor_rooms=bad)

@@ -224,6 +224,70 @@ def test_examples_are_the_rollouts_prompts(tok, builder, episodes, algo):
         assert first.prompt.prefix_text.endswith("Your strategy for this task:\n" + z + "\n")
 
 
+def test_full_history_flat_rows_are_a_cumulative_flat_rollouts_rows(tok, builder, episodes):
+    """sft.flat_prompts="full": the flat-form rows are the prompts of a flat rollout with
+    rollout.cumulative_prompts (the note stays in view, so the keypad row copies the code),
+    while the StraTA-form rows keep the window; a scripted replay of the rows reproduces the
+    rollout's records token for token."""
+    full = PromptBuilder(tok, max_prompt_tokens=512, history_length=None)
+    cfg = sft.SFTConfig(strategy_mode="both", flat_prompts="full")
+    both = sft.build_examples(builder, episodes, cfg, flat_builder=full)
+    windowed = sft.build_examples(builder, episodes, sft.SFTConfig(strategy_mode="both"))
+    strat = [e for e in both if e.kind != "action" or "Your strategy" in e.prompt.text]
+    assert [e.prompt.ids for e in strat] == [e.prompt.ids for e in windowed
+                                              if e.kind != "action"
+                                              or "Your strategy" in e.prompt.text]
+    flat = [e for e in both if e.kind == "action" and "Your strategy" not in e.prompt.text]
+    assert len(flat) == 10 and len(set(e.prompt.text for e in flat)) == 10   # no two alike
+    keypad = [e for e in flat if e.response_text.count("enter")]
+    assert len(keypad) == 2
+    for e, code in zip(keypad, ("660", None)):
+        digits = e.response_text.split("enter ")[1].split("<")[0]
+        assert "vault code " + "-".join(digits) in e.prompt.text   # the note is in view
+        if code:
+            assert digits == code
+    table: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+    for e in flat:
+        table[e.prompt.text].append(e)
+    policy = ScriptedPolicy(tok, lambda text, key: table[text].popleft().response_text)
+    rcfg = RolloutConfig(mode="flat", num_strategies=1, episodes_per_strategy=1, oversample=1,
+                         diverse_sampling=False, self_judgment=False, group_size=1,
+                         max_action_tokens=64, max_strategy_tokens=64, max_judge_tokens=64,
+                         cohorts=1)
+    with EnvPool("memory_key", {"max_steps": 8}, max_live_envs=2) as pool:
+        res = collect_rollout(policy, pool, full, MK_TASKS, key=0, config=rcfg)
+    assert all(tr.success for tr in res.trajectories) and not any(table.values())
+    assert sorted((tuple(int(i) for i in r["prompt_ids"]), tuple(int(i) for i in r["response_ids"]))
+                  for r in res.records) == sorted((tuple(e.prompt.ids), e.response_ids)
+                                                  for e in flat)
+
+
+def test_a_windowed_strata_arm_and_a_cumulative_flat_arm_share_one_warm_start(tok):
+    """Both arms name the renderings (StraTA rows windowed, flat rows full): one fingerprint,
+    the one a run with no cumulative prompts and flat_prompts="full" has; the default
+    rendering keeps its old fingerprint (cumulative_prompts as one bool)."""
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, tie_word_embeddings=True)
+
+    def fp(**kw):
+        c = builtin.get_config("tiny")
+        for k, v in kw.items():
+            section, field = k.split("__")
+            c[section][field] = v
+        return warm_start.fingerprint(c, cfg, sft.SFTConfig.from_config(c))
+    strata_arm = fp(sft__flat_prompts="full")
+    flat_arm = fp(sft__flat_prompts="full", sft__strata_prompts="window",
+                  rollout__cumulative_prompts=True)
+    assert strata_arm == flat_arm
+    assert fp() == fp(sft__flat_prompts="window", sft__strata_prompts="window")
+    assert len({strata_arm, fp(), fp(rollout__cumulative_prompts=True),
+                fp(sft__flat_prompts="full", rollout__cumulative_prompts=True)}) == 3
+    assert fp(rollout__cumulative_prompts=True) == fp(sft__flat_prompts="full",
+                                                      rollout__cumulative_prompts=True)
+    with pytest.raises(ValueError, match="sft.flat_prompts must be one of"):
+        sft.SFTConfig(flat_prompts="all")
+
+
 def test_batch_mask_covers_only_response_tokens(builder, episodes):
     examples = sft.build_examples(builder, episodes, sft.SFTConfig(strategy_mode="both"))
     kinds = {k: sum(e.kind == k for e in examples) for k in sft.KINDS}

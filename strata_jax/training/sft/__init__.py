@@ -10,7 +10,8 @@ One job per module: config.py (`SFTConfig`), experts.py (expert play with noise)
 """
 from strata_jax.training.sft.cloning import (SFT_PROGRESS_S, SFTTrainer, batch_order,
                                              make_sft_batch, sft_loss, sft_progress, train_sft)
-from strata_jax.training.sft.config import PLAN_CODES, STRATEGY_MODES, SFTConfig
+from strata_jax.training.sft.config import (PLAN_CODES, PROMPT_HISTORIES, STRATEGY_MODES,
+                                            SFTConfig, renders_full)
 from strata_jax.training.sft.experts import (SCIWORLD_NOISE_ACTIONS, ExpertEpisode, ExpertStep,
                                              collect_expert_episodes, play_builtin_expert,
                                              play_gold)
@@ -25,4 +26,5 @@ __all__ = [
     "keeps_code",
     "make_sft_batch", "sft_loss", "batch_order", "train_sft", "sft_progress", "SFT_PROGRESS_S",
     "SCIWORLD_NOISE_ACTIONS", "STRATEGY_MODES", "PLAN_CODES", "KINDS",
+    "PROMPT_HISTORIES", "renders_full",
 ]

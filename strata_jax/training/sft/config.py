@@ -8,6 +8,7 @@ from strata_jax.config import read_fields, section_sources
 
 STRATEGY_MODES = ("both", "strata", "flat")
 PLAN_CODES = ("keep", "mask")
+PROMPT_HISTORIES = ("run", "window", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,13 @@ class SFTConfig:
         cannot show (a masked plan as z, the note out of the history window; `render_episode`),
         so that form's code rows all teach reading the code from z or the history, none
         guessing it. The flat form keeps its guesses.
+      strata_prompts, flat_prompts: the history each form's rows are rendered with: "run" (the
+        run's own prompts: the whole trajectory under ``rollout.cumulative_prompts``, else the
+        ``env.history_length`` window), "window" (that window) or "full" (the whole
+        trajectory). One warm start can so serve a StraTA arm with windowed prompts and a flat
+        arm whose prompts keep the whole trajectory (``rollout.cumulative_prompts``): both
+        arms' configs name the same two renderings and share its fingerprint
+        (`strata_jax.jobs.warm_start.fingerprint`).
       max_gold_steps: ScienceWorld gold paths longer than this are skipped.
       steps, batch_size, lr, weight_decay, grad_clip, warmup_steps: optimisation (AdamW, linear
         warmup then cosine decay to 0 at ``steps``).
@@ -60,6 +68,8 @@ class SFTConfig:
     plan_code_keep: float = 0.0
     train_strategies: bool = True
     clone_guesses: bool = True
+    strata_prompts: str = "run"
+    flat_prompts: str = "run"
     max_gold_steps: int = 30
     steps: int = 300
     batch_size: int = 16
@@ -78,6 +88,10 @@ class SFTConfig:
                              f"got {self.strategy_mode!r}")
         if self.plan_code not in PLAN_CODES:
             raise ValueError(f"sft.plan_code must be one of {PLAN_CODES}, got {self.plan_code!r}")
+        for name in ("strata_prompts", "flat_prompts"):
+            if getattr(self, name) not in PROMPT_HISTORIES:
+                raise ValueError(f"sft.{name} must be one of {PROMPT_HISTORIES}, "
+                                 f"got {getattr(self, name)!r}")
         if not 0.0 <= self.plan_code_keep <= 1.0:
             raise ValueError(f"sft.plan_code_keep must be in [0, 1], got {self.plan_code_keep}")
         if not 0.0 <= self.noise < 1.0:
@@ -99,4 +113,12 @@ class SFTConfig:
         return cls(**v)
 
 
-__all__ = ["SFTConfig", "STRATEGY_MODES", "PLAN_CODES"]
+def renders_full(cfg: SFTConfig, form: str, run_cumulative: bool) -> bool:
+    """Whether the rows of `form` ("strata" or "flat") are rendered with the whole trajectory
+    (`SFTConfig` strata_prompts / flat_prompts; "run" follows `run_cumulative`, the run's
+    ``rollout.cumulative_prompts``)."""
+    v = cfg.strata_prompts if form == "strata" else cfg.flat_prompts
+    return run_cumulative if v == "run" else v == "full"
+
+
+__all__ = ["SFTConfig", "STRATEGY_MODES", "PLAN_CODES", "PROMPT_HISTORIES", "renders_full"]

@@ -160,15 +160,18 @@ def keeps_code(cfg: SFTConfig, n: int) -> np.ndarray:
 
 
 def build_examples(builder: PromptBuilder, episodes: Sequence[ExpertEpisode],
-                   cfg: SFTConfig) -> list[SFTExample]:
+                   cfg: SFTConfig, flat_builder: PromptBuilder | None = None
+                   ) -> list[SFTExample]:
     """Every example of `episodes` in the forms of ``cfg.strategy_mode`` (the plan's code kept
-    or masked per episode: `keeps_code`)."""
+    or masked per episode: `keeps_code`): the StraTA form rendered with `builder`, the flat
+    form with `flat_builder` (None: `builder` too; `SFTConfig.flat_prompts`)."""
     forms = {"both": (True, False), "strata": (True,), "flat": (False,)}[cfg.strategy_mode]
     keep = keeps_code(cfg, len(episodes))
     out = []
     for ep, k in zip(episodes, keep):
         for strat in forms:
-            out += render_episode(builder, ep, with_strategy=strat, think=cfg.think,
+            out += render_episode(builder if strat else (flat_builder or builder), ep,
+                                  with_strategy=strat, think=cfg.think,
                                   judge=cfg.judge, max_plan_items=cfg.max_plan_items,
                                   plan_code="keep" if k else "mask",
                                   train_strategies=cfg.train_strategies,
