@@ -102,7 +102,30 @@ def jobs(args) -> list[dict]:
 # (committed) so that a later session's queue, on a fresh clone without runs/, skips it and the
 # report reads it. Checkpoints are not kept: an unfinished run starts again in a new session.
 KEEP = dict(sft=("sft_meta.json",), eval=("eval_*.json", "eval_*_trajectories.jsonl"),
-            train=("metrics.jsonl", "trajectories.jsonl", "batches/*.npz"))
+            train=("metrics.jsonl", "trajectories.jsonl", "batches/*.npz", "adapters/*/*"))
+
+
+def sha256_file(path: str) -> str:
+    """Hex sha256 of a file's bytes (read in 1 MiB blocks)."""
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def warm_start_export(args, name: str = "warm_start") -> str | None:
+    """The warm start's export folder (relative to the checkout, e.g. runs/warm_start/<id>):
+    the last ``trained:`` / ``cached:`` line of the job's log under --out, else the one its
+    kept ``export.json`` records; None before the job ran."""
+    log = os.path.join(args.out, name + ".log")
+    found = re.findall(r"^(?:trained|cached): (\S+)", open(log).read(), re.MULTILINE) \
+        if os.path.exists(log) else []
+    if found:
+        return found[-1]
+    rec = os.path.join(args.results, name, "export.json")
+    return json.load(open(rec))["dir"] if os.path.exists(rec) else None
 
 
 def job_key(job: dict) -> list[str]:
@@ -182,6 +205,13 @@ def keep(args, job: dict, finished: bool) -> None:
     files = [f for pat in KEEP[script] for f in glob.glob(os.path.join(wd, pat))]
     if not files:
         return
+    if script == "sft" and finished and os.path.exists(os.path.join(wd, "model.safetensors")):
+        # the export is not kept (its bytes are the 0.5B's): its folder and checksum are, so
+        # a rebuilt warm start can be checked against the one the study ran from
+        os.makedirs(dst, exist_ok=True)
+        with open(os.path.join(dst, "export.json"), "w") as f:
+            json.dump(dict(dir=os.path.relpath(wd, REPO), model_safetensors_sha256=sha256_file(
+                os.path.join(wd, "model.safetensors"))), f, indent=1)
     for f in files:   # the same relative path (a run's dumped update batches: batches/)
         rel = os.path.relpath(f, wd)
         os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
@@ -209,10 +239,30 @@ def restore(args, job: dict) -> None:
         json.dump(job_key(job), f)
 
 
-def run_queue(args) -> None:
+def commit() -> str:
+    """The checkout's HEAD commit (recorded beside every finished job), or "" outside git."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def run_queue(args, queue: list[dict] | None = None, resolve=None) -> None:
+    """Run the jobs of `queue` (default `jobs(args)`) in order: kept ones restored, finished
+    ones kept, the rest run one at a time (the module docstring of studies/memory_key/run.py).
+    `resolve(args, job)`, when given, returns the job with what only an earlier job can tell
+    filled in (a warm start's export folder), or None when it cannot yet: the queue stops."""
     os.makedirs(args.out, exist_ok=True)
-    queue = jobs(args)
-    for job in queue:
+    queue = jobs(args) if queue is None else queue
+    for i, job in enumerate(queue):
+        if resolve is not None:
+            job = resolve(args, job)
+            if job is None:
+                print(f"[{queue[i]['name']}] cannot start yet: an earlier job's output is "
+                      "missing; stopping the queue", flush=True)
+                return
+            queue[i] = job
         if args.only and not job["name"].startswith(tuple(args.only)):
             continue
         if is_kept(args, job, queue):
@@ -248,7 +298,8 @@ def run_queue(args) -> None:
         wall = time.time() - t0
         load1 = open("/proc/loadavg").read().split()[0]
         row = dict(job=job["name"], rc=rc, wall_s=round(wall, 1), load_start=load0,
-                   load_end=load1, finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+                   load_end=load1, finished=time.strftime("%Y-%m-%d %H:%M:%S"),
+                   commit=commit())
         for path in (os.path.join(args.out, "jobs.jsonl"), os.path.join(args.results,
                                                                          "jobs.jsonl")):
             os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -107,3 +107,28 @@ def detectable_rate(p0: float, n: int, alpha: float = 0.05, power: float = 0.8,
 
 __all__ = ["wilson", "fisher_greater", "mcnemar_greater", "cochran_armitage", "fisher_power",
            "detectable_rate"]
+
+
+def mean_t_interval(values: Sequence[float], confidence: float = 0.95
+                    ) -> tuple[float, float, float]:
+    """(mean, low, high): the mean of `values` (e.g. one gain per seed) with its Student t
+    interval (n - 1 degrees of freedom; scipy.stats.t). One value: (v, nan, nan). Raises
+    ValueError on an empty sequence."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("mean_t_interval needs at least one value")
+    m = sum(values) / n
+    if n == 1:
+        return m, math.nan, math.nan
+    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
+    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
+    return m, m - half, m + half
+
+
+def welch_p(a: Sequence[float], b: Sequence[float]) -> float:
+    """Two-sided Welch t-test p-value that the means of `a` and `b` (per-seed gains of two
+    arms) differ (scipy.stats.ttest_ind, equal_var=False); nan with fewer than 2 per side or
+    no spread in either."""
+    if len(a) < 2 or len(b) < 2:
+        return math.nan
+    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
