@@ -162,3 +162,29 @@ def test_a_missing_folder_names_what_to_give(tmp_path):
     with pytest.raises(FileNotFoundError, match="adapter_config.json does not exist; eval.adapter "
                                                 "names a folder"):
         load_adapters(str(tmp_path / "nothing"), TINY)
+
+
+def test_peft_loads_the_folder_onto_the_hf_base_with_our_logits(tmp_path):
+    """PEFT's own loader (``PeftModel.from_pretrained``) on the saved folder gives the logits of
+    our forward with the loaded adapters (irregular targets: the regex target_modules form)."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+
+    from strata_jax.models import load_checkpoint
+    from tests.fixtures.models import PARITY_CONFIGS, hf_logits, make_hf_model, padded_batch
+    model = make_hf_model(seed=7, **PARITY_CONFIGS["untied_gqa3"])
+    model.save_pretrained(str(tmp_path / "base"))
+    config, params = load_checkpoint(str(tmp_path / "base"))
+    cfg = LoraConfig(rank=3, alpha=6.0, targets=(r"(q|v|o|down)_proj$", r"layers\.2\.gate"))
+    adapters = _random_b(init_lora(config, cfg, jax.random.PRNGKey(1)), jax.random.PRNGKey(2))
+    folder = save_adapters(adapters, cfg, config, str(tmp_path / "step1"),
+                           {"step": 1, "base": {"model_path": str(tmp_path / "base")}})
+    loaded, meta = load_adapters(folder, config, cfg)
+    tokens, mask, positions = padded_batch(config.vocab_size, [7, 3, 5], seed=1)
+    p = apply_lora(params, loaded, meta["lora"])
+    h, _ = forward(p, config, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask))
+    ours = np.asarray(logits_from_hidden(p, config, h))
+    bare = hf_logits(model, tokens, mask)   # before PEFT wraps (and changes) the model
+    theirs = hf_logits(PeftModel.from_pretrained(model, folder).eval(), tokens, mask)
+    np.testing.assert_allclose(ours[mask], theirs[mask], atol=1e-5)
+    assert np.abs(theirs[mask] - bare[mask]).max() > 1e-3
