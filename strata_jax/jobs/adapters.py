@@ -15,26 +15,26 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from strata_jax.models.adapter_files import (AdapterError, check_base, load_adapters,
-                                             params_sha256, read_adapter_config, save_adapters,
-                                             host_adapters)
+from strata_jax.models.adapter_files import (AdapterError, check_base, host_adapters,
+                                             load_adapters, params_sha256, read_adapter_config,
+                                             save_adapters)
 
 ADAPTERS_DIR = "adapters"
 
 
-def base_identity(c: Any, model_cfg: Any = None, base: Any = None) -> dict[str, Any]:
+def base_identity(c: Any, warm_start_export: str | None = None,
+                  base: Any = None) -> dict[str, Any]:
     """The identity of config `c`'s base model: ``model_path``, ``model_preset``,
-    ``model_dtype``, ``warm_start``; with `model_cfg` and ``model.warm_start="sft"`` also
-    ``warm_start_export`` (the cached export's fingerprint folder name, else ""); with the base
-    params `base` also ``params_sha256`` (a collective in a multi-process run)."""
-    ws = str(c.model.get("warm_start", "") or "")
+    ``model_dtype``, ``warm_start``; with `warm_start_export` given also that field (the
+    cached export's fingerprint folder name for "sft", else "":
+    `strata_jax.jobs.warm_start.export_name`); with the base params `base` also
+    ``params_sha256`` (a collective in a multi-process run)."""
     out: dict[str, Any] = {"model_path": str(c.model.path or ""),
                            "model_preset": str(c.model.preset or ""),
-                           "model_dtype": str(c.model.dtype), "warm_start": ws}
-    if model_cfg is not None:
-        from strata_jax.jobs.warm_start import warm_start_dir
-        out["warm_start_export"] = (os.path.basename(warm_start_dir(c, model_cfg, c.workdir))
-                                    if ws == "sft" else "")
+                           "model_dtype": str(c.model.dtype),
+                           "warm_start": str(c.model.get("warm_start", "") or "")}
+    if warm_start_export is not None:
+        out["warm_start_export"] = warm_start_export
     if base is not None:
         out["params_sha256"] = params_sha256(base)
     return out
@@ -46,14 +46,14 @@ def adapters_dir(workdir: str, step: int) -> str:
 
 
 def export_run_adapters(c: Any, workdir: str, model_cfg: Any, lora_cfg: Any, adapters: Any,
-                        base: Any, step: int) -> str | None:
+                        base: Any, step: int, warm_start_export: str) -> str | None:
     """Write a finished LoRA run's `adapters` (the train state's params) at `step` to
-    `adapters_dir` with the run's meta (step, algo, seed, `base_identity` of `base`).
-    Every process must call it (the adapters and the base digest are gathered); process 0
-    writes. Returns the folder on process 0, else None."""
+    `adapters_dir` with the run's meta (step, algo, seed, `base_identity` of `base` and
+    `warm_start_export`). Every process must call it (the adapters and the base digest are
+    gathered); process 0 writes. Returns the folder on process 0, else None."""
     from strata_jax import distributed
     host = host_adapters(adapters)
-    identity = base_identity(c, model_cfg, base)
+    identity = base_identity(c, warm_start_export, base)
     if not distributed.is_primary():
         return None
     meta = {"step": int(step), "algo": str(c.algo), "seed": int(c.seed), "base": identity}
@@ -78,10 +78,10 @@ def check_adapter_config(c: Any) -> dict[str, Any]:
     return config
 
 
-def adapter_policy_params(c: Any, r: Any) -> tuple[Any, int, str]:
+def adapter_policy_params(c: Any, r: Any, warm_start_export: str) -> tuple[Any, int, str]:
     """(merged params, adapter step, folder) of ``eval.adapter`` on the assembled `Run` `r`:
     the adapters loaded (`load_adapters`, checked against `r.model`, the config's LoRA section
-    when on, and the base identity of `r.init_params`), placed like training's
+    when on, and the base identity of `r.init_params` and `warm_start_export`), placed like training's
     (`lora_shardings`) and merged into the base as a checkpoint's are (jitted `apply_lora`,
     the base's dtype). Raises ConfigError for an adapter that does not fit."""
     import jax
@@ -92,7 +92,8 @@ def adapter_policy_params(c: Any, r: Any) -> tuple[Any, int, str]:
     lora = LoraConfig.from_config(c)
     try:
         adapters, meta = load_adapters(path, r.model, lora if lora.enabled else None,
-                                       base=base_identity(c, r.model, r.init_params))
+                                       base=base_identity(c, warm_start_export,
+                                                          r.init_params))
     except (AdapterError, FileNotFoundError) as e:
         raise ConfigError(f"eval.adapter: {e}") from None
     adapters = jax.device_put(adapters, lora_shardings(adapters, r.model, r.mesh))

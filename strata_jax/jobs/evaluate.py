@@ -129,7 +129,8 @@ def _evaluate(c, r, split, step, use_checkpoint, tt, ckpt_dir) -> dict:
         print(f"evaluating checkpoint step {at} of {c.workdir}", flush=True)
     elif str(c.eval.get("adapter", "") or ""):
         from strata_jax.jobs.adapters import adapter_policy_params
-        params, at, folder = adapter_policy_params(c, r)
+        from strata_jax.jobs.warm_start import export_name
+        params, at, folder = adapter_policy_params(c, r, export_name(c, r.model))
         print(f"evaluating the adapters of step {at} ({folder}) on the config's model "
               f"({c.model.path or 'preset ' + c.model.preset}"
               + (f", warm start {c.model.warm_start}" if c.model.warm_start else "") + ")",

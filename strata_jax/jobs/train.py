@@ -162,8 +162,9 @@ def _train(c, workdir, compiles, r) -> dict:
     step = int(jax.device_get(state.step))
     if status == "done" and trainer.lora:   # the final adapters as files (PEFT's layout)
         from strata_jax.jobs.adapters import export_run_adapters
+        from strata_jax.jobs.warm_start import export_name
         out = export_run_adapters(c, workdir, r.model, trainer.cfg.lora, state.params,
-                                  init_params, step)
+                                  init_params, step, export_name(c, r.model))
         if out:
             log.info("adapters of step %d in %s", step, out)
     # debug: the entry point prints the one summary line ("done: step N, outputs in ...")

@@ -55,8 +55,10 @@ def test_a_lora_run_writes_its_adapters_and_eval_of_them_equals_eval_of_its_chec
     sj = meta["strata_jax"]
     assert (sj["step"], sj["algo"], sj["seed"]) == (1, c.algo, c.seed)
     assert sj["sha256"] == file_sha256(str(folder / ADAPTER_FILE))
-    assert {k: sj["base"][k] for k in ("model_path", "model_preset", "warm_start")} == \
-        {"model_path": "", "model_preset": "tiny", "warm_start": ""}
+    assert {k: sj["base"][k] for k in ("model_path", "model_preset", "warm_start",
+                                       "warm_start_export", "model_dtype")} == \
+        {"model_path": "", "model_preset": "tiny", "warm_start": "", "warm_start_export": "",
+         "model_dtype": "float32"}
     assert len(sj["base"]["params_sha256"]) == 64
 
     from_ckpt = run_eval(_config(tmp_path / "run"), "dev")
@@ -118,3 +120,20 @@ def test_another_base_and_a_changed_file_are_refused_in_the_preflight(tmp_path):
     assert msg.endswith("the file changed after it was written; restore it from a copy or "
                         "re-run the training job that wrote it")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_base_identity_names_a_cached_warm_start_by_its_fingerprint_folder(tmp_path):
+    from strata_jax import experiment as ex
+    from strata_jax.jobs.adapters import base_identity
+    from strata_jax.jobs.warm_start import export_name, fingerprint
+    from strata_jax.training.sft import SFTConfig
+    c = _config(tmp_path / "run")
+    c.model.warm_start = "sft"
+    model_cfg = ex.model_config(c, ex.build_tokenizer(c))
+    name = export_name(c, model_cfg)
+    assert name == fingerprint(c, model_cfg, SFTConfig.from_config(c)) and len(name) == 12
+    assert base_identity(c, name) == {"model_path": "", "model_preset": "tiny",
+                                      "model_dtype": "float32", "warm_start": "sft",
+                                      "warm_start_export": name}
+    c.model.warm_start = ""
+    assert export_name(c, model_cfg) == ""
