@@ -7,7 +7,9 @@
 
 It loads the run's checkpoint (``<workdir>/ckpt``, the newest or ``--step``), or with
 ``--no_checkpoint`` the model of the config (``model.path`` / ``model.preset``, plus a warm start
-that is already cached), and nothing else: it never trains a warm start. It plays
+that is already cached), or with ``--adapter=<workdir>/adapters/step<k>`` that model with the
+LoRA adapters a finished run wrote (checksum and base checked first; not with ``--step``), and
+nothing else: it never trains a warm start. It plays
 ``eval.episodes_per_family`` episodes per task family (``--episodes_per_family``; the tiny
 variant: 16), at most ``eval.max_tasks`` in all. An eval list file holds one ``task variation``
 pair per line (or JSON pairs; see envs_bridge/scienceworld_env.py:load_eval_list), e.g.
@@ -50,6 +52,9 @@ _SAMPLES = flags.DEFINE_integer("strategy_samples", None,
                                 "Test-time scaling: S candidates per task (eval.strategy_samples).")
 _CHOICE = flags.DEFINE_enum("strategy_choice", None, ["judge", "critic", "first_action"],
                             "Test-time scaling: the chooser (eval.strategy_choice).")
+_ADAPTER = flags.DEFINE_string("adapter", None,
+                                "LoRA adapters folder (<workdir>/adapters/step<k>) played on "
+                                "config.model instead of a checkpoint (eval.adapter).")
 _PROBE = flags.DEFINE_integer("probe_steps", None,
                               "Test-time scaling: probe length, 0 = full episodes "
                               "(eval.probe_steps).")
@@ -64,10 +69,12 @@ def main(argv):
     quiet_logs()
     c = _CONFIG.value
     for field, flag in (("episodes_per_family", _PER_FAMILY), ("strategy_samples", _SAMPLES),
-                        ("strategy_choice", _CHOICE), ("probe_steps", _PROBE)):
+                        ("strategy_choice", _CHOICE), ("probe_steps", _PROBE),
+                        ("adapter", _ADAPTER)):
         if flag.value is not None:
             c.eval[field] = flag.value
-    print(report(c, run_eval(c, _SPLIT.value, _STEP.value, use_checkpoint=not _NO_CKPT.value)))
+    use_checkpoint = not (_NO_CKPT.value or c.eval.get("adapter"))   # adapters: no checkpoint
+    print(report(c, run_eval(c, _SPLIT.value, _STEP.value, use_checkpoint=use_checkpoint)))
     return 0
 
 

@@ -246,6 +246,10 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.eval.strategy_samples = 1
     c.eval.strategy_choice = "judge"
     c.eval.probe_steps = 0
+    # adapter: eval.py only (--adapter=PATH): an adapters/step<k> folder a LoRA run wrote
+    # (<workdir>/adapters/, strata_jax/jobs/adapters.py), played on config.model and its cached
+    # warm start instead of a checkpoint; "" = off.
+    c.eval.adapter = ""
     # dump_batches: the first N iterations' update batches (the SampleBatch with the sampler's
     # token ids) go to <workdir>/batches/iter_<step>.npz, for replaying a real update
     # (benchmarks/prefix_tree.py --batches; `strata_jax.algos.load_sample_batch`). 0 = none.

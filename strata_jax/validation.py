@@ -46,6 +46,7 @@ ASSEMBLY_KEYS = (
     "ckpt.every", "ckpt.keep",
     "eval.every", "eval.split", "eval.temperature", "eval.max_tasks", "eval.episodes_per_family",
     "eval.strategy_samples", "eval.strategy_choice", "eval.probe_steps",  # test_time.TestTimeConfig
+    "eval.adapter",                                                 # jobs.adapters
     "log.dump_trajectories", "log.dump_batches",                    # train.py
 )
 # Keys a config may leave out: mesh axes (a missing one has size 1) and the env constructor

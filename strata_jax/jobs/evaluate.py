@@ -1,4 +1,5 @@
-"""The evaluation job (eval.py runs it): load a run's checkpoint (or the config's model), play
+"""The evaluation job (eval.py runs it): load a run's checkpoint (or the config's model, bare or
+with the LoRA adapters of ``eval.adapter``: `strata_jax.jobs.adapters`), play
 the eval protocol (`strata_jax.evaluation.protocol`) or, with ``eval.strategy_samples`` > 1,
 its test-time strategy scaling (`strata_jax.evaluation.scaling`), and write the metrics JSON
 and every episode (docs/method.md §10). The preflight is `strata_jax.jobs.prepare`, the pieces
@@ -20,7 +21,9 @@ def run_eval(c, split: str | None = None, step: int | None = None,
 
     Loads the run's checkpoint (``<workdir>/ckpt``, the newest restorable or `step`), or with
     ``use_checkpoint=False`` the config's model (``model.path`` / ``model.preset`` plus a warm
-    start that is already cached), and nothing else: no warm start is ever trained here. Plays
+    start that is already cached), with ``eval.adapter`` set the adapters of that
+    ``adapters/step<k>`` folder merged into it (the files' step is the step), and nothing else:
+    no warm start is ever trained here. Plays
     `eval_tasks` with `evaluate` and writes ``<workdir>/eval_<split>_step<k>.json`` (metrics)
     and ``..._trajectories.jsonl`` (every episode, `dump_trajectories` records).
     With ``eval.strategy_samples`` S > 1 it runs `test_time.evaluate_scaled` instead (the
@@ -33,8 +36,10 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     computed / reused tokens).
 
     Raises ConfigError (bad config; with use_checkpoint=False a warm start that is not cached;
-    strategy_choice="critic" for a run or model without a critic) and FileNotFoundError (no
-    restorable checkpoint in the run folder).
+    strategy_choice="critic" for a run or model without a critic; ``eval.adapter`` together
+    with a checkpoint load (use_checkpoint or `step`), a missing or changed adapter folder, one
+    of another shape, rank or base) and FileNotFoundError (no restorable checkpoint in the run
+    folder).
     """
     import os
 
@@ -44,7 +49,7 @@ def run_eval(c, split: str | None = None, step: int | None = None,
     from strata_jax.training import TrainConfig
 
     split = split or c.eval.split
-    with prepare(c, "evaluate", check=lambda c: _check(c, use_checkpoint, split)) as p:
+    with prepare(c, "evaluate", check=lambda c: _check(c, use_checkpoint, split, step)) as p:
         tt = TestTimeConfig.from_config(c)
         ckpt_dir = os.path.join(c.workdir, "ckpt")
         if use_checkpoint and not os.path.isdir(ckpt_dir):
@@ -61,15 +66,21 @@ def run_eval(c, split: str | None = None, step: int | None = None,
             r.pool.close()
 
 
-def _check(c: Any, use_checkpoint: bool, split: str) -> None:
+def _check(c: Any, use_checkpoint: bool, split: str, step: int | None = None) -> None:
     """eval's own preflight check (after resolve, before any model is loaded): the split names
     tasks of the env (`eval_tasks`: an unknown split is one line listing the known ones), the
-    test-time scaling settings, and that a critic chooser has a critic to read. Raises
-    ConfigError."""
+    test-time scaling settings, that a critic chooser has a critic to read, and that an
+    ``eval.adapter`` comes without a checkpoint load (its folder is the preflight's next step).
+    Raises ConfigError."""
     from strata_jax import experiment as ex
     from strata_jax.evaluation.scaling import TestTimeConfig
     from strata_jax.training import TrainConfig
     eval_tasks(c, split)
+    adapter = str(c.eval.get("adapter", "") or "")
+    if adapter and (use_checkpoint or step is not None):
+        raise ex.ConfigError(f"eval.adapter={adapter!r} plays config.model with those adapters; "
+                             "a checkpoint load is the other choice: choose one (drop --step, "
+                             "or use_checkpoint=False; eval.py's --adapter implies it)")
     try:
         tt = TestTimeConfig.from_config(c)
     except ValueError as e:
@@ -116,6 +127,14 @@ def _evaluate(c, r, split, step, use_checkpoint, tt, ckpt_dir) -> dict:
             except ValueError as e:
                 raise ex.ConfigError(str(e)) from None
         print(f"evaluating checkpoint step {at} of {c.workdir}", flush=True)
+    elif str(c.eval.get("adapter", "") or ""):
+        from strata_jax.jobs.adapters import adapter_policy_params
+        from strata_jax.jobs.warm_start import export_name
+        params, at, folder = adapter_policy_params(c, r, export_name(c, r.model))
+        print(f"evaluating the adapters of step {at} ({folder}) on the config's model "
+              f"({c.model.path or 'preset ' + c.model.preset}"
+              + (f", warm start {c.model.warm_start}" if c.model.warm_start else "") + ")",
+              flush=True)
     else:
         print(f"evaluating the config's model as is ({c.model.path or 'preset ' + c.model.preset}"
               + (f", warm start {c.model.warm_start}" if c.model.warm_start else "") + ")",

@@ -13,6 +13,7 @@ The steps, in order, and which job takes each (`STEPS`):
     distributed checks (multi-process constraints on the config)       train
     resolve (the algorithm's derived settings)                         all
     the job's own check (`check`, e.g. eval's test-time settings)      all
+    eval.adapter's folder: both files, the checksum, the recorded base  evaluate
     env checks (e.g. the WebShop server answers, Java for ScienceWorld)  all
     the task list (an unknown env.split, an env.tasks filter matching nothing)  train
     model path check (a missing path / unreachable hub id)             train
@@ -33,7 +34,7 @@ from strata_jax import experiment as ex
 # Which job runs which optional step (module docstring); the others run in every job.
 STEPS = {
     "train": frozenset({"distributed", "env", "tasks", "model_path", "resume", "lock", "mesh"}),
-    "evaluate": frozenset({"env", "mesh"}),
+    "evaluate": frozenset({"adapter", "env", "mesh"}),
     "warm_start": frozenset({"env"}),
 }
 
@@ -79,6 +80,9 @@ def prepare(c: Any, job: str, check: Callable[[Any], None] | None = None) -> Ite
     ex.resolve(c)
     if check is not None:
         check(c)
+    if "adapter" in steps and c.eval.get("adapter"):
+        from strata_jax.jobs.adapters import check_adapter_config
+        check_adapter_config(c)   # a changed file or another base: one line, nothing built
     if "env" in steps:
         ex.check_env(c)        # e.g. the WebShop server answers
     if "tasks" in steps:

@@ -1,10 +1,12 @@
 """The training job: rollout -> update -> log -> checkpoint -> eval, resumable (train.py runs it).
 
 Every run lives in ``config.workdir``: ``ckpt/`` (orbax), ``metrics.jsonl`` + ``tb/``
-(tensorboardX), ``trajectories.jsonl``. Running the same config again resumes from the newest
-restorable checkpoint (raise ``iterations`` to continue a finished run); SIGTERM (preemption),
-SIGHUP (a closed terminal or ssh session) and Ctrl-C save and stop after the iteration in
-flight (`stop_flag`; train.py then exits with status 75, the table: docs/reliability.md).
+(tensorboardX), ``trajectories.jsonl``, and for a finished LoRA run its final adapters in
+``adapters/step<k>/`` (`strata_jax.jobs.adapters`). Running the same config again resumes from
+the newest restorable checkpoint (raise ``iterations`` to continue a finished run); SIGTERM
+(preemption), SIGHUP (a closed terminal or ssh session) and Ctrl-C save and stop after the
+iteration in flight (`stop_flag`; train.py then exits with status 75, the table:
+docs/reliability.md).
 
 The preflight is `strata_jax.jobs.prepare`, the pieces come from `strata_jax.jobs.assemble`;
 the iterations are written out here, in one loop (`run`).
@@ -158,6 +160,13 @@ def _train(c, workdir, compiles, r) -> dict:
         writer.close()
         ckpt.close()
     step = int(jax.device_get(state.step))
+    if status == "done" and trainer.lora:   # the final adapters as files (PEFT's layout)
+        from strata_jax.jobs.adapters import export_run_adapters
+        from strata_jax.jobs.warm_start import export_name
+        out = export_run_adapters(c, workdir, r.model, trainer.cfg.lora, state.params,
+                                  init_params, step, export_name(c, r.model))
+        if out:
+            log.info("adapters of step %d in %s", step, out)
     # debug: the entry point prints the one summary line ("done: step N, outputs in ...")
     log.debug("%s at step %d; outputs in %s", status, step, workdir)
     return {"status": status, "step": step, "workdir": workdir, "last_metrics": last}

@@ -220,6 +220,15 @@ def warm_start_dir(c: Any, model_cfg: Qwen2Config, workdir: str) -> str:
     return os.path.join(root, fingerprint(c, model_cfg, cfg))
 
 
+def export_name(c: Any, model_cfg: Qwen2Config) -> str:
+    """The name of the cached export folder of an "sft" warm start (its fingerprint, the last
+    part of `warm_start_dir`), else "": part of a LoRA adapter's base identity
+    (`strata_jax.jobs.adapters.base_identity`)."""
+    if str(c.model.get("warm_start", "") or "") != "sft":
+        return ""
+    return os.path.basename(warm_start_dir(c, model_cfg, c.workdir))
+
+
 def maybe_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any, workdir: str,
                      mesh: jax.sharding.Mesh | None = None, train: bool = True) -> Any:
     """The run's initial params after the warm start of ``c.model.warm_start`` (the step
@@ -260,6 +269,7 @@ def maybe_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any
     return load_params(out, model_cfg, dtype=dtype, mesh=mesh)
 
 
-__all__ = ["maybe_warm_start", "export_warm_start", "run_sft", "warm_start_dir", "fingerprint",
+__all__ = ["maybe_warm_start", "export_warm_start", "run_sft", "warm_start_dir", "export_name",
+           "fingerprint",
            "source_fingerprint", "stale_export_warning",
            "sft_examples", "expert_tasks", "EXAMPLE_FORMAT", "META_FILE"]

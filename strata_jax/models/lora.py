@@ -23,7 +23,8 @@ becomes a `LoraWeight` (W, A, B, scale) and the forward computes ``x @ W.T + sca
 targeted weights a second time at the promoted dtype, plus their gradient-path copies).
 `apply_lora(base, adapters, cfg)` merges (W + scale * B @ A, same structure and layout as the
 base): the sampler's and the export's copy. `export_merged` writes the merged model as an HF
-checkpoint via ``export_params``.
+checkpoint via ``export_params``; `strata_jax.models.adapter_files` writes the adapters alone
+(PEFT's files).
 Source: Hu et al. 2021 "LoRA" (arXiv:2106.09685) sections 4.1-4.2 (W + BA, B = 0 init,
 alpha / r scaling); PEFT ``LoraLayer`` (A/B layout, kaiming-uniform A); verl-agent 7B recipe
 (rank 64, alpha 64, lr 3e-6, all linear layers).

@@ -244,6 +244,13 @@ def _run(script, *args, env=None):
     ("eval.py", ["--config=configs/sciworld.py:tiny", "--split=dev"],
      "eval.py: error: no checkpoint in {workdir}/ckpt; train first (python train.py with the "
      "same --config) or pass --no_checkpoint"),
+    ("eval.py", ["--config=configs/builtin.py:tiny", "--split=dev", "--adapter=no/such/step3"],
+     "eval.py: error: eval.adapter='no/such/step3' is not a folder; give an adapters/step<k> "
+     "folder that a LoRA training run wrote"),
+    ("eval.py", ["--config=configs/builtin.py:tiny", "--adapter=runs/x/adapters/step3",
+                 "--step=3"],
+     "eval.py: error: eval.adapter='runs/x/adapters/step3' plays config.model with those "
+     "adapters; a checkpoint load is the other choice: choose one"),
 ])
 def test_user_mistakes_are_one_line_and_write_nothing(tmp_path, script, args, line):
     workdir = tmp_path / "run"

@@ -19,7 +19,7 @@ MAY_CHANGE = {"workdir", "iterations", "compilation_cache_dir", "env.num_workers
               "env.step_timeout_s", "sft.cache_dir",
               "mesh.data", "mesh.fsdp", "mesh.tensor", "ckpt.every", "ckpt.keep", "eval.every",
               "eval.split", "eval.temperature", "eval.max_tasks", "eval.episodes_per_family",
-              "eval.strategy_samples", "eval.strategy_choice", "eval.probe_steps",
+              "eval.strategy_samples", "eval.strategy_choice", "eval.probe_steps", "eval.adapter",
               "log.dump_trajectories", "log.dump_batches", "train.donate_state", "train.scan_layers",
               "train.pack_width",
               "train.response_floor", "optim.micro_batch_rows", "optim.micro_batch_tokens",
