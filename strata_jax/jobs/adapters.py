@@ -62,8 +62,10 @@ def export_run_adapters(c: Any, workdir: str, model_cfg: Any, lora_cfg: Any, ada
 
 def check_adapter_config(c: Any) -> dict[str, Any]:
     """The preflight of ``eval.adapter``: the folder holds both files, adapter_model.safetensors
-    has its recorded sha256 and the recorded base agrees with the config's (model path,
-    preset, dtype, warm start), before any model is built. Returns the adapter config.
+    has its recorded sha256 and the recorded base agrees with the config's model path, preset
+    and dtype, before any model is built (the warm start is checked by the base's bytes once
+    built, `adapter_policy_params`: it may be named another way, e.g. by its export folder).
+    Returns the adapter config.
     Raises ConfigError (one line, naming the folder and what to do)."""
     from strata_jax.config import ConfigError
     path = str(c.eval.adapter)
@@ -72,7 +74,8 @@ def check_adapter_config(c: Any) -> dict[str, Any]:
                           "folder that a LoRA training run wrote (<workdir>/adapters/)")
     try:
         config = read_adapter_config(path)
-        check_base(config["strata_jax"].get("base", {}), base_identity(c), path)
+        names = {k: v for k, v in base_identity(c).items() if k != "warm_start"}
+        check_base(config["strata_jax"].get("base", {}), names, path)
     except (AdapterError, FileNotFoundError) as e:
         raise ConfigError(f"eval.adapter: {e}") from None
     return config

@@ -205,8 +205,14 @@ def lora_config_of(config: dict[str, Any]) -> LoraConfig:
 def check_base(recorded: dict[str, Any], expected: dict[str, Any], path: str) -> None:
     """Refuse an adapter whose recorded base identity differs from `expected` (the base the
     caller builds, `base_identity`'s fields; a field either side lacks is not compared).
+    When both sides hold ``params_sha256``, the base's bytes alone decide: the same base
+    reached under another name (a warm start named by its export folder instead of "sft", a
+    copied model folder) is the same base, and any other base differs in its bytes.
     Raises AdapterError naming the field, both values and the folder."""
-    for k in IDENTITY_FIELDS:
+    fields = IDENTITY_FIELDS
+    if "params_sha256" in recorded and "params_sha256" in expected:
+        fields = ("params_sha256",)
+    for k in fields:
         if k in recorded and k in expected and recorded[k] != expected[k]:
             raise AdapterError(
                 f"{os.path.join(path, CONFIG_FILE)}: the adapters were trained on a base with "

@@ -145,6 +145,13 @@ def test_another_rank_targets_shape_or_base_is_refused(saved, base):
     with pytest.raises(AdapterError, match="params_sha256="):
         load_adapters(saved, TINY, None, base={**BASE_ID, "params_sha256": params_sha256(reseeded)})
     load_adapters(saved, TINY, None, base={**BASE_ID, "params_sha256": params_sha256(base)})
+    # the same bytes under another name (the warm start named by its export folder): the same
+    # base; without the bytes to compare, the names decide
+    renamed = {**BASE_ID, "warm_start": "runs/warm_start/0123456789ab", "warm_start_export": ""}
+    load_adapters(saved, TINY, None, base={**renamed, "params_sha256": params_sha256(base)})
+    if BASE_ID.get("warm_start") != renamed["warm_start"]:
+        with pytest.raises(AdapterError, match="warm_start="):
+            load_adapters(saved, TINY, None, base=renamed)
 
 
 def test_params_sha256_sees_one_changed_bit_and_the_dtype(base):
