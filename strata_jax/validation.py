@@ -95,6 +95,20 @@ def check_keys(c: Any) -> None:
                           "from configs/base.py:get_base_config(), which holds every field")
 
 
+def _check_strategy_embedding(name: Any) -> None:
+    """rollout.strategy_embedding is a known name; "sentence" needs its package installed
+    (checked here, before a warm start, not at the first strategy stage)."""
+    from strata_jax.rollout.strategy import check_strategy_embedding
+
+    try:
+        if check_strategy_embedding(name) == "sentence":
+            from strata_jax.models.sentence_encoder import model_dir
+
+            model_dir()
+    except (ValueError, ImportError, FileNotFoundError) as e:
+        raise ConfigError(f"{e} (--config.rollout.strategy_embedding=...)") from None
+
+
 def validate(c: Any) -> None:
     """Check a config before anything is built or written (no model, env, folder or file).
 
@@ -107,7 +121,8 @@ def validate(c: Any) -> None:
     `sampling.params.MIN_TEMPERATURE`, top_p in (0, 1],
     top_k an integer >= -1 where 0 and -1 both mean "off", the vLLM / verl spelling); a
     non-finite or negative learning rate; an unknown dtype or remat policy (TrainConfig's own
-    checks); the warm start's settings (SFTConfig's checks); and,
+    checks); the warm start's settings (SFTConfig's checks); rollout.strategy_embedding (a
+    known name; "sentence" with its package installed); and,
     for a preset, a KV cache that cannot hold a prompt plus its response (`max_cache_len`; a
     checkpoint's context is checked once its config.json is read).
     """
@@ -131,6 +146,7 @@ def validate(c: Any) -> None:
                  "max_judge_tokens", "dapo_max_tries"):
         at_least(f"rollout.{name}", 1)
     at_least("rollout.cohorts", 0)
+    _check_strategy_embedding(r.strategy_embedding)
     at_least("rollout.prefix_cache_mb", 0)     # 0 = off (no prefix KV kept across calls)
     mmap_mb = c.host_mmap_threshold_mb   # MiB, fractions allowed; 0 = glibc's own policy
     if isinstance(mmap_mb, bool) or not isinstance(mmap_mb, (int, float)) or \

@@ -300,7 +300,8 @@ def evaluate_scaled(c: Any, policy: Any, pool: Any, builder: Any, tasks: Sequenc
             for g in strategy_stage(policy, pool, builder, chunk, uids, key, num_keep=s_count,
                                     oversample=int(c.rollout.oversample),
                                     diverse=bool(c.rollout.diverse_sampling),
-                                    sampling=strat_sampling, stats=loop):
+                                    sampling=strat_sampling, stats=loop,
+                                    embedding=rc.strategy_embedding):
                 if g is None:
                     continue
                 groups.append(g)

@@ -5,7 +5,7 @@ overlap, self-judgment, strategy revision (option), and the rollout modes that f
 Public API:
   prompts:   PromptBuilder, PromptIds, HistoryEntry, invalid_history_action
   strategy:  StrategyCheck, check_strategy, farthest_point_selection, select_strategies,
-             StrategyGroup, strategy_stage
+             StrategyGroup, strategy_stage, embed_candidates, STRATEGY_EMBEDDINGS
   judge:     parse_bad_steps, judge_flags, judge_stage, JudgeModel, build_judge_model
   revision:  RevisionConfig, StrategyReviser, revision_trigger
   keys:      row_keys, PURPOSE_STRATEGY / PURPOSE_ACTION / PURPOSE_JUDGE / PURPOSE_REVISION
@@ -33,13 +33,15 @@ from strata_jax.rollout.rollout import (RolloutConfig, RolloutResult, collect_ro
                                         dapo_rollout, make_prompt_builder, rollout)
 from strata_jax.rollout.scripted import (FORCED_CONFIG, FORCED_TEXT, ScriptedPolicy,
                                          forced_output_params)
-from strata_jax.rollout.strategy import (StrategyCheck, StrategyGroup, check_strategy,
+from strata_jax.rollout.strategy import (STRATEGY_EMBEDDINGS, StrategyCheck, StrategyGroup,
+                                         check_strategy, embed_candidates,
                                          farthest_point_selection, select_strategies,
                                          strategy_stage)
 
 __all__ = [
     "PromptBuilder", "PromptIds", "HistoryEntry", "invalid_history_action", "StrategyCheck",
     "check_strategy", "farthest_point_selection", "select_strategies", "strategy_stage",
+    "embed_candidates", "STRATEGY_EMBEDDINGS",
     "parse_bad_steps", "judge_flags", "judge_stage", "JudgeModel", "build_judge_model",
     "RevisionConfig", "StrategyReviser", "revision_trigger", "row_keys", "PURPOSE_STRATEGY",
     "PURPOSE_ACTION", "PURPOSE_JUDGE", "PURPOSE_REVISION", "Policy", "SamplerPolicy",

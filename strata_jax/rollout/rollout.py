@@ -62,7 +62,8 @@ from strata_jax.rollout.policy import Policy
 from strata_jax.rollout.prompts import ACTION_STOP, JUDGE_STOP, STRATEGY_STOP, PromptBuilder
 from strata_jax.rollout.revision import (RevisionConfig, StrategyReviser, revision_records,
                                          revision_stats)
-from strata_jax.rollout.strategy import StrategyGroup, strategy_records, strategy_stage
+from strata_jax.rollout.strategy import (StrategyGroup, check_strategy_embedding, strategy_records,
+                                         strategy_stage)
 from strata_jax.sampling import SamplingParams
 from strata_jax.sampling.stops import StopText, build_stop_text
 
@@ -73,7 +74,8 @@ class RolloutConfig:
     docs/method.md §5.8; see `from_config`).
 
     mode: "strata" or "flat". num_strategies N, episodes_per_strategy M, oversample sigma,
-    diverse_sampling (FPS), self_judgment; group_size (flat); temperature / top_p / top_k;
+    diverse_sampling (FPS), strategy_embedding (what FPS measures: "policy" or "sentence",
+    docs/method.md §5.2), self_judgment; group_size (flat); temperature / top_p / top_k;
     max_action_tokens / max_strategy_tokens / max_judge_tokens; cohorts; tasks_per_batch,
     dapo_refill, dapo_max_tries; invalid_tail_chars; SampleBatch bucketing (row_buckets,
     prompt_buckets, response_buckets, row_multiple) and pad_token_id; strategy revision
@@ -86,6 +88,7 @@ class RolloutConfig:
     episodes_per_strategy: int = 8
     oversample: int = 8
     diverse_sampling: bool = True
+    strategy_embedding: str = "policy"
     self_judgment: bool = True
     group_size: int = 8
     temperature: float = 1.0
@@ -118,6 +121,7 @@ class RolloutConfig:
                      "tasks_per_batch", "dapo_max_tries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout {name} must be >= 1, got {getattr(self, name)}")
+        check_strategy_embedding(self.strategy_embedding)
         if self.cohorts < 0:
             raise ValueError(f"rollout cohorts must be >= 0 (0 = auto), got {self.cohorts}")
 
@@ -251,7 +255,7 @@ def _rollout_part(policy: Policy, pool: EnvPool, builder: PromptBuilder, tasks: 
         for task, g in zip(tasks, strategy_stage(
                 policy, pool, builder, tasks, uids, key, num_keep=cfg.num_strategies,
                 oversample=cfg.oversample, diverse=cfg.diverse_sampling,
-                sampling=strategy_sampling, stats=pre)):
+                sampling=strategy_sampling, stats=pre, embedding=cfg.strategy_embedding)):
             if g is None:
                 skipped.append(task)
                 continue

@@ -1,8 +1,9 @@
 """StraTA strategies: the strategy stage of a rollout, the format check (P_fmt, |z|),
 farthest-point selection (FPS) and the strategy rows of the batch.
 
-Source: docs/method.md §5.1-§5.2 (the strategy body, P_fmt, |z|, greedy max-min cosine FPS,
-format failures dropped first and used only as fill).
+Source: docs/method.md §5.1-§5.2 (the strategy body, P_fmt, |z|, the embeddings FPS measures:
+the policy's states or a frozen sentence encoder, greedy max-min cosine FPS, format failures
+dropped first and used only as fill).
 """
 from __future__ import annotations
 
@@ -223,10 +224,37 @@ def first_observations(pool: EnvPool, tasks: Sequence[Task]
     return out
 
 
+STRATEGY_EMBEDDINGS = ("policy", "sentence")
+
+
+def check_strategy_embedding(name: str) -> str:
+    """`name` if it is one of `STRATEGY_EMBEDDINGS`; else ValueError (one line, the choices)."""
+    if name not in STRATEGY_EMBEDDINGS:
+        raise ValueError(f"rollout.strategy_embedding must be one of {STRATEGY_EMBEDDINGS}, "
+                         f"got {name!r}")
+    return name
+
+
+def embed_candidates(policy: Policy, builder: PromptBuilder, generations: Sequence[Generation],
+                     checks: Sequence[StrategyCheck], embedding: str = "policy") -> np.ndarray:
+    """The FPS embeddings of strategy candidates (docs/method.md §5.2), [n, D] float32.
+
+    ``"policy"``: ``policy.embed`` of each generation's tokens without a final stop id
+    (`content_ids`). ``"sentence"``: the frozen sentence encoder
+    (`strata_jax.models.sentence_encoder.load_sentence_encoder`, loaded once per process, D =
+    384) on each candidate's text z (`StrategyCheck.text`: the block's body, no tags).
+    Raises ValueError on another name, ImportError when "sentence" lacks its package."""
+    if check_strategy_embedding(embedding) == "sentence":
+        from strata_jax.models.sentence_encoder import load_sentence_encoder
+
+        return load_sentence_encoder().encode([c.text for c in checks])
+    return policy.embed([content_ids(builder.tokenizer, g) for g in generations])
+
+
 def strategy_stage(policy: Policy, pool: EnvPool, builder: PromptBuilder,
                    tasks: Sequence[Task], uids: Sequence[int], key: Any, *, num_keep: int,
                    oversample: int, diverse: bool, sampling: SamplingParams,
-                   stats: LoopStats) -> list[StrategyGroup | None]:
+                   stats: LoopStats, embedding: str = "policy") -> list[StrategyGroup | None]:
     """Strategy candidates, format check, embeddings and selection for every task
     (docs/method.md §5.1-§5.2).
 
@@ -239,9 +267,12 @@ def strategy_stage(policy: Policy, pool: EnvPool, builder: PromptBuilder,
         `diverse`; N candidates, all kept, without FPS otherwise).
       sampling: the strategy sampling params (stop text ``</strategy>``).
       stats: `LoopStats` the one batched policy call is timed into (cohort label -1).
+      embedding: what FPS measures distances on (`embed_candidates`): "policy" (the policy's
+        mean-pooled hidden states) or "sentence" (the frozen sentence encoder on z).
     Returns:
       one `StrategyGroup` per task, None where the task's first reset crashed twice.
     """
+    check_strategy_embedding(embedding)
     firsts = first_observations(pool, tasks)
     n_cand = oversample * num_keep if diverse else num_keep
     live = [i for i, f in enumerate(firsts) if f is not None]
@@ -258,7 +289,7 @@ def strategy_stage(policy: Policy, pool: EnvPool, builder: PromptBuilder,
               for t, g in zip(texts, gen_list)]
     emb = None
     if diverse:
-        emb = policy.embed([content_ids(builder.tokenizer, g) for g in gen_list])
+        emb = embed_candidates(policy, builder, gen_list, checks, embedding)
     seed = [int(x) for x in base_key_data(key)]
     for j, i in enumerate(live):
         sl = slice(j * n_cand, (j + 1) * n_cand)
