@@ -227,6 +227,21 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.lora.targets = (r"(q|k|v|o|gate|up|down)_proj$",)  # regexes over "layers.<i>.<proj>"
     c.lora.lr = 3e-6               # replaces optim.lr when rank > 0 (0 = keep optim.lr)
 
+    # --- STAPO's replay pool (strata_jax/training/replay.py; docs/method.md §7.5) ----------
+    # enabled: each update also trains on rows kept from earlier iterations, with their stored
+    # advantage, weight (the priority) and sampler logprobs (their pi_old); off = no pool.
+    # capacity: rows kept (over it the lowest weight goes first, ties the oldest iteration);
+    # max_age: a row of iteration i is replayable at iterations i+1 .. i+max_age;
+    # fraction: target share of replayed rows among the rows an update trains, in [0, 1);
+    # strata: equal-count bins of the stored advantage the draw is spread over evenly
+    # (within a bin rows are drawn without replacement, proportional to their weight).
+    c.replay = ml_collections.ConfigDict()
+    c.replay.enabled = False
+    c.replay.capacity = 2048
+    c.replay.max_age = 4
+    c.replay.fraction = 0.25
+    c.replay.strata = 3
+
     # --- Multi-host (strata_jax/distributed.py); one process needs none of this -------------
     # Empty / -1 = from the environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
     # JAX_PROCESS_ID, or the cluster auto-detection of TPU pods / SLURM).

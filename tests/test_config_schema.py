@@ -16,9 +16,11 @@ from strata_jax.config import ConfigError, get_dotted, set_override
 from strata_jax.models.lora import LoraConfig
 from strata_jax.rollout import RolloutConfig
 from strata_jax.training import TrainConfig
+from strata_jax.training.replay import ReplayConfig
 from strata_jax.training.sft import SFTConfig
 
-OPTION_CLASSES = (LossConfig, EstimatorConfig, LoraConfig, SFTConfig, TrainConfig, RolloutConfig)
+OPTION_CLASSES = (LossConfig, EstimatorConfig, LoraConfig, SFTConfig, TrainConfig, RolloutConfig,
+                  ReplayConfig)
 
 
 from strata_jax.validation import dotted_leaves  # noqa: E402  (the {dotted field: value} walk)
@@ -53,6 +55,7 @@ def test_from_config_of_base_is_the_default_instance_but_for_derived_fields():
     assert LossConfig.from_config(c.loss) == LossConfig()
     assert EstimatorConfig.from_config(c.adv) == EstimatorConfig()
     assert LoraConfig.from_config(c) == LoraConfig()
+    assert ReplayConfig.from_config(c.replay) == ReplayConfig()
     assert SFTConfig.from_config(c) == SFTConfig()
     assert RolloutConfig.from_config(c) == RolloutConfig()        # algo strata: mode "strata"
     t = TrainConfig.from_config(c)

@@ -69,6 +69,18 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "k
     raise ValueError(f"kl estimator must be k1, k2 or k3, got {estimator!r}")
 
 
+def mean_kl(logprobs: jax.Array, ref_logprobs: jax.Array, mask: jax.Array,
+            config: LossConfig) -> jax.Array:
+    """Token mean over `mask` [R, Tr] bool of `kl_penalty` (config's estimator and clamp) of
+    logprobs vs ref_logprobs [R, Tr] f32: the loss's KL term as a metric over any rows, e.g.
+    every valid row of an iteration whatever its sample weight (`kl/whole_batch`,
+    docs/metrics.md). 0 for an empty mask."""
+    mask = mask.astype(bool)
+    kl = kl_penalty(jnp.where(mask, logprobs, 0.0), jnp.where(mask, ref_logprobs, 0.0),
+                    config.kl_estimator, config.kl_clamp)
+    return _masked_mean(kl, mask)
+
+
 def aggregate(x: jax.Array, mask: jax.Array, mode: str, *, num_tokens=None, num_seqs=None,
               norm_len: int = 0) -> jax.Array:
     """Reduce a per-token loss [R, Tr] to a scalar (verl agg_loss modes).

@@ -11,9 +11,13 @@ Layout (one orbax CheckpointManager directory, async off, keep the last n):
                         dict, e.g. the task sampler's get_state()>, "trainer_state": <the
                         trainer's host state, e.g. its shape marks, or null>, "config": <the
                         experiment config as JSON text or a dict>, "format": 2}
+  <dir>/<step>/host/arrays.npz  only when the trainer state holds "host_arrays" ({name:
+                        numpy array}, e.g. the replay pool's rows): those arrays, returned
+                        under the meta's trainer_state "host_arrays" on restore.
   <dir>/<step>/checksums.json   {"algorithm": "sha256", "files": {relative path: [bytes,
-                        hex digest]}} of every file under state/ and meta/, written (atomically)
-                        after orbax committed the step. A step is COMMITTED once this manifest
+                        hex digest]}} of every file under state/, meta/ and host/, written
+                        (atomically) after orbax committed the step (and host/ was written). A
+                        step is COMMITTED once this manifest
                         exists; only then are steps beyond `keep` deleted, so a good checkpoint
                         is never removed before its replacement is complete.
   <step> = TrainState.step (iterations completed).
@@ -64,7 +68,9 @@ import orbax.checkpoint as ocp
 from strata_jax.exits import exception_chain
 from strata_jax.training.checkpoint_files import (FORMAT, MANIFEST, CorruptCheckpointError,
                                                   check_step, checked_trainer_state, meta_step,
-                                                  step_format, verify_step, write_manifest)
+                                                  split_host_arrays, step_format, verify_step,
+                                                  with_host_arrays, write_host_arrays,
+                                                  write_manifest)
 from strata_jax.training.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -209,7 +215,8 @@ class Checkpointer:
         """Write a checkpoint at step int(state.step), wait for it and commit it; returns the step.
 
         sampler_state: JSON-able dict (task-sampler position); trainer_state: JSON-able dict
-        (the trainer's host state, `Trainer.host_state`); config: JSON text, a dict, or an
+        (the trainer's host state, `Trainer.host_state`; its "host_arrays" go to host/, the
+        rest to the meta); config: JSON text, a dict, or an
         ml_collections ConfigDict (stored via to_json). A step already committed on disk is
         kept as it is (not deleted, not rewritten; logged; checked by manifest and file sizes,
         not re-hashed); a step on disk without a valid manifest, or one that `restore` skipped
@@ -239,6 +246,7 @@ class Checkpointer:
             cfg = json.loads(config.to_json())
         else:
             cfg = config
+        trainer_state, host_arrays = split_host_arrays(trainer_state)   # -> host/arrays.npz
         meta = {"format": FORMAT, "step": step, "sampler_state": sampler_state,
                 "trainer_state": trainer_state, "config": cfg}
         _CLOSED_LOOP_NOISE.install()   # again: a test harness may have swapped the hook
@@ -249,6 +257,8 @@ class Checkpointer:
                 meta=ocp.args.JsonSave(meta)), force=True)
             self._mngr.wait_until_finished()
             if jax.process_index() == 0:   # one writer; the other hosts wait for the commit
+                if host_arrays is not None:
+                    write_host_arrays(step_dir, host_arrays)
                 write_manifest(step_dir)
             _sync_hosts(f"strata_ckpt_commit_{step}")
         except BaseException as e:   # Ctrl-C / a stop signal mid-save too: leave no tmp folder
@@ -376,7 +386,7 @@ class Checkpointer:
                     state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
                 d = out["state"]
                 state = TrainState(**{f: _decode(d[f]) for f in _FIELDS})
-                meta = dict(out["meta"])
+                meta = with_host_arrays(step_dir, dict(out["meta"]))
                 check_step(s, meta, state)
                 if not verified:
                     msg = (f"checkpoint step {s} in {self.directory} has no checksum manifest "

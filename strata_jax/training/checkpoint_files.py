@@ -1,10 +1,11 @@
 """The files of one checkpoint step: their checksum manifest, and the checks a step must pass
 before it is restored (checksums, its format, the step it holds).
 
-A step folder `<dir>/<step>/` holds `state/` and `meta/` (orbax items) and `checksums.json`,
+A step folder `<dir>/<step>/` holds `state/` and `meta/` (orbax items), optionally `host/`
+(the trainer's host arrays, e.g. the replay pool: `write_host_arrays`), and `checksums.json`,
 {"algorithm": "sha256", "files": {relative path: [bytes, hex digest]}} of every file under
-state/ and meta/ (the layout: strata_jax/training/checkpoint.py). A step is committed once the
-manifest exists. Source: docs/reliability.md (integrity checks).
+state/, meta/ and host/ (the layout: strata_jax/training/checkpoint.py). A step is committed
+once the manifest exists. Source: docs/reliability.md (integrity checks).
 """
 from __future__ import annotations
 
@@ -24,7 +25,11 @@ log = logging.getLogger(__name__)
 
 FORMAT = 2
 MANIFEST = "checksums.json"
-_HASHED = ("state", "meta")   # the step's items; orbax's own top-level files may be rewritten
+_HASHED = ("state", "meta", "host")   # the step's items; orbax's top-level files may be rewritten
+HOST_ARRAYS = "host_arrays"
+"""The key of a trainer state ({name: numpy array}) whose arrays are kept in the step's
+`host/arrays.npz` instead of the JSON meta (`split_host_arrays`, `write_host_arrays`)."""
+_HOST_FILE = os.path.join("host", "arrays.npz")
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -67,6 +72,37 @@ def write_manifest(step_dir: str) -> dict:
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(step_dir, MANIFEST))
     return manifest
+
+
+def split_host_arrays(trainer_state: dict | None) -> tuple[dict | None, dict | None]:
+    """(the trainer state without its `HOST_ARRAYS`, those arrays or None)."""
+    if not isinstance(trainer_state, dict) or HOST_ARRAYS not in trainer_state:
+        return trainer_state, None
+    rest = {k: v for k, v in trainer_state.items() if k != HOST_ARRAYS}
+    return rest, dict(trainer_state[HOST_ARRAYS])
+
+
+def write_host_arrays(step_dir: str, arrays: dict) -> None:
+    """Write {name: numpy array} to `<step_dir>/host/arrays.npz` (compressed; tmp + rename),
+    before the step's manifest is written (so the manifest covers it)."""
+    import numpy as np
+    os.makedirs(os.path.join(step_dir, "host"), exist_ok=True)
+    path = os.path.join(step_dir, _HOST_FILE)
+    tmp = path + ".tmp.npz"
+    np.savez_compressed(tmp, **{k: np.asarray(v) for k, v in arrays.items()})
+    os.replace(tmp, path)
+
+
+def with_host_arrays(step_dir: str, meta: dict) -> dict:
+    """`meta` with its trainer state's `HOST_ARRAYS` read back from the step's host/ file
+    ({name: numpy array}); meta unchanged when the step has none."""
+    import numpy as np
+    path = os.path.join(step_dir, _HOST_FILE)
+    if not os.path.exists(path):
+        return meta
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    return {**meta, "trainer_state": {**(meta.get("trainer_state") or {}), HOST_ARRAYS: arrays}}
 
 
 def verify_step(step_dir: str, contents: bool = True) -> bool:
@@ -155,5 +191,6 @@ def checked_trainer_state(step: int, directory: str, meta: dict) -> dict:
     return meta
 
 
-__all__ = ["CorruptCheckpointError", "FORMAT", "MANIFEST", "check_step", "checked_trainer_state",
+__all__ = ["CorruptCheckpointError", "FORMAT", "HOST_ARRAYS", "MANIFEST", "check_step",
+           "checked_trainer_state", "split_host_arrays", "with_host_arrays", "write_host_arrays",
            "meta_step", "step_format", "verify_step", "write_manifest"]

@@ -17,6 +17,7 @@ from strata_jax.algos.config import EstimatorConfig, LossConfig
 from strata_jax.algos.table import get_algorithm
 from strata_jax.config import REMAT_POLICIES, read_fields
 from strata_jax.models.lora import LoraConfig
+from strata_jax.training.replay import ReplayConfig
 
 CRITIC_KINDS = ("auto", "none", "separate", "head")
 LR_SCHEDULES = ("constant", "cosine")
@@ -102,7 +103,8 @@ class TrainConfig:
     Sub-configs: loss (LossConfig), estimator (EstimatorConfig), algo (a name of
       `algos.table.ALGORITHMS`: its entry gives the estimator and the "auto" critic), lora
       (LoraConfig; rank > 0: the trainable params are LoRA adapters over the frozen base, which
-      is also the KL reference, and lr = lora.lr when that is > 0).
+      is also the KL reference, and lr = lora.lr when that is > 0), replay (ReplayConfig:
+      STAPO's replay pool, strata_jax/training/replay.py; off by default).
     Sources: `config_sources` (one config key per field). Defaults = configs/base.py.
     """
 
@@ -139,10 +141,11 @@ class TrainConfig:
     loss: LossConfig = LossConfig()
     estimator: EstimatorConfig = EstimatorConfig()
     lora: LoraConfig = LoraConfig()
+    replay: ReplayConfig = ReplayConfig()
 
     # Fields read from another dataclass's section, and the conversion of model.remat.
     SUBSECTIONS: ClassVar[dict[str, type]] = {"loss": LossConfig, "estimator": EstimatorConfig,
-                                              "lora": LoraConfig}
+                                              "lora": LoraConfig, "replay": ReplayConfig}
     CONVERT: ClassVar[dict[str, Any]] = {"remat": remat_policy}
 
     def __post_init__(self) -> None:
@@ -200,7 +203,7 @@ class TrainConfig:
         (converted: True = "dots", False = "none"); ``rollout.temperature`` (the sampling
         temperature is the train temperature, docs/method.md §9.1);
         ``adv.stapo_dropout_passes`` / ``adv.stapo_dropout`` (dropout_passes / dropout); and
-        the sections ``loss``, ``adv``, ``lora`` of the LossConfig / EstimatorConfig /
+        the sections ``loss``, ``adv``, ``lora``, ``replay`` of the LossConfig / EstimatorConfig /
         LoraConfig fields. Derived on top (`from_config`): loss.norm_len 0 = the rollout's
         longest response; lr = lora.lr when LoRA is on and lora.lr > 0."""
         src = {"algo": "algo"}
@@ -226,6 +229,7 @@ class TrainConfig:
         v["loss"] = LossConfig.from_config(c.loss, **_default_norm_len(c))
         v["estimator"] = EstimatorConfig.from_config(c.adv)
         v["lora"] = LoraConfig.from_config(c)
+        v["replay"] = ReplayConfig.from_config(c.replay)
         if v["lora"].enabled and v["lora"].lr > 0:
             v["lr"] = float(v["lora"].lr)
         v["temperature"] = float(v["temperature"])

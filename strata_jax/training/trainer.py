@@ -54,6 +54,7 @@ from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
 from strata_jax.training.prefix_tree import (PackedMicroBatch, packed_micro_batches,
                                              parse_shape_marks)
+from strata_jax.training.replay import ReplayPool, replay_draw, replay_merge, replay_metrics
 from strata_jax.training.scoring import PackedInputs
 from strata_jax.training.state import TrainState, create_train_state, make_optimizer
 from strata_jax.training.per_row import gather_rows, minibatch_step, score_batch
@@ -96,19 +97,21 @@ class Trainer:
     mesh: Mesh | None = None
     per_row: bool = False
     shape_marks: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    replay: ReplayPool = dataclasses.field(default_factory=ReplayPool, repr=False, compare=False)
 
     def host_state(self) -> dict:
         """The trainer's host state as a JSON-able dict (a checkpoint's "trainer_state"):
-        {"shape_marks": [[pass, P, W, m, wr, A, N], ...]}."""
+        {"shape_marks": [[pass, P, W, m, wr, A, N], ...]}, and `ReplayPool.host_state`'s."""
         marks = [[k[0], k[1], k[2], *v] for k, v in sorted(self.shape_marks.items(),
                                                             key=lambda kv: str(kv[0]))]
-        return {"shape_marks": marks}
+        return {"shape_marks": marks, **self.replay.host_state(self.cfg.replay)}
 
     def set_host_state(self, host: dict | None) -> None:
         """Restore `host_state`'s dict (None, or a checkpoint from before it existed, leaves
         the marks empty; a mark of an older checkpoint without N gets N = 0, raised by the
         next micro-batch). Raises ValueError on a mark that is not [pass, P, W, m, wr, A, N]."""
         self.shape_marks = parse_shape_marks((host or {}).get("shape_marks"))
+        self.replay.set_host_state(host, self.cfg.replay)   # the replay pool's
 
     # -- state -------------------------------------------------------------------------
 
@@ -230,9 +233,7 @@ class Trainer:
             return _merge(base, state.params, self.cfg.lora, dtype)
 
     def _ctx(self):
-        if self.mesh is None:
-            return contextlib.nullcontext()
-        return jax.set_mesh(self.mesh)
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     # -- prefix-tree packing ------------------------------------------------------------
 
@@ -447,17 +448,19 @@ class Trainer:
         `empty_steps` (mini-batches with no gradient, not run: `batching.inert_rows`),
         `perf/inert_tokens` (tokens of the rows the packed update did not compute), advantage
         metrics of the estimator, `mismatch/sampler_abs` = mean |sampler - trainer| logprob
-        over loss tokens). Raises ValueError when kl_coef != 0 and ref_params is None.
-        """
+        over loss tokens, `kl/whole_batch` and `replay/*` (`replay_metrics`; the replay pool:
+        docs/method.md §7.5)). Raises ValueError when kl_coef != 0 and ref_params is None."""
         rng, k_score, k_plan = jax.random.split(jnp.asarray(state.rng, jnp.uint32), 3)
         if self.cfg.trim_padding:
             batch = trim_padding(batch, self.cfg.response_floor)
-        on_policy = self.on_policy(batch)
-        scored = self.score(state, batch, ref_params, k_score, use_old=not on_policy)
+        batch, draw = replay_draw(self.replay, batch, state, self.cfg)   # pool rows appended
+        on_policy = self.on_policy(batch) and not draw.rows   # replayed: pi_old is stored
+        scored, est = draw.split_scored(self.score(state, batch, ref_params, k_score,
+                                                   use_old=not on_policy))   # est: own rows
         with self._ctx():
-            adv, w, adv_m = advantages(scored, state.step, algo=self.cfg.estimator_name,
+            adv, w, adv_m = advantages(est, state.step, algo=self.cfg.estimator_name,
                                        est=self.cfg.estimator)
-        targets = adv_m.get("row/value_targets", jnp.zeros_like(adv))
+        adv, w, targets = replay_merge(self.replay, draw, est, adv, w, adv_m, self.cfg)
         state, steps = self.train_on_batch(state, scored, adv, w, targets, k_plan, ref_params,
                                            on_policy=on_policy)
         state = state.replace(step=state.step + 1, rng=rng)
@@ -468,9 +471,8 @@ class Trainer:
         elif on_policy:  # measured inside the one step, against the same pi_old
             mism = steps[0].pop("sampler_abs")
         else:
-            mask = loss_mask(scored)
-            mism = jnp.sum(jnp.where(mask, jnp.abs(scored.sampler_logprobs
-                                                   - scored.old_logprobs), 0.0)
+            mask = loss_mask(est)
+            mism = jnp.sum(jnp.where(mask, jnp.abs(est.sampler_logprobs - est.old_logprobs), 0.0)
                            ) / jnp.maximum(jnp.sum(mask), 1)
         host_steps, host_adv, mism = jax.device_get(
             (steps, {k: v for k, v in adv_m.items() if not k.startswith("row/")}, mism))
@@ -487,6 +489,7 @@ class Trainer:
         metrics["empty_steps"] = float(empty)
         if mism is not None:
             metrics["mismatch/sampler_abs"] = float(mism)
+        metrics.update(replay_metrics(self.replay, draw, scored, est, on_policy, metrics, self.cfg))
         if metrics["skipped_steps"]:
             log.warning("iteration %d: skipped %d of %d optimizer steps with a non-finite loss or "
                         "gradient (params and optimizer state left unchanged)",
