@@ -48,8 +48,9 @@ from strata_jax.distributed import host_values
 from strata_jax.models import Qwen2Config, init_params, param_shardings
 from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
 from strata_jax.sharding import logical_to_spec
-from strata_jax.training.batching import (host_ids, inert_rows, minibatch_plan,
-                                         num_minibatches, trim_padding)
+from strata_jax.training.batching import (fit_to_bounds, host_ids, inert_rows,
+                                         minibatch_plan, num_minibatches, trim_padding)
+from strata_jax.training.bounds import ShapeBounds
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
 from strata_jax.training.prefix_tree import (PackedMicroBatch, packed_micro_batches,
@@ -81,6 +82,10 @@ class Trainer:
       per_row: run the plain per-row forward instead of the packed prefix tree (every row at
         the batch's width, micro_batch_rows rows per micro-batch): the same numbers up to float
         summation order, more work; the tests' reference, not a production path.
+      bounds: `ShapeBounds` of the run's config (the training job passes them): `update` pads
+        the batch to their rows and widths and every packed micro-batch of a pass to one shape
+        (`packed_micro_batches`' fixed_rows), so the compiled programs are those of the first
+        iteration for the whole run; None: shapes follow the batches, held by `shape_marks`.
 
     Attributes:
       shape_marks: per (pass, P, W) of the packed update, the largest (rows, response columns,
@@ -95,6 +100,7 @@ class Trainer:
     cfg: TrainConfig
     mesh: Mesh | None = None
     per_row: bool = False
+    bounds: ShapeBounds | None = None
     shape_marks: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def host_state(self) -> dict:
@@ -326,10 +332,12 @@ class Trainer:
         programs). ids: the batch's host (prompt_ids, prompt_mask, response_ids, response_mask)."""
         width, rows_per_micro, shards = self.pack_shape(rows, ids[0].shape[1], ids[2].shape[1],
                                                         tokens)
+        fixed = self.bounds.micro_rows(mark_key, shards) if self.bounds is not None else 0
         return packed_micro_batches(*ids, idx, real, max_width=width,
                                     rows_per_micro=rows_per_micro, row_multiple=shards,
                                     response_floor=self.cfg.response_floor,
-                                    marks=self.shape_marks, mark_key=mark_key)
+                                    marks=self.shape_marks, mark_key=mark_key,
+                                    fixed_rows=fixed)
 
     def _packed_score(self, state, batch, ref, key, chunk, tokens, static):
         """`score` over prefix-tree packed micro-batches of all valid rows (a token budget of
@@ -450,7 +458,9 @@ class Trainer:
         over loss tokens). Raises ValueError when kl_coef != 0 and ref_params is None.
         """
         rng, k_score, k_plan = jax.random.split(jnp.asarray(state.rng, jnp.uint32), 3)
-        if self.cfg.trim_padding:
+        if self.bounds is not None and not self.per_row:
+            batch = fit_to_bounds(batch, self.bounds, self.cfg.response_floor, self.score_chunk)
+        elif self.cfg.trim_padding:
             batch = trim_padding(batch, self.cfg.response_floor)
         on_policy = self.on_policy(batch)
         scored = self.score(state, batch, ref_params, k_score, use_old=not on_policy)
