@@ -61,9 +61,10 @@ def test_no_compiles_after_the_second_iteration_and_no_growth(tmp_path):
     assert count[1:] == [count[1]] * (ITERATIONS - 1), (count, _late_compiles(out.stderr))
     live = [r["mem/live_arrays"] for r in rows]
     assert max(live[2:]) <= live[2], live
-    # Python's count of tracked objects moves by a few between iterations with no trend (a
-    # list replaced by one of another iteration's, cyclic garbage the collector has not freed
-    # yet), so iterations 5-8 are held to the largest count of iterations 3-4 rather than to
-    # iteration 3's exactly: a steady growth of more than that jitter per iteration fails.
+    # The count of tracked objects (after a full collection, `metrics.host_memory_parts`)
+    # still moves by a few objects between iterations with no trend (an iteration's lists
+    # and dicts of other sizes than the last one's), so it is not held to iteration 3's count
+    # exactly: the smallest count of iterations 6-8 must not exceed the largest of
+    # iterations 3-4. A steady growth of two objects an iteration or more fails that.
     gc_objects = [r["mem/gc_objects"] for r in rows]
-    assert max(gc_objects[4:]) <= max(gc_objects[2:4]), gc_objects
+    assert min(gc_objects[5:]) <= max(gc_objects[2:4]), gc_objects
