@@ -56,18 +56,22 @@ def trim_padding(batch: SampleBatch, response_floor: int = 0) -> SampleBatch:
 
 
 def fit_to_bounds(batch: SampleBatch, bounds, response_floor: int = 0,
-                  row_multiple: int = 1) -> SampleBatch:
-    """The batch at the shape of `bounds` (`bounds.ShapeBounds`): all-padding columns dropped
-    (`trim_padding`), then padded to bounds.prompt_width() prompt and
+                  row_multiple: int = 1, trim: bool = True) -> SampleBatch:
+    """The batch at the shape of `bounds` (`bounds.ShapeBounds`; None: `trim_padding` only
+    when trim, else the batch as it is): all-padding columns dropped (`trim_padding`, always
+    with bounds), then padded to bounds.prompt_width() prompt and
     bounds.response_width(response_floor) response columns and to bounds.rows rows rounded up
     to row_multiple (padding rows invalid, padding columns off every mask: the same scores and
     losses). A batch beyond a bound keeps its own (larger) size there. Returns numpy leaves
     when it pads; the batch as `trim_padding` returns it when nothing is to pad, or a field is
     a multi-process array (not host-addressable).
     """
+    if bounds is None and not trim:
+        return batch
     batch = trim_padding(batch, response_floor)
     leaves = [getattr(batch, f) for f in _TOKEN_FIELDS + _PROMPT_FIELDS]
-    if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+    if bounds is None or any(isinstance(x, jax.Array) and not x.is_fully_addressable
+                             for x in leaves):
         return batch
     tp, tr = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     rows = max(batch.num_rows, int(bounds.rows))

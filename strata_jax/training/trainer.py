@@ -49,7 +49,7 @@ from strata_jax.models import Qwen2Config, init_params, param_shardings
 from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
 from strata_jax.sharding import logical_to_spec
 from strata_jax.training.batching import (fit_to_bounds, host_ids, inert_rows,
-                                         minibatch_plan, num_minibatches, trim_padding)
+                                         minibatch_plan, num_minibatches)
 from strata_jax.training.bounds import ShapeBounds
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
@@ -82,18 +82,14 @@ class Trainer:
       per_row: run the plain per-row forward instead of the packed prefix tree (every row at
         the batch's width, micro_batch_rows rows per micro-batch): the same numbers up to float
         summation order, more work; the tests' reference, not a production path.
-      bounds: `ShapeBounds` of the run's config (the training job passes them): `update` pads
-        the batch to their rows and widths and every packed micro-batch of a pass to one shape
-        (`packed_micro_batches`' fixed_rows), so the compiled programs are those of the first
-        iteration for the whole run; None: shapes follow the batches, held by `shape_marks`.
+      bounds: the config's `ShapeBounds`: `update` pads the batch and each packed micro-batch of
+        a pass to one shape (`batching.fit_to_bounds`), so programs compile once; None: marks.
 
     Attributes:
       shape_marks: per (pass, P, W) of the packed update, the largest (rows, response columns,
-        key slots, response slots) its micro-batches have met
-        (`prefix_tree.packed_micro_batches`' marks): later micro-batches pad up to them, so
-        the compiled programs plateau instead of following every drift of the batches. Host
-        state, saved in the checkpoint's meta (`host_state` / `set_host_state`) so a resumed
-        run pads as the uninterrupted one.
+        key slots, response slots) its micro-batches met (`packed_micro_batches`' marks): later
+        ones pad up to them, so the programs plateau. Host state, saved in the checkpoint's
+        meta (`host_state` / `set_host_state`) so a resumed run pads as the uninterrupted one.
     """
 
     model: Qwen2Config
@@ -336,8 +332,7 @@ class Trainer:
         return packed_micro_batches(*ids, idx, real, max_width=width,
                                     rows_per_micro=rows_per_micro, row_multiple=shards,
                                     response_floor=self.cfg.response_floor,
-                                    marks=self.shape_marks, mark_key=mark_key,
-                                    fixed_rows=fixed)
+                                    marks=self.shape_marks, mark_key=mark_key, fixed_rows=fixed)
 
     def _packed_score(self, state, batch, ref, key, chunk, tokens, static):
         """`score` over prefix-tree packed micro-batches of all valid rows (a token budget of
@@ -458,10 +453,8 @@ class Trainer:
         over loss tokens). Raises ValueError when kl_coef != 0 and ref_params is None.
         """
         rng, k_score, k_plan = jax.random.split(jnp.asarray(state.rng, jnp.uint32), 3)
-        if self.bounds is not None and not self.per_row:
-            batch = fit_to_bounds(batch, self.bounds, self.cfg.response_floor, self.score_chunk)
-        elif self.cfg.trim_padding:
-            batch = trim_padding(batch, self.cfg.response_floor)
+        batch = fit_to_bounds(batch, None if self.per_row else self.bounds,   # packed path only
+                              self.cfg.response_floor, self.score_chunk, self.cfg.trim_padding)
         on_policy = self.on_policy(batch)
         scored = self.score(state, batch, ref_params, k_score, use_old=not on_policy)
         with self._ctx():
