@@ -197,6 +197,11 @@ class EnvPool:
         self.close()
 
     @property
+    def num_episodes(self) -> int:
+        """Episodes started and not finished (a finished one is no longer held)."""
+        return len(self._episodes)
+
+    @property
     def num_free(self) -> int:
         """Slots free for new episodes."""
         return len(self._free)
@@ -322,8 +327,8 @@ class EnvPool:
             # other episodes' ids and could not release them: free their slots here (their
             # envs stay alive for reuse) instead of leaking them.
             for eid in ticket.episode_ids:
-                ep = self._episodes[eid]
-                if not ep.done:
+                ep = self._episodes.get(eid)
+                if ep is not None:
                     self._finish(ep)
             raise user_error
         return outcomes
@@ -374,19 +379,23 @@ class EnvPool:
         self._stats["retries"] += int(n)
 
     def _finish(self, ep: _Episode) -> None:
+        # a finished episode is dropped: a run's pool plays thousands of episodes, and one
+        # record (with its task) kept per episode ever played grew the process every iteration
         with self._lock:
             ep.done = True
+            self._episodes.pop(ep.episode_id, None)
             self._free.append(ep.slot)
             self._free.sort()
 
     def release(self, episode_ids: Sequence[int]) -> None:
         """Abandon unfinished episodes and free their slots (their envs stay alive for reuse)."""
         for eid in episode_ids:
-            ep = self._episodes[eid]
+            ep = self._episodes.get(eid)
+            if ep is None:   # finished (or never started): nothing to free
+                continue
             if ep.pending:
                 raise ValueError(f"episode {eid} has an uncollected request; collect() it first")
-            if not ep.done:
-                self._finish(ep)
+            self._finish(ep)
 
     # ---- blocking forms
 

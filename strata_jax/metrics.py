@@ -307,19 +307,23 @@ def host_memory_parts() -> dict[str, float]:
       allocator (``mallinfo2``): bytes allocated and not freed in its arenas (XLA's compiled
       programs and buffers, Python's large objects), bytes freed but kept by the arenas (what
       ``malloc_trim`` could return), and bytes in mmapped chunks. Left out without glibc 2.33+.
-    - ``mem/gc_objects``: objects the Python garbage collector tracks (a growing count is a
-      Python-side leak; their bytes are in malloc_in_use).
+    - ``mem/gc_objects``: objects the Python garbage collector tracks, counted after a full
+      collection (``gc.collect()``), so that cyclic garbage not yet collected neither fakes nor
+      hides a growth (it moved the raw count by hundreds between iterations of a tiny run): a
+      growing count is a Python-side leak; their bytes are in malloc_in_use.
     - ``mem/python_heap_gb``: Python's allocations as `tracemalloc` traces them, only while it
       traces (``python -X tracemalloc``; off by default: it slows Python down).
 
-    Cheap enough for every iteration (one pass over the live arrays and the gc lists); reads
-    only, frees nothing. Keys whose source is unavailable are left out, never guessed.
+    Cheap enough for every iteration (one pass over the live arrays, one full collection and
+    one pass over the gc lists); frees nothing but the collection's garbage. Keys whose source
+    is unavailable are left out, never guessed.
     """
     import gc
     import tracemalloc
 
     import jax
 
+    gc.collect()
     arrays = jax.live_arrays()
     out = {"mem/live_arrays": float(len(arrays)),
            "mem/live_array_gb": sum(a.nbytes for a in arrays) / 2**30,

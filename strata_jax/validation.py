@@ -41,6 +41,7 @@ ASSEMBLY_KEYS = (
     "rollout.format_examples",                                      # rollout.make_prompt_builder
     "rollout.sampler_layout",                                       # sampler_layout
     "rollout.prefix_cache_mb",                                      # SamplerPolicy
+    "rollout.sampler_fixed_shapes",                                 # training.bounds
     "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
     "distributed.local_device_ids", "distributed.initialization_timeout_s",
     "ckpt.every", "ckpt.keep",

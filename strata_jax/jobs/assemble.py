@@ -80,6 +80,7 @@ def assemble(c: Any, *, train: bool, mesh: Any, initial: bool = True) -> Run:
     from strata_jax.rollout import SamplerPolicy, build_judge_model, make_prompt_builder
     from strata_jax.sampling import Sampler, SamplerCopy
     from strata_jax.training import Trainer, TrainConfig
+    from strata_jax.training.bounds import ShapeBounds, sampler_floors
 
     tokenizer = ex.build_tokenizer(c)
     if initial:
@@ -91,9 +92,13 @@ def assemble(c: Any, *, train: bool, mesh: Any, initial: bool = True) -> Run:
         params = ex.abstract_params(c, model_cfg)
     # rollouts are per host: the training sampler stays local; evaluation samples on the mesh
     sampler_mesh = distributed.local_mesh(mesh) if train else mesh
-    sampler = Sampler(model_cfg, mesh=sampler_mesh, max_cache_len=ex.max_cache_len(c, model_cfg))
+    sampler = Sampler(model_cfg, mesh=sampler_mesh, max_cache_len=ex.max_cache_len(c, model_cfg),
+                      **sampler_floors(c))
     copy = SamplerCopy.from_config(c, model_cfg, gather_to=sampler_mesh if train else None)
-    trainer = Trainer(model_cfg, TrainConfig.from_config(c), mesh) if train else None
+    # the update's shapes padded to the config's bounds from the first iteration on: the
+    # compiled programs stop growing with the batches (training/bounds.py)
+    trainer = (Trainer(model_cfg, TrainConfig.from_config(c), mesh,
+                       bounds=ShapeBounds.from_config(c)) if train else None)
     builder = make_prompt_builder(tokenizer, c)
     judge = build_judge_model(c, sampler_mesh) if train or _judge_chooses(c) else None
     task_sampler = ex.TaskSampler(ex.task_list(c), seed=c.seed) if train else None

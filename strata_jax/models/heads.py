@@ -53,7 +53,8 @@ def logits_from_hidden(params: Params, config: Qwen2Config, hidden: jax.Array) -
 
 def token_logprobs_and_entropy(params: Params, config: Qwen2Config, hidden: jax.Array,
                                targets: jax.Array, temperature: float | jax.Array = 1.0,
-                               chunk_size: int = 64) -> tuple[jax.Array, jax.Array]:
+                               chunk_size: int = 64, live: jax.Array | None = None
+                               ) -> tuple[jax.Array, jax.Array]:
     """Logprob of given tokens and per-token entropy at a temperature, in chunks over T.
 
     Args:
@@ -63,9 +64,12 @@ def token_logprobs_and_entropy(params: Params, config: Qwen2Config, hidden: jax.
       targets: [B, T] int32 token ids.
       temperature: scalar > 0, may be traced; logits are divided by it.
       chunk_size: sequence positions per chunk (peak logits memory B x chunk_size x V fp32).
+      live: optional [B, T] bool, the positions whose values are read: a chunk none of whose
+        B x chunk_size positions is live skips the LM head (``lax.cond``) and gives 0, so a
+        static T padded far beyond the live positions costs their chunks only.
     Returns:
       logprobs [B, T] float32 = log_softmax(logits / temperature)[targets];
-      entropy [B, T] float32 of softmax(logits / temperature).
+      entropy [B, T] float32 of softmax(logits / temperature) (0 in skipped chunks).
     Differentiable w.r.t. params, hidden and temperature; each chunk is rematerialised in the
     backward pass (``jax.checkpoint`` inside ``lax.scan``) so the backward never holds B x T x V.
     """
@@ -81,6 +85,11 @@ def token_logprobs_and_entropy(params: Params, config: Qwen2Config, hidden: jax.
         targets = jnp.pad(targets, ((0, 0), (0, pad)))
     h_chunks = hidden.reshape(b, n, c, d).swapaxes(0, 1)
     t_chunks = targets.astype(jnp.int32).reshape(b, n, c).swapaxes(0, 1)
+    if live is None:
+        any_live = jnp.ones((n,), bool)
+    else:
+        live = jnp.pad(live.astype(bool), ((0, 0), (0, pad)))
+        any_live = jnp.any(live.reshape(b, n, c), axis=(0, 2))
     w = lm_head_weight(params, config)
     temperature = jnp.asarray(temperature, jnp.float32)
 
@@ -94,9 +103,14 @@ def token_logprobs_and_entropy(params: Params, config: Qwen2Config, hidden: jax.
         return z_t - lse, entropy
 
     def body(carry, xs):
-        return carry, chunk(w, temperature, *xs)
+        h, tgt, on = xs
+        if live is None:
+            return carry, chunk(w, temperature, h, tgt)
+        zeros = jnp.zeros(tgt.shape, jnp.float32)
+        return carry, jax.lax.cond(on, lambda: chunk(w, temperature, h, tgt),
+                                   lambda: (zeros, zeros))
 
-    _, (lp, ent) = jax.lax.scan(body, None, (h_chunks, t_chunks))
+    _, (lp, ent) = jax.lax.scan(body, None, (h_chunks, t_chunks, any_live))
     lp = lp.swapaxes(0, 1).reshape(b, n * c)[:, :t]
     ent = ent.swapaxes(0, 1).reshape(b, n * c)[:, :t]
     return lp, ent

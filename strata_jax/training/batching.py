@@ -55,6 +55,33 @@ def trim_padding(batch: SampleBatch, response_floor: int = 0) -> SampleBatch:
     return trim_columns(batch, new_p, new_r)
 
 
+def fit_to_bounds(batch: SampleBatch, bounds, response_floor: int = 0,
+                  row_multiple: int = 1, trim: bool = True) -> SampleBatch:
+    """The batch at the shape of `bounds` (`bounds.ShapeBounds`; None: `trim_padding` only
+    when trim, else the batch as it is): all-padding columns dropped (`trim_padding`, always
+    with bounds), then padded to bounds.prompt_width() prompt and
+    bounds.response_width(response_floor) response columns and to bounds.rows rows rounded up
+    to row_multiple (padding rows invalid, padding columns off every mask: the same scores and
+    losses). A batch beyond a bound keeps its own (larger) size there. Returns numpy leaves
+    when it pads; the batch as `trim_padding` returns it when nothing is to pad, or a field is
+    a multi-process array (not host-addressable).
+    """
+    if bounds is None and not trim:
+        return batch
+    batch = trim_padding(batch, response_floor)
+    leaves = [getattr(batch, f) for f in _TOKEN_FIELDS + _PROMPT_FIELDS]
+    if bounds is None or any(isinstance(x, jax.Array) and not x.is_fully_addressable
+                             for x in leaves):
+        return batch
+    tp, tr = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    rows = max(batch.num_rows, int(bounds.rows))
+    rows = -(-rows // max(int(row_multiple), 1)) * max(int(row_multiple), 1)
+    new_p, new_r = max(tp, bounds.prompt_width()), max(tr, bounds.response_width(response_floor))
+    if (rows, new_p, new_r) == (batch.num_rows, tp, tr):
+        return batch
+    return pad_batch(batch, rows, prompt_len=new_p, response_len=new_r)
+
+
 def trim_columns(batch: SampleBatch, prompt_width: int, response_width: int) -> SampleBatch:
     """The last `prompt_width` prompt columns and the first `response_width` response columns
     of every token field (prompts are left-padded, responses right-padded). Plain slicing: works
@@ -138,5 +165,5 @@ def inert_rows(adv, weights, cfg) -> np.ndarray | None:
         return host_values(weights) == 0
     return host_values(adv) * host_values(weights) == 0
 
-__all__ = ["host_ids", "inert_rows", "trim_padding", "trim_columns", "row_widths",
+__all__ = ["host_ids", "inert_rows", "trim_padding", "fit_to_bounds", "trim_columns", "row_widths",
            "num_minibatches", "minibatch_plan"]

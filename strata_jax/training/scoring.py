@@ -152,7 +152,9 @@ def response_logprobs(params: Params, model: Qwen2Config, hidden: jax.Array,
     (a [D, V] matmul per position, V ~ 152k, the largest per-position cost of the update)
     then runs on S x n positions, chunked over n, instead of on all B x Tr, and the results
     are scattered back; positions not listed (all off the mask) are 0. Same values per
-    position (each position's logits depend on its own state only).
+    position (each position's logits depend on its own state only). A chunk of padding
+    entries only skips the head (`token_logprobs_and_entropy`'s live), so n may be padded to
+    a fixed size for free.
     """
     p = cast_params(params, compute_dtype)
     ids = response_ids.astype(jnp.int32)
@@ -165,7 +167,8 @@ def response_logprobs(params: Params, model: Qwen2Config, hidden: jax.Array,
     safe = jnp.minimum(slots, b * t - 1)       # padding entries read a real slot, then drop
     h = jnp.take(hidden.reshape(b * t, d), safe, axis=0)
     lp, ent = token_logprobs_and_entropy(p, model, h, jnp.take(ids.reshape(-1), safe),
-                                         temperature=temperature, chunk_size=chunk_size)
+                                         temperature=temperature, chunk_size=chunk_size,
+                                         live=slots < b * t)
     flat = slots.reshape(-1)
 
     def scatter(x):

@@ -1,10 +1,10 @@
 """The update half of an iteration: scoring passes, advantages, mini-batched PPO steps.
 
-Flow of `Trainer.update(state, batch, ref_params)` (docs/method.md §9):
-
-1. `score_batch` (steps.py; no grad): pi_old logprobs recomputed by the trainer (docs/method.md
-   §9.1), reference logprobs (when kl_coef != 0), critic values and their dropout std, filled
-   into the SampleBatch BEFORE the estimator runs.
+Flow of `Trainer.update(state, batch, ref_params)` (docs/method.md §9): replayed rows appended
+(STAPO's pool, off by default: replay.py) and the batch padded to the config's shape bounds
+(bounds.py: one program per shape from the first iteration on), then
+1. `score_batch` (steps.py; no grad): pi_old logprobs (§9.1), reference logprobs (kl_coef !=
+   0), critic values and their dropout std, filled in BEFORE the estimator runs.
 2. `advantages` (steps.py): the estimator registry; value targets from ``row/value_targets``.
 3. `ppo_epochs` passes; each shuffles the valid rows into mini-batches of `mini_batch_size`
    step samples (evenly split), with the strategy samples spread evenly over the mini-batches
@@ -12,22 +12,18 @@ Flow of `Trainer.update(state, batch, ref_params)` (docs/method.md §9):
 4. one optimizer step per mini-batch, gradients accumulated over micro-batches; a non-finite
    step is skipped and counted in metrics["skipped_steps"].
 
-The scoring passes and the micro-batches run over prefix-tree packed rows
-(training/prefix_tree/, docs/design.md §12.1): each shared prompt prefix is computed once,
-and the update is exact with respect to the per-row objective (docs/method.md §9). The plain
-per-row forward (`Trainer(per_row=True)`: every row at the batch's width, `score_batch` and
-`train_minibatch`) is kept only as the reference the tests hold the packed update to.
+The scoring passes and the micro-batches run over prefix-tree packed rows (prefix_tree/,
+docs/design.md §12.1): each shared prompt prefix is computed once, exactly the per-row
+objective (§9). The per-row forward (`Trainer(per_row=True)`) is kept only as the reference the
+tests hold the packed update to.
 
-Everything jitted is a pure function of (state, arrays) with the model / train configs static
-(steps.py); `Trainer` only holds the static pieces and the mesh, places batches and states on
-it, and runs the host-side plan.
+Everything jitted is a pure function of (state, arrays), the configs static (steps.py);
+`Trainer` holds the static pieces and the mesh, places batches and states, runs the host plan.
 
-LoRA (cfg.lora.rank > 0, strata_jax/models/lora.py): `state.params` holds only the adapters
-(and opt_state their AdamW moments, so checkpoints hold only those); the frozen base params are
-passed where the reference params go (`update(state, batch, ref_params=base)`), serve as the
-KL reference for free, and every forward runs ``lora_params(base, adapters)`` (W x + scale * B A x,
-never the merged W + scale * B A; the sampler gets the merged copy via `policy_params`). A PPO
-critic trunk is its own adapters over the same base.
+LoRA (cfg.lora.rank > 0, models/lora.py): `state.params` holds only the adapters (opt_state
+their AdamW moments); the frozen base is passed as `ref_params`, is the KL reference for free,
+and every forward runs ``lora_params(base, adapters)`` (W x + scale * B A x, never merged; the
+sampler gets the merged copy via `policy_params`). A PPO critic trunk is its own adapters.
 """
 from __future__ import annotations
 
@@ -48,8 +44,9 @@ from strata_jax.distributed import host_values
 from strata_jax.models import Qwen2Config, init_params, param_shardings
 from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
 from strata_jax.sharding import logical_to_spec
-from strata_jax.training.batching import (host_ids, inert_rows, minibatch_plan,
-                                         num_minibatches, trim_padding)
+from strata_jax.training.batching import (fit_to_bounds, host_ids, inert_rows,
+                                         minibatch_plan, num_minibatches)
+from strata_jax.training.bounds import ShapeBounds
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
 from strata_jax.training.prefix_tree import (PackedMicroBatch, packed_micro_batches,
@@ -82,20 +79,21 @@ class Trainer:
       per_row: run the plain per-row forward instead of the packed prefix tree (every row at
         the batch's width, micro_batch_rows rows per micro-batch): the same numbers up to float
         summation order, more work; the tests' reference, not a production path.
+      bounds: the config's `ShapeBounds`: `update` pads the batch and each packed micro-batch of
+        a pass to one shape (`batching.fit_to_bounds`), so programs compile once; None: marks.
 
     Attributes:
       shape_marks: per (pass, P, W) of the packed update, the largest (rows, response columns,
-        key slots, response slots) its micro-batches have met
-        (`prefix_tree.packed_micro_batches`' marks): later micro-batches pad up to them, so
-        the compiled programs plateau instead of following every drift of the batches. Host
-        state, saved in the checkpoint's meta (`host_state` / `set_host_state`) so a resumed
-        run pads as the uninterrupted one.
+        key slots, response slots) its micro-batches met (`packed_micro_batches`' marks): later
+        ones pad up to them, so the programs plateau. Host state, saved in the checkpoint's
+        meta (`host_state` / `set_host_state`) so a resumed run pads as the uninterrupted one.
     """
 
     model: Qwen2Config
     cfg: TrainConfig
     mesh: Mesh | None = None
     per_row: bool = False
+    bounds: ShapeBounds | None = None
     shape_marks: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     replay: ReplayPool = dataclasses.field(default_factory=ReplayPool, repr=False, compare=False)
 
@@ -327,10 +325,11 @@ class Trainer:
         programs). ids: the batch's host (prompt_ids, prompt_mask, response_ids, response_mask)."""
         width, rows_per_micro, shards = self.pack_shape(rows, ids[0].shape[1], ids[2].shape[1],
                                                         tokens)
+        fixed = self.bounds.micro_rows(mark_key, shards) if self.bounds is not None else 0
         return packed_micro_batches(*ids, idx, real, max_width=width,
                                     rows_per_micro=rows_per_micro, row_multiple=shards,
                                     response_floor=self.cfg.response_floor,
-                                    marks=self.shape_marks, mark_key=mark_key)
+                                    marks=self.shape_marks, mark_key=mark_key, fixed_rows=fixed)
 
     def _packed_score(self, state, batch, ref, key, chunk, tokens, static):
         """`score` over prefix-tree packed micro-batches of all valid rows (a token budget of
@@ -451,9 +450,9 @@ class Trainer:
         over loss tokens, `kl/whole_batch` and `replay/*` (`replay_metrics`; the replay pool:
         docs/method.md §7.5)). Raises ValueError when kl_coef != 0 and ref_params is None."""
         rng, k_score, k_plan = jax.random.split(jnp.asarray(state.rng, jnp.uint32), 3)
-        if self.cfg.trim_padding:
-            batch = trim_padding(batch, self.cfg.response_floor)
         batch, draw = replay_draw(self.replay, batch, state, self.cfg)   # pool rows appended
+        batch = fit_to_bounds(batch, None if self.per_row else self.bounds,   # packed path only
+                              self.cfg.response_floor, self.score_chunk, self.cfg.trim_padding)
         on_policy = self.on_policy(batch) and not draw.rows   # replayed: pi_old is stored
         scored, est = draw.split_scored(self.score(state, batch, ref_params, k_score,
                                                    use_old=not on_policy))   # est: own rows

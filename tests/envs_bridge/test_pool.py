@@ -70,6 +70,9 @@ def test_more_episodes_than_live_envs_run_in_waves():
         recs = play_episodes(pool, tasks, expert_policy(pool))
         assert [r.task for r in recs] == tasks
         assert all(r.success for r in recs)
+        # every episode finished: the pool holds none of the 11 any more (a long run's pool
+        # must not keep a record per episode it ever played)
+        assert (pool.num_episodes, pool.num_free) == (0, 3)
         assert pool.stats()["live_envs"] == 3 and pool.num_free == 3
         assert pool_transcripts(pool, recs) == sequential_transcripts("grid_nav", tasks)
 

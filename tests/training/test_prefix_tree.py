@@ -509,6 +509,49 @@ def test_lm_head_on_response_slots_equals_all_positions():
     assert _grad_rel_diff(g2, g1) <= 1e-5
 
 
+def test_lm_head_skips_chunks_of_padding_slots(monkeypatch):
+    """Slots padded far past the real response tokens (the fixed response slots of a bounded
+    run, dealt round S = 2 rows as `packed_micro_batches` deals them): the same logprobs,
+    entropies and gradient as the head on all positions, and the head runs on the chunks that
+    hold a real slot only (counted by a callback inside the LM head's matmul)."""
+    import strata_jax.models.heads as heads
+    rows = tree_rows()
+    pi, pm, ri, rm = (jnp.asarray(x) for x in make_rows(rows))
+    params = perturbed_params(jax.random.key(6))
+    b, t = rm.shape
+    real = np.flatnonzero(np.asarray(rm).reshape(-1))
+    chunk, n = 4, 64                                # 2 x 64 slots: 16 chunks, most padding
+    flat = np.full(2 * n, b * t, np.int32)
+    flat[:real.size] = real
+    slots = jnp.asarray(flat.reshape(n, 2).T)       # token k at [k % 2, k // 2]
+    live_chunks = -(-(-(-real.size // 2)) // chunk)
+    assert real.size < 2 * n and live_chunks < n // chunk
+
+    def f(p, sl):
+        h, _ = response_states(p, CFG, pi, pm, ri, rm)
+        lp, ent = response_logprobs(p, CFG, h, ri, rm, temperature=0.9, chunk_size=chunk,
+                                    slots=sl)
+        return jnp.sum(lp * jnp.arange(1, t + 1)) + 0.1 * jnp.sum(ent), (lp, ent)
+
+    (l1, (lp1, ent1)), g1 = jax.jit(jax.value_and_grad(lambda p: f(p, None), has_aux=True))(
+        params)
+    (l2, (lp2, ent2)), g2 = jax.jit(jax.value_and_grad(lambda p: f(p, slots), has_aux=True))(
+        params)
+    np.testing.assert_allclose(np.asarray(lp2), np.asarray(lp1), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(ent2), np.asarray(ent1), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(float(l2), float(l1), rtol=1e-6)
+    assert _grad_rel_diff(g2, g1) <= 1e-5
+    calls = []
+    logits = heads._logits
+
+    def counted(h, w):
+        jax.debug.callback(lambda: calls.append(1))
+        return logits(h, w)
+    monkeypatch.setattr(heads, "_logits", counted)
+    jax.block_until_ready(jax.jit(lambda p: f(p, slots)[1])(params))
+    assert len(calls) == live_chunks, (len(calls), live_chunks)
+
+
 def _grad_rel_diff(g_a, g_b):
     """Largest |a - b| / max|b| over the gradient leaves (each leaf has a nonzero scale)."""
     la, lb = jax.tree.leaves(g_a), jax.tree.leaves(g_b)
@@ -632,7 +675,8 @@ def test_packed_micro_batches_partition_the_rows(rows_per_micro, row_multiple):
             assert len(set(mb.score_index[r, :n_r] // w) | {mb.last_index[r] // w}) == 1
         assert (mb.score_index[~mb.real] == 0).all() and (mb.last_index[~mb.real] == 0).all()
         # the LM head's positions: every real response token (row r, column j) once, row-major,
-        # as r * wr + j, then m * wr padding; S = row_multiple rows, S x n a bucket of 8 x S
+        # as r * wr + j, then m * wr padding, dealt round the S = row_multiple rows (token k at
+        # [k % S, k // S]); S x n a bucket of 8 x S
         m, wr = mb.idx.size, mb.response_width
         want = [r * wr + j for r in np.flatnonzero(mb.real)
                 for j in range(len(rows[mb.idx[r]][1]))]
@@ -640,8 +684,8 @@ def test_packed_micro_batches_partition_the_rows(rows_per_micro, row_multiple):
         assert slot.dtype == np.int32 and slot.shape[0] == row_multiple
         assert slot.size == response_slots(len(want), m * wr, row_multiple)
         assert len(want) <= slot.size <= -(-m * wr // (8 * row_multiple)) * 8 * row_multiple
-        np.testing.assert_array_equal(slot.reshape(-1)[:len(want)], want)
-        assert (slot.reshape(-1)[len(want):] == m * wr).all()
+        np.testing.assert_array_equal(slot.T.reshape(-1)[:len(want)], want)
+        assert (slot.T.reshape(-1)[len(want):] == m * wr).all()
     # every real row with tokens in exactly one micro-batch (the empty padding row in none)
     assert sorted(seen) == [i for i in range(9) if rows[i][0] or rows[i][1]]
 

@@ -329,3 +329,71 @@ def test_packed_compilations_plateau_as_batches_drift(params, monkeypatch):
     # nothing though every one has other rows, widths and prompts
     assert sum(grown) <= 2 * len(seen)
     assert quiet >= 5
+
+
+def test_bounded_update_equals_the_unbounded_one_at_one_shape_per_pass(params, monkeypatch):
+    """A trainer with `ShapeBounds` pads every batch to the bounds' rows and widths and every
+    packed micro-batch of a pass to one (P, w, m, wr, A, N): over drifting batches (other row
+    counts, prompts, responses) its micro-batches keep that one shape from the first update
+    on, its gradient step compiles in the first update only, and each update equals an
+    unbounded trainer's (the marks path) on the same state and batch."""
+    import functools
+    import logging
+
+    import strata_jax.training.trainer as trainer_mod
+    from benchmarks.compilations import ProgramNames
+    from strata_jax.training.bounds import ShapeBounds
+    from strata_jax.training.prefix_tree import packed_micro_batches
+    made = []
+
+    def recorded(*a, **kw):
+        out = packed_micro_batches(*a, **kw)
+        made.extend((kw["mark_key"], mb) for mb in out)
+        return out
+    monkeypatch.setattr(trainer_mod, "packed_micro_batches", functools.wraps(
+        packed_micro_batches)(recorded))
+    # a config of this test only (lr): the programs it compiles are its own
+    cfg = train_config("ppo", dropout=0.0, mini_batch_size=8, micro_batch_rows=4, lr=2e-4,
+                       adam_eps=1e-6)
+    cfg = dataclasses.replace(cfg, pack_width=64)
+    bounds = ShapeBounds(prompt=40, response=12, rows=48, mini_batch_rows=16)
+    fixed, free = Trainer(TINY, cfg, bounds=bounds), Trainer(TINY, cfg)
+    state = _moved(free, params, jax.random.PRNGKey(4))
+    names = ProgramNames()
+    lg = logging.getLogger("jax")
+    lg.addHandler(names)
+    monkeypatch.setattr(lg, "level", logging.WARNING)
+    monkeypatch.setattr(lg, "propagate", False)
+    shapes, grown = set(), []
+    jax.config.update("jax_log_compiles", True)
+    try:
+        # more step rows than a mini-batch in each (so none is on-policy: a batch of one
+        # mini-batch runs other programs, `Trainer.on_policy`)
+        for i, (n_tasks, per_task) in enumerate([(3, 6), (2, 5), (3, 5)]):
+            batch = make_batch(shared_records(seed=60 + i, n_tasks=n_tasks, per_task=per_task))
+            made.clear()
+            before = names.names["jit(_micro_step)"] + names.names["jit(_score_rows)"]
+            a, ma = fixed.update(jax.tree.map(jnp.copy, state), batch, params)
+            grown.append(names.names["jit(_micro_step)"] + names.names["jit(_score_rows)"]
+                         - before)
+            shapes |= {(p, mb.tokens.shape, mb.idx.size, mb.response_width,
+                        mb.key_index.shape[2], mb.response_slot.shape) for p, mb in made}
+            b, mb_ = free.update(jax.tree.map(jnp.copy, state), batch, params)
+            flat = jax.tree_util.tree_flatten_with_path(tree_to_numpy(a))[0]
+            for (path, x), y in zip(flat, jax.tree.leaves(tree_to_numpy(b))):
+                np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5,
+                                           err_msg=jax.tree_util.keystr(path))
+            for k in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm",
+                      "optimizer_steps", "mismatch/sampler_abs"):
+                np.testing.assert_allclose(ma[k], mb_[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        lg.removeHandler(names)
+    # one shape per pass: ppo scores (old logprobs, the critic) and trains. P x w = the budget
+    # of 4 rows (micro_batch_rows) of the bounds' 48 + 16 columns at pack width 64, m = the
+    # bounds' rows as a power of two (score: the batch's 48, train: a mini-batch's 16), wr =
+    # response_columns(12) = 16, A = 0 (a 64-wide row is one query block), N = m x wr
+    assert sorted(shapes) == [
+        ("score", (4, 64), 64, 16, 0, (1, 64 * 16)),
+        ("train", (4, 64), 16, 16, 0, (1, 16 * 16))], sorted(shapes)
+    assert grown[0] > 0 and grown[1:] == [0, 0], grown

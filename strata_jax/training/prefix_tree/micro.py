@@ -29,7 +29,10 @@ class PackedMicroBatch:
         j of row i (0 for padding entries and columns).
       last_index: [m] int32 flat index of row i's last real token (0 for padding entries).
       response_slot: [S, n] int32 flat index i * wr + j of each real response token (row i,
-        column j) of the micro-batch, row-major, padded with m * wr (no slot); S = the
+        column j) of the micro-batch, dealt round the S rows in row-major order of the tokens
+        (token k at [k % S, k // S], so the real ones fill the first columns of every row and
+        the LM head's chunks of padding only are skipped on every shard), padded with m * wr
+        (no slot); S = the
         row_multiple (the mesh's batch shards, so the LM head's positions shard like the packed
         rows), S x n = `response_slots`. The LM head runs on these positions only
         (`scoring.response_logprobs`), not on all m x wr: the row count pads to a power of two
@@ -93,8 +96,8 @@ def micro_row_counts(n_packed: int, rows_per_micro: int, row_multiple: int = 1) 
 def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, idx, real, *,
                          max_width: int, rows_per_micro: int = 1, row_multiple: int = 1,
                          block: int = QUERY_CHUNK, response_floor: int = 0,
-                         marks: dict | None = None, mark_key: object = None
-                         ) -> list[PackedMicroBatch]:
+                         marks: dict | None = None, mark_key: object = None,
+                         fixed_rows: int = 0) -> list[PackedMicroBatch]:
     """The rows idx[real] of a batch as packed micro-batches: `pack_rows` of those rows into
     packed rows of at most max_width slots, grouped `rows_per_micro` packed rows per
     micro-batch (`micro_row_counts`), each micro-batch holding the rows whose tokens its packed
@@ -114,7 +117,14 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     key slots and response slots change no number (masked or dropped), and a run then meets
     one program per (P, w) instead of one per combination of its drifting m, wr, A and N;
     mark_key separates callers whose programs differ
-    (the scoring pass and the training step).
+    (the scoring pass and the training step); fixed_rows > 0: one shape for every micro-batch
+    whatever the rows, from the first call on (`bounds.ShapeBounds`): P = rows_per_micro
+    (rounded up to row_multiple; the last micro-batch padded with all-padding packed rows), w =
+    max_width, m = max(fixed_rows, the next power of two of its rows), wr = Tr (the caller
+    fixes the batch's response columns), A = `key_index_width` of the keys before a row's last query block (every key a block
+    can see), N = m x
+    wr (the LM head skips chunks of padding slots, `scoring.response_logprobs`), so a run
+    compiles one program per pass instead of growing them with its batches.
     Returns: [`PackedMicroBatch`], the fullest packed rows first. Static shapes, so that a
     run's compilations plateau after its first iterations (each new shape is a new compile of
     the whole forward and backward): the width w one of `micro_widths(max_width)` (3W / 4 or
@@ -145,22 +155,27 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     fill = lay.mask.sum(1)
     filled = np.flatnonzero(fill > 0)
     filled = filled[np.argsort(-fill[filled], kind="stable")]
-    widths = micro_widths(max_width)
+    widths = (max_width,) if fixed_rows else micro_widths(max_width)
+    counts = micro_row_counts(filled.size, rows_per_micro, row_multiple) if filled.size else []
+    if fixed_rows:
+        counts = [-(-rows_per_micro // row_multiple) * row_multiple] * len(counts)
     out, first = [], 0
-    for n_p in (micro_row_counts(filled.size, rows_per_micro, row_multiple)
-                if filled.size else []):
+    for n_p in counts:
         packed = filled[first:first + n_p]
         first += n_p
         sel = np.flatnonzero(np.isin(owner, packed))
         w = next(x for x in widths if x >= int(fill[packed].max()))
         wr = min(tr, response_columns(int(rm[rows[sel]].sum(1).max()), response_floor))
         m = bucket(sel.size)
+        if fixed_rows:
+            wr, m = tr, max(m, bucket(fixed_rows))
         key = (mark_key, int(n_p), int(w))
         # the largest (m, wr, A, N) met for this (P, w): this micro-batch pads up to them
         m_mark, wr_mark, a_mark, n_mark = (marks or {}).get(key, (0, 0, 0, 0))
         m, wr = max(m, m_mark), max(wr, min(tr, wr_mark))
         resp = rm[rows[sel], :wr]
-        n_slots = response_slots(int(resp.sum()), m * wr, row_multiple, n_mark)
+        n_slots = response_slots(int(resp.sum()), m * wr, row_multiple,
+                                 m * wr if fixed_rows else n_mark)
         i_resp, j_resp = np.nonzero(resp)
         slot = np.full(n_slots, m * wr, np.int32)
         slot[:i_resp.size] = i_resp * wr + j_resp
@@ -191,7 +206,9 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         key_end[:, cols:] = np.arange(cols + 1, w + 1, dtype=key_end.dtype)
         key_end[packed.size:] = np.arange(1, w + 1, dtype=key_end.dtype)
         index = block_key_index(mask, key_end, block)
-        a = max(key_index_width(index.shape[2], block), a_mark)
+        # fixed: the most keys a query block can have before it, all the row's earlier blocks
+        a_need = (-(-w // block) - 1) * block if fixed_rows else index.shape[2]
+        a = max(key_index_width(a_need, block), a_mark)
         if marks is not None:   # raise the marks (wr and N may sit below a mark met at a
             # larger Tr, where the cap at Tr or at m x wr kept them lower)
             marks[key] = tuple(max(x, y) for x, y in zip((m_mark, wr_mark, a_mark, n_mark),
@@ -200,7 +217,7 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
         out.append(PackedMicroBatch(idx=mb_idx, real=mb_real, response_width=int(wr),
                                     tokens=tokens, positions=positions, mask=mask,
                                     key_end=key_end, score_index=score, last_index=last,
-                                    response_slot=slot.reshape(row_multiple, -1),
+                                    response_slot=slot.reshape(-1, row_multiple).T.copy(),
                                     key_index=index, block=int(block)))
     return out
 
