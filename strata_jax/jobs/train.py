@@ -216,6 +216,7 @@ def _iteration_metrics(c, result, metrics, env_failures, compiles, *, rollout_s,
     import numpy as np
 
     from strata_jax.evaluation import summarize
+    from strata_jax.host_memory import release_free_memory
     from strata_jax.metrics import host_memory_parts, memory_metrics
     from strata_jax.sampling import compiled_program_count
 
@@ -225,7 +226,8 @@ def _iteration_metrics(c, result, metrics, env_failures, compiles, *, rollout_s,
          "compile/sampler_programs": float(compiled_program_count()),
          "compile/count": float(compiles.count), "compile/seconds": compiles.seconds,
          "compile/cache_hits": float(compiles.cache_hits),
-         **memory_metrics(), **host_memory_parts()}
+         # the arenas' free pages (the last checkpoint save's, the update's) go back first
+         **release_free_memory(), **memory_metrics(), **host_memory_parts()}
     steps = max(result.stats.get("rollout/steps", 0.0), 1.0)
     m["perf/env_steps_per_s"] = steps / max(rollout_s, 1e-9)
     generated = float(np.sum(np.asarray(result.batch.response_mask)))
