@@ -61,7 +61,20 @@ def test_a_lora_run_writes_its_adapters_and_eval_of_them_equals_eval_of_its_chec
          "model_dtype": "float32"}
     assert len(sj["base"]["params_sha256"]) == 64
 
-    from_ckpt = run_eval(_config(tmp_path / "run"), "dev")
+    # the reference: the checkpoint's adapters as the file holds them, rounded to bf16 (the
+    # f32 adapters are another policy whenever a rounding flips a sampled token)
+    import jax
+    import jax.numpy as jnp
+
+    from strata_jax.models.lora import apply_lora
+    from strata_jax.training import trainer as trainer_module
+
+    def rounded_merge(base, adapters, cfg, dtype=None):
+        as_file = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), adapters)
+        return apply_lora(base, as_file, cfg, dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer_module, "_merge", jax.jit(rounded_merge, static_argnums=(2, 3)))
+        from_ckpt = run_eval(_config(tmp_path / "run"), "dev")
     ckpt_played = _played(from_ckpt, from_ckpt["files"])
     a = _config(tmp_path / "run")
     a.eval.adapter = str(folder)
