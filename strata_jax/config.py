@@ -254,3 +254,20 @@ def section_sources(cls: type, section: str, exclude: Iterable[str] = ()) -> dic
     skip = set(exclude)
     return {f.name: f"{section}.{f.name}" if section else f.name
             for f in dataclasses.fields(cls) if f.name not in skip}
+
+
+def from_section(cls: type, cfg: Any, **overrides: Any):
+    """An option dataclass `cls` (with a ``SECTION`` name and a ``validate`` method) from its
+    config section `cfg` (every field read, no other key allowed: `read_fields`) or from an
+    instance of `cls`; `overrides` replace fields; then ``validate``. Raises ConfigError on a
+    missing or unknown key, ValueError (from ``validate``) on a bad value."""
+    if isinstance(cfg, cls):
+        values = dataclasses.asdict(cfg)
+    else:
+        values = read_fields(cls, cfg, section_sources(cls, ""), owned={"": ()},
+                             prefix=f"{cls.SECTION}.")
+    values.update(overrides)
+    obj = cls(**values)
+    obj.validate()
+    return obj
+

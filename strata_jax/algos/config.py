@@ -11,22 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Optional
 
-from strata_jax.config import read_fields, section_sources
-
-
-def _from_section(cls, cfg: Any, **overrides):
-    """`cls` from its config section `cfg` (every field read, no other key allowed) or from an
-    instance of `cls`; `overrides` replace fields; then `validate`."""
-    if isinstance(cfg, cls):
-        values = dataclasses.asdict(cfg)
-    else:
-        values = read_fields(cls, cfg, section_sources(cls, ""), owned={"": ()},
-                             prefix=f"{cls.SECTION}.")
-    values.update(overrides)
-    obj = cls(**values)
-    obj.validate()
-    return obj
-
+from strata_jax.config import from_section, section_sources
 
 @dataclasses.dataclass(frozen=True)
 class EstimatorConfig:
@@ -125,7 +110,7 @@ class EstimatorConfig:
         """Build from the ``c.adv`` section (a ConfigDict or mapping holding exactly the fields)
         or an EstimatorConfig; `overrides` replace fields. Raises ConfigError on a missing or
         unknown key, ValueError on a bad value (`validate`)."""
-        return _from_section(cls, cfg, **overrides)
+        return from_section(cls, cfg, **overrides)
 
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -191,4 +176,4 @@ class LossConfig:
         """Build from the ``c.loss`` section (a ConfigDict or mapping holding exactly the
         fields) or a LossConfig; `overrides` replace fields. Raises ConfigError on a missing or
         unknown key, ValueError on a bad value (`validate`)."""
-        return _from_section(cls, cfg, **overrides)
+        return from_section(cls, cfg, **overrides)

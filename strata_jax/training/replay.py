@@ -38,7 +38,7 @@ import numpy as np
 
 from strata_jax.algos.batch import ID_FIELDS, PAD_ROW_ID, SampleBatch, pad_batch
 from strata_jax.algos.losses import loss_mask, mean_kl
-from strata_jax.config import read_fields, section_sources
+from strata_jax.config import from_section, section_sources
 from strata_jax.distributed import host_values
 from strata_jax.training.batching import trim_padding
 
@@ -98,15 +98,7 @@ class ReplayConfig:
     def from_config(cls, cfg: Any, **overrides) -> "ReplayConfig":
         """From the ``c.replay`` section (exactly these keys) or a ReplayConfig. Raises
         ConfigError on a missing or unknown key, ValueError on a bad value."""
-        if isinstance(cfg, cls):
-            values = dataclasses.asdict(cfg)
-        else:
-            values = read_fields(cls, cfg, section_sources(cls, ""), owned={"": ()},
-                                 prefix=f"{cls.SECTION}.")
-        values.update(overrides)
-        obj = cls(**values)
-        obj.validate()
-        return obj
+        return from_section(cls, cfg, **overrides)
 
 
 def stratified_draw(advantage: np.ndarray, weight: np.ndarray, n: int, strata: int,
