@@ -27,7 +27,9 @@ def _config(job):
 
 @pytest.fixture(scope="module")
 def queue(tmp_path_factory):
-    a = fair.registered_args(["--out", str(tmp_path_factory.mktemp("runs"))])
+    # an empty --results: the committed one records the study's own warm start
+    a = fair.registered_args(["--out", str(tmp_path_factory.mktemp("runs")),
+                              "--results", str(tmp_path_factory.mktemp("results"))])
     return a, fair.jobs(a)
 
 
@@ -101,6 +103,17 @@ def test_final_evals_run_the_runs_config_from_its_adapters_at_the_start_seed(que
     job = fair.resolve(a, by["final_strata_traj_s2_d2"])
     assert _config(job).model.warm_start == "runs/warm_start/0123456789ab"
     assert fair.resolve(a, by["run_strata_s2"]) is by["run_strata_s2"]
+
+
+def test_resolve_falls_back_to_the_kept_export_record(queue, tmp_path):
+    a, q = queue
+    job = [j for j in q if j["name"] == "final_strata_traj_s2_d2"][0]
+    b = fair.registered_args(["--out", str(tmp_path / "runs"), "--results", str(tmp_path)])
+    assert fair.resolve(b, job) is None
+    os.makedirs(tmp_path / "warm_start")
+    (tmp_path / "warm_start" / "export.json").write_text(
+        '{"dir": "runs/warm_start/feedfacecafe", "model_safetensors_sha256": "00"}')
+    assert _config(fair.resolve(b, job)).model.warm_start == "runs/warm_start/feedfacecafe"
 
 
 def test_seed_level_statistics_on_hand_values():
