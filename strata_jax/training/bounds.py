@@ -67,7 +67,8 @@ class ShapeBounds:
         response = rollout.max_action_tokens (StraTA: the larger of it and
         max_strategy_tokens); rows = tasks_per_batch x (episodes x env.max_steps +
         strategies), episodes = num_strategies x episodes_per_strategy (StraTA) or group_size
-        (the flat algorithms, no strategy rows), rounded up to rollout.row_multiple;
+        (the flat algorithms, no strategy rows), plus the rows a replay draw can append to
+        them (`replay_rows`), rounded up to rollout.row_multiple;
         mini_batch_rows = optim.mini_batch_size + the strategy rows, rounded up to
         optim.micro_batch_rows."""
         from strata_jax.algos.table import get_algorithm
@@ -77,6 +78,7 @@ class ShapeBounds:
         episodes = int(r.group_size) if flat else int(r.num_strategies * r.episodes_per_strategy)
         tasks = int(r.tasks_per_batch)
         rows = tasks * (episodes * int(c.env.max_steps) + strategies)
+        rows += replay_rows(c, rows)
         rows = -(-rows // int(r.row_multiple)) * int(r.row_multiple)
         mini = int(c.optim.mini_batch_size) + tasks * strategies
         mini = math.ceil(mini / int(c.optim.micro_batch_rows)) * int(c.optim.micro_batch_rows)
@@ -84,6 +86,17 @@ class ShapeBounds:
                                                          r.max_strategy_tokens)
         return cls(prompt=int(c.env.max_prompt_tokens), response=int(response), rows=rows,
                    mini_batch_rows=mini)
+
+
+def replay_rows(c: Any, fresh: int) -> int:
+    """The most rows STAPO's replay pool appends to a batch of `fresh` valid rows of experiment
+    config `c` (0 without a ``replay`` section or with replay off: `replay.draw_size` at the
+    pool's capacity, training/replay.py)."""
+    from strata_jax.training.replay import ReplayConfig, draw_size
+    if "replay" not in c:
+        return 0
+    rc = ReplayConfig.from_config(c.replay)
+    return min(rc.capacity, draw_size(fresh, rc)) if rc.enabled else 0
 
 
 def sampler_floors(c: Any) -> dict[str, int]:
@@ -111,4 +124,4 @@ def sampler_floors(c: Any) -> dict[str, int]:
                 length_floor=bucket(int(c.env.max_prompt_tokens)))
 
 
-__all__ = ["ShapeBounds", "sampler_floors"]
+__all__ = ["ShapeBounds", "replay_rows", "sampler_floors"]

@@ -220,6 +220,12 @@ class ReplayDraw:
         out[self.fresh_rows: self.fresh_rows + self.rows] = True
         return out
 
+    def stored_old(self, num_rows: int, enabled: bool) -> np.ndarray | None:
+        """[num_rows] bool, the rows whose pi_old is stored (`replayed`), for `Trainer.score`;
+        None without replay (every iteration of a replay run passes a mask, drawn or not, so
+        its scoring program is the same one from the first iteration)."""
+        return self.replayed(num_rows) if enabled else None
+
     def split_scored(self, scored: SampleBatch) -> tuple[SampleBatch, SampleBatch]:
         """(the batch the loss trains on: the replayed rows' old_logprobs set to their stored
         sampler logprobs; the batch the estimator sees: the replayed rows as padding rows
@@ -249,6 +255,13 @@ class ReplayDraw:
             return jax.numpy.where(rep, jax.numpy.asarray(full), x)
 
         return put(adv, self.advantage), put(weight, self.weight), put(target, self.target)
+
+
+def draw_size(fresh: int, config: ReplayConfig) -> int:
+    """Rows a draw asks for beside `fresh` valid rows of the iteration, so that replayed rows
+    are config.fraction of the rows trained: floor(fraction x fresh / (1 - fraction)) (the
+    pool may hold fewer)."""
+    return int(np.floor(config.fraction * fresh / (1.0 - config.fraction) + 1e-9))
 
 
 class ReplayPool:
@@ -284,7 +297,7 @@ class ReplayPool:
         drawn)."""
         self.expire(iteration, config)
         n_fresh = int(np.sum(host_values(batch.valid)))
-        want = int(np.floor(config.fraction * n_fresh / (1.0 - config.fraction) + 1e-9))
+        want = draw_size(n_fresh, config)
         a = self.arrays
         idx = stratified_draw(a["advantage"], a["weight"], want, config.strata,
                               np.random.default_rng(seed))
@@ -430,4 +443,4 @@ def join_rows(batch: SampleBatch, rows: dict) -> SampleBatch:
 
 
 __all__ = ["FIELDS", "REPLAY_SALT", "ReplayConfig", "ReplayDraw", "ReplayPool", "eviction_order",
-           "join_rows", "replay_draw", "replay_merge", "replay_metrics", "stratified_draw"]
+           "draw_size", "join_rows", "replay_draw", "replay_merge", "replay_metrics", "stratified_draw"]

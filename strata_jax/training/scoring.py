@@ -84,8 +84,10 @@ class PackedInputs:
     visible earlier keys, for the block-sparse attention; None: the dense tree rule);
     response_slot optional [S, n] int32 (flat index i * Tr + j of each real response token,
     m * Tr for padding: `response_logprobs` runs the LM head on those positions only; None: on
-    all m x Tr); block (static) the query block the key index was built for, the forward's
-    query_chunk.
+    all m x Tr); old_slot optional [S, n] int32, response_slot without the rows whose pi_old
+    comes from elsewhere (replayed rows: `prefix_tree.slots_without_rows`), the head's
+    positions of the old-logprob pass (None: response_slot); block (static) the query block the
+    key index was built for, the forward's query_chunk.
     """
 
     tokens: jax.Array
@@ -96,6 +98,7 @@ class PackedInputs:
     last_index: jax.Array
     key_index: jax.Array | None = None
     response_slot: jax.Array | None = None
+    old_slot: jax.Array | None = None
     block: int = dataclasses.field(metadata=dict(static=True), default=0)
 
 

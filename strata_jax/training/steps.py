@@ -28,6 +28,7 @@ the frozen base params ride along as ``base`` / ``ref_params``, and every forwar
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -106,8 +107,10 @@ def score_chunk(params, critic_params, ref_params, pi, pm, ri, rm, key, *, model
     last = None
     if use_old or kind == "head":
         h, last = _states(params, model, pi, pm, ri, rm, packed, **run)
-        if use_old:
-            old, _ = _logprobs(params, model, h, ri, rm, packed, cfg)
+        if use_old:   # replayed rows' pi_old is stored: their slots are not in old_slot
+            own = packed if packed is None or packed.old_slot is None else \
+                dataclasses.replace(packed, response_slot=packed.old_slot)
+            old, _ = _logprobs(params, model, h, ri, rm, own, cfg)
     ref = jnp.zeros_like(old)
     if use_ref:
         hr, _ = _states(ref_params, model, pi, pm, ri, rm, packed, **run)

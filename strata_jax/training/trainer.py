@@ -39,7 +39,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strata_jax import buckets
-from strata_jax.algos import SampleBatch, loss_mask, pad_rows
+from strata_jax.algos import SampleBatch, pad_rows
 from strata_jax.distributed import host_values
 from strata_jax.models import Qwen2Config, init_params, param_shardings
 from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
@@ -50,11 +50,12 @@ from strata_jax.training.bounds import ShapeBounds
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
 from strata_jax.training.prefix_tree import (PackedMicroBatch, packed_micro_batches,
-                                             parse_shape_marks)
+                                             parse_shape_marks, slots_without_rows)
 from strata_jax.training.replay import ReplayPool, replay_draw, replay_merge, replay_metrics
 from strata_jax.training.scoring import PackedInputs
 from strata_jax.training.state import TrainState, create_train_state, make_optimizer
 from strata_jax.training.per_row import gather_rows, minibatch_step, score_batch
+from strata_jax.training.update_metrics import update_metrics
 from strata_jax.training.steps import (Scores, accumulate_micro, advantages, apply_step,
                                        gather_chunk, gather_micro, minibatch_counts,
                                        scatter_scores, score_rows, zero_carry)
@@ -253,14 +254,15 @@ class Trainer:
                                                    tokens)
         return width, rows_per_micro, shards
 
-    def _packed_inputs(self, mb: PackedMicroBatch) -> PackedInputs:
-        """The device `PackedInputs` of a host `PackedMicroBatch`: the [P, w] rows and the key
-        index sharded over the batch shards (P is a multiple of them), the gather indices
-        replicated."""
+    def _packed_inputs(self, mb: PackedMicroBatch, old_slot=None) -> PackedInputs:
+        """The device `PackedInputs` of a host `PackedMicroBatch` (and its `old_slot`): the
+        [P, w] rows, the key index and the slots sharded over the batch shards (P is a multiple
+        of them), the gather indices replicated."""
         arrays = (mb.tokens, mb.positions, mb.mask, mb.key_end, mb.score_index, mb.last_index,
-                  mb.key_index, mb.response_slot)
+                  mb.key_index, mb.response_slot, old_slot)
         if self.mesh is None:
-            return PackedInputs(*(jnp.asarray(x) for x in arrays), block=mb.block)
+            return PackedInputs(*(x if x is None else jnp.asarray(x) for x in arrays),
+                                block=mb.block)
         rep = NamedSharding(self.mesh, PartitionSpec())
 
         def put(x, rowwise):
@@ -269,8 +271,8 @@ class Trainer:
             spec = logical_to_spec(("batch",) + (None,) * (x.ndim - 1), x.shape, self.mesh)
             return jax.device_put(x, NamedSharding(self.mesh, spec))
 
-        return PackedInputs(*(put(x, i not in (4, 5)) for i, x in enumerate(arrays)),
-                            block=mb.block)
+        return PackedInputs(*(x if x is None else put(x, i not in (4, 5))
+                              for i, x in enumerate(arrays)), block=mb.block)
 
     # -- the update ----------------------------------------------------------------------
 
@@ -285,7 +287,8 @@ class Trainer:
         return num_minibatches(valid, kind, cfg.mini_batch_size) == 1
 
     def score(self, state: TrainState, batch: SampleBatch, ref_params: Params | None,
-              key: jax.Array, use_old: bool = True) -> SampleBatch:
+              key: jax.Array, use_old: bool = True, stored_old: np.ndarray | None = None
+              ) -> SampleBatch:
         """Pad rows, place the batch, and fill old/ref logprobs and values.
 
         Only the passes something reads run: the old-logprob pass when use_old, the reference
@@ -293,7 +296,9 @@ class Trainer:
         is only padded and placed (no forward). The rows run as prefix-tree packed micro-batches
         (`_packed_score`; the value-std dropout masks drawn per packed chunk); `per_row`: as
         chunks of cfg.score_rows rows at the batch's width (`score_batch`). Invalid rows, which
-        nothing reads, keep 0 logprobs on the packed path.
+        nothing reads, keep 0 logprobs on the packed path; so do the rows of `stored_old` ([R]
+        bool or None: rows whose pi_old the caller has, replayed rows), which the packed path
+        leaves out of the old pass's LM head, and out of every pass when no other reads them.
         Raises ValueError when LoRA is on or loss.kl_coef != 0 and ref_params is None."""
         cfg = self.cfg
         chunk = self.score_chunk
@@ -315,7 +320,7 @@ class Trainer:
                                    chunk_rows=chunk, **static)
             # score_rows set: its rows at the batch's width; else the update's micro-batch budget
             tokens = 0 if cfg.score_rows else cfg.micro_batch_tokens
-            return self._packed_score(state, batch, ref, key, chunk, tokens, static)
+            return self._packed_score(state, batch, ref, key, chunk, tokens, static, stored_old)
 
     def _plan(self, ids: tuple, idx: np.ndarray, real: np.ndarray, rows: int,
               mark_key: str, tokens: int = 0) -> list[PackedMicroBatch]:
@@ -331,21 +336,26 @@ class Trainer:
                                     response_floor=self.cfg.response_floor,
                                     marks=self.shape_marks, mark_key=mark_key, fixed_rows=fixed)
 
-    def _packed_score(self, state, batch, ref, key, chunk, tokens, static):
-        """`score` over prefix-tree packed micro-batches of all valid rows (a token budget of
+    def _packed_score(self, state, batch, ref, key, chunk, tokens, static, stored_old=None):
+        """`score` over prefix-tree packed micro-batches of the valid rows (a token budget of
         `tokens` slots, or when 0 of `chunk` rows at the batch's width, each): the same scores,
         each shared prefix computed once; the value-std dropout masks are drawn per packed
-        chunk."""
-        ids = host_ids(batch)
-        plan = self._plan(ids, np.arange(batch.num_rows), host_values(batch.valid), chunk,
-                          "score", tokens)
+        chunk; rows of `stored_old` get no old-pass head (no pass when nothing else reads)."""
+        ids, real = host_ids(batch), host_values(batch.valid)
+        stored = None if stored_old is None else np.pad(   # score's pad_rows: rows after it
+            stored_old, (0, batch.num_rows - stored_old.shape[0]))
+        if stored is not None and not (static["use_ref"] or self.cfg.critic_kind != "none"):
+            real, stored = real & ~stored, None
+        plan = self._plan(ids, np.arange(batch.num_rows), real, chunk, "score", tokens)
         scores = Scores(jnp.zeros_like(batch.old_logprobs), jnp.zeros_like(batch.ref_logprobs),
                         jnp.zeros_like(batch.values), jnp.zeros_like(batch.value_std))
         for j, mb in enumerate(plan):
             i, r = jnp.asarray(mb.idx), jnp.asarray(mb.real)
             chunk_rows = gather_chunk(batch, i, r, widths=(1, mb.response_width))
             new = score_rows(state.params, state.critic_params, ref, chunk_rows,
-                             jax.random.fold_in(key, j), self._packed_inputs(mb), **static)
+                             jax.random.fold_in(key, j), self._packed_inputs(
+                                 mb, None if stored is None else slots_without_rows(mb, stored)),
+                             **static)
             scores = scatter_scores(scores, i, r, new)
         return batch.replace(**scores._asdict())
 
@@ -454,8 +464,9 @@ class Trainer:
         batch = fit_to_bounds(batch, None if self.per_row else self.bounds,   # packed path only
                               self.cfg.response_floor, self.score_chunk, self.cfg.trim_padding)
         on_policy = self.on_policy(batch) and not draw.rows   # replayed: pi_old is stored
-        scored, est = draw.split_scored(self.score(state, batch, ref_params, k_score,
-                                                   use_old=not on_policy))   # est: own rows
+        scored, est = draw.split_scored(self.score(   # est: the iteration's own rows
+            state, batch, ref_params, k_score, use_old=not on_policy, stored_old=draw.stored_old(
+                batch.num_rows, self.cfg.replay.enabled)))
         with self._ctx():
             adv, w, adv_m = advantages(est, state.step, algo=self.cfg.estimator_name,
                                        est=self.cfg.estimator)
@@ -463,36 +474,13 @@ class Trainer:
         state, steps = self.train_on_batch(state, scored, adv, w, targets, k_plan, ref_params,
                                            on_policy=on_policy)
         state = state.replace(step=state.step + 1, rng=rng)
-        empty = sum(1 for s in steps if s.get("empty"))
-        steps = [s for s in steps if not s.get("empty")]
-        if on_policy and not steps:   # the one mini-batch was empty: no step measured it
-            mism = None
-        elif on_policy:  # measured inside the one step, against the same pi_old
-            mism = steps[0].pop("sampler_abs")
-        else:
-            mask = loss_mask(est)
-            mism = jnp.sum(jnp.where(mask, jnp.abs(est.sampler_logprobs - est.old_logprobs), 0.0)
-                           ) / jnp.maximum(jnp.sum(mask), 1)
-        host_steps, host_adv, mism = jax.device_get(
-            (steps, {k: v for k, v in adv_m.items() if not k.startswith("row/")}, mism))
-        metrics: dict[str, float] = {k: float(v) for k, v in host_adv.items()}
-        computed = sum(s.pop("computed_tokens") for s in host_steps)
-        real_tokens = sum(s.pop("real_tokens") for s in host_steps)
-        metrics["perf/inert_tokens"] = float(sum(s.pop("inert_tokens") for s in host_steps))
-        metrics["perf/update_token_fill"] = real_tokens / max(computed, 1)
-        for k in (host_steps[0] if host_steps else {}):
-            vals = [float(s[k]) for s in host_steps]
-            metrics[f"train/{k}"] = float(np.mean(vals))
-        metrics["skipped_steps"] = float(sum(float(s["skipped"]) for s in host_steps))
-        metrics["optimizer_steps"] = float(len(host_steps))
-        metrics["empty_steps"] = float(empty)
-        if mism is not None:
-            metrics["mismatch/sampler_abs"] = float(mism)
+        metrics = update_metrics(steps, adv_m, est, on_policy)
         metrics.update(replay_metrics(self.replay, draw, scored, est, on_policy, metrics, self.cfg))
         if metrics["skipped_steps"]:
             log.warning("iteration %d: skipped %d of %d optimizer steps with a non-finite loss or "
                         "gradient (params and optimizer state left unchanged)",
-                        int(state.step), int(metrics["skipped_steps"]), len(host_steps))
+                        int(state.step), int(metrics["skipped_steps"]),
+                        int(metrics["optimizer_steps"]))
         return state, metrics
 
 

@@ -778,3 +778,29 @@ def test_marks_pad_later_micro_batches_up_to_the_largest_shapes_met():
               for k in {**want, **short}}
     assert {k: v for k, v in marks.items() if k[0] == "t"} == merged
     assert [shape(mb) for mb in other] == [shape(mb) for mb in plain]
+
+
+def test_slots_without_rows_drops_the_skipped_rows_tokens_and_keeps_the_shape():
+    from strata_jax.training.prefix_tree import packed_micro_batches, slots_without_rows
+    # batch rows 0..3, responses of 3, 2, 4, 1 tokens; row 1 and row 3 have their pi_old
+    rows = [([5] * 6, [6] * 3), ([5] * 6, [7] * 2), ([5] * 4, [8] * 4), ([9] * 3, [3] * 1)]
+    pi, pm, ri, rm = make_rows(rows)
+    (mb,) = packed_micro_batches(pi, pm, ri, rm, np.arange(4), np.ones(4, bool), max_width=64,
+                                 row_multiple=2)
+    skip = np.array([False, True, False, True])
+    out = slots_without_rows(mb, skip)
+    assert out.shape == mb.response_slot.shape and out.dtype == np.int32
+    m, wr = mb.idx.size, mb.response_width
+    none = m * wr
+
+    def cells(s):   # (batch row, column) of each real slot, in dealing order
+        flat = s.T.reshape(-1)
+        flat = flat[flat < none]
+        return [(int(mb.idx[f // wr]), int(f % wr)) for f in flat]
+
+    before, after = cells(mb.response_slot), cells(out)
+    assert len(before) == 10
+    assert after == [c for c in before if c[0] in (0, 2)] and len(after) == 7
+    # dealt round the S = 2 rows again: the real slots fill the first columns of both rows
+    assert sorted((out < none).sum(1).tolist()) == [3, 4]
+    assert np.array_equal(slots_without_rows(mb, np.zeros(4, bool)), mb.response_slot)

@@ -250,3 +250,33 @@ def test_replay_config_refuses_out_of_range_values():
                 dict(fraction=-0.1)):
         with pytest.raises(ValueError, match="replay"):
             ReplayConfig.from_config(ReplayConfig(), **bad)
+
+
+@pytest.mark.parametrize("kl_coef", [0.01, 0.0])
+def test_rows_with_a_stored_pi_old_get_no_old_pass(setup, kl_coef):
+    """`Trainer.score(stored_old=...)`: the replayed rows' old logprobs are not computed (0;
+    the update replaces them with the stored ones) while every other row's scores are the
+    unmasked call's; with a KL term their reference logprobs are still computed; with no other
+    pass to run they are left out of the forward altogether (their ref logprobs 0 too)."""
+    params, _, state = setup
+    cfg = train_config()
+    tr = Trainer(TINY, dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss,
+                                                                         kl_coef=kl_coef)))
+    batch = make_batch(grpo_records(n_tasks=2, per_task=4, seed=4))
+    key = jax.random.PRNGKey(3)
+    stored = np.zeros(batch.num_rows, bool)
+    stored[[1, 4, 6]] = True
+    full = tr.score(state, batch, params, key)
+    part = tr.score(state, batch, params, key, stored_old=stored)
+    f_old, p_old = np.asarray(full.old_logprobs), np.asarray(part.old_logprobs)
+    rows = np.asarray(batch.valid)[: batch.num_rows]
+    mask = np.asarray(batch.response_mask)
+    assert np.all(f_old[stored & rows][mask[stored & rows]] < 0)   # they had scores to skip
+    assert np.all(p_old[stored] == 0)
+    np.testing.assert_allclose(p_old[~stored], f_old[~stored], rtol=1e-6, atol=1e-7)
+    f_ref, p_ref = np.asarray(full.ref_logprobs), np.asarray(part.ref_logprobs)
+    if kl_coef:
+        np.testing.assert_allclose(p_ref, f_ref, rtol=1e-6, atol=1e-7)
+        assert np.all(p_ref[stored][mask[stored]] < 0)
+    else:
+        assert np.all(p_ref == 0) and np.all(f_ref == 0)

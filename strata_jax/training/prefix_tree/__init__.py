@@ -28,7 +28,9 @@ index), micro.py (the packed micro-batches of the update). The bucket rules of t
 from strata_jax.training.prefix_tree.layout import PackedLayout, last_real_index, pack_rows
 from strata_jax.training.prefix_tree.masks import block_key_index
 from strata_jax.training.prefix_tree.micro import (PackedMicroBatch, micro_row_counts,
-                                                   packed_micro_batches, parse_shape_marks)
+                                                   packed_micro_batches, parse_shape_marks,
+                                                   slots_without_rows)
 
 __all__ = ["PackedLayout", "pack_rows", "last_real_index", "PackedMicroBatch",
-           "packed_micro_batches", "micro_row_counts", "block_key_index", "parse_shape_marks"]
+           "packed_micro_batches", "micro_row_counts", "block_key_index", "parse_shape_marks",
+           "slots_without_rows"]

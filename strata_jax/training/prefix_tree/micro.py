@@ -222,6 +222,23 @@ def packed_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, i
     return out
 
 
+def slots_without_rows(mb: PackedMicroBatch, skip: np.ndarray) -> np.ndarray:
+    """`mb.response_slot` [S, n] int32 with the slots of the micro-batch rows whose batch row
+    is in `skip` ([R] bool over the batch rows; padding entries count as kept) taken out and
+    the rest dealt round the S rows again in the same order, padded with m * wr: the same
+    shape, so the LM head's all-padding chunks skip those rows' tokens in the same program
+    (`scoring.response_logprobs`)."""
+    s_rows = mb.response_slot.shape[0]
+    flat = mb.response_slot.T.reshape(-1)           # token k at [k % S, k // S]
+    m, wr = mb.idx.shape[0], mb.response_width
+    row = np.minimum(flat // max(wr, 1), m - 1)
+    drop = (flat < m * wr) & mb.real[row] & skip[mb.idx[row]]
+    keep = flat[~drop & (flat < m * wr)]
+    out = np.full(flat.shape, m * wr, np.int32)
+    out[:keep.size] = keep
+    return out.reshape(-1, s_rows).T.copy()
+
+
 def parse_shape_marks(rows) -> dict[tuple[str, int, int], tuple[int, int, int, int]]:
     """The trainer's shape marks from their JSON rows (`Trainer.host_state`'s "shape_marks").
 
@@ -245,4 +262,5 @@ def parse_shape_marks(rows) -> dict[tuple[str, int, int], tuple[int, int, int, i
     return marks
 
 
-__all__ = ["PackedMicroBatch", "packed_micro_batches", "micro_row_counts", "parse_shape_marks"]
+__all__ = ["PackedMicroBatch", "packed_micro_batches", "micro_row_counts", "parse_shape_marks",
+           "slots_without_rows"]

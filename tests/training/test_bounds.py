@@ -1,0 +1,25 @@
+"""`ShapeBounds.from_config` (strata_jax/training/bounds.py) on the built-in tiny configs, by
+hand: the batch rows (with the rows a replay draw appends), the mini-batch rows and widths."""
+from configs import builtin
+from strata_jax.training.bounds import ShapeBounds, replay_rows
+
+
+def test_bounds_of_the_tiny_strata_and_grpo_configs():
+    # tiny: 4 tasks, N = 2 strategies x M = 4 episodes (grpo: group 8), 8 env steps,
+    # row_multiple 8, mini-batch 64 rows, micro-batch 16, actions 32 / strategies 48 tokens
+    s = ShapeBounds.from_config(builtin.get_config("tiny"))
+    assert s == ShapeBounds(prompt=512, response=48, rows=4 * (8 * 8 + 2),
+                            mini_batch_rows=80)   # 64 + 4 x 2 strategy rows -> 5 x 16
+    g = ShapeBounds.from_config(builtin.get_config("tiny,grpo"))
+    assert g == ShapeBounds(prompt=512, response=32, rows=256, mini_batch_rows=64)
+
+
+def test_a_replay_draw_raises_the_row_bound_by_what_it_can_append():
+    c = builtin.get_config("tiny,grpo")
+    assert replay_rows(c, 256) == 0   # off
+    c.replay.enabled = True
+    # fraction 0.25 of the rows trained: floor(0.25 x 256 / 0.75) = 85 more, 341 -> x 8 = 344
+    assert replay_rows(c, 256) == 85
+    assert ShapeBounds.from_config(c).rows == 344
+    c.replay.capacity = 40   # the pool never holds more than its capacity
+    assert replay_rows(c, 256) == 40 and ShapeBounds.from_config(c).rows == 296
