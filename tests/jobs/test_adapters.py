@@ -13,25 +13,13 @@ import pytest
 
 from strata_jax.config import ConfigError
 from strata_jax.jobs.evaluate import run_eval
+from tests.fixtures.small_job import smallest_config
 
 
 def _config(workdir):
-    from configs import builtin
-    from strata_jax.config import set_override
-    c = builtin.get_config("tiny")
-    for key, value in (("iterations", "1"), ("model.warm_start", ""),
-                       ("rollout.tasks_per_batch", "1"), ("rollout.num_strategies", "2"),
-                       ("rollout.episodes_per_strategy", "1"), ("rollout.group_size", "2"),
-                       ("env.max_steps", "2"), ("env.num_workers", "2"),
-                       ("rollout.max_action_tokens", "8"), ("rollout.max_strategy_tokens", "8"),
-                       ("rollout.max_judge_tokens", "8"), ("eval.every", "0"),
-                       # a large step: the adapters move the policy after one update
-                       ("lora.rank", "4"), ("lora.alpha", "8"), ("lora.lr", "0.05"),
-                       ("eval.episodes_per_family", "2"), ("eval.max_tasks", "2"),
-                       ("compilation_cache_dir", "")):
-        set_override(c, key, value)
-    c.workdir = str(workdir)
-    return c
+    # a large step: the adapters move the policy after one update
+    return smallest_config(workdir, lora__rank="4", lora__alpha="8", lora__lr="0.05",
+                           eval__episodes_per_family="2", eval__max_tasks="2")
 
 
 def _played(metrics, files):

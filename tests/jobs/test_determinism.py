@@ -1,19 +1,19 @@
 """Same seed, same commit, same machine: same numbers; a resume on another task list is refused.
 
-The smallest built-in job (memory_key, the tiny model, an 80-step behaviour-cloning warm start
-that already writes some valid actions and strategies, 2 iterations) runs twice as
-`python train.py` in two processes. The second process trains its own warm start (another
-cache dir) and loads the compiled programs the first one wrote (the same compilation cache), so
-the test covers the warm start, the compilation cache, the env pool's threads and the
-sampler's batching. Every metric that is not a wall time, a throughput, a memory figure or a
-compile / cache count must be equal, bit for bit; so must the episodes written, the warm
-start's weights and the final checkpoint. Then resuming the second run on its train task list
-reversed (same size) must be refused.
+The smallest built-in job (tests/fixtures/small_job.py: memory_key, the tiny model, an 80-step
+behaviour-cloning warm start that already writes some valid actions and strategies, 2
+iterations) runs twice as `python train.py` in two processes. The first starts from the
+session's warm start (`small_warm_start`, trained by `python sft.py`); the second trains its own
+(another cache dir) through train.py's warm-start hook and loads the compiled programs the first
+one wrote (the same compilation cache), so the test covers the warm start by both entry points,
+the compilation cache, the env pool's threads and the sampler's batching. Every metric that is
+not a wall time, a throughput, a memory figure or a compile / cache count must be equal, bit for
+bit; so must the episodes written, the two warm starts' weights and the final checkpoint. Then
+resuming the second run on its train task list reversed (same size) must be refused.
 """
 import glob
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -23,33 +23,25 @@ import pytest
 
 from strata_jax.metrics import read_jsonl
 from tests.fixtures.paths import REPO_ROOT
+from tests.fixtures.small_job import ONE_DEVICE, restore_run_state
+from tests.fixtures.small_job import SMALL as JOB
 
 pytestmark = pytest.mark.slow
 ROOT = REPO_ROOT
-# One CPU device, as on a user's CPU box (this process has 8 fake ones).
-ONE_DEVICE = dict(os.environ, XLA_FLAGS=re.sub(
-    r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-    + " --xla_force_host_platform_device_count=1")
-SMALL = ["--config=configs/builtin.py:tiny", "--config.iterations=2",
-         "--config.rollout.tasks_per_batch=2", "--config.rollout.num_strategies=2",
-         "--config.rollout.episodes_per_strategy=2", "--config.rollout.group_size=4",
-         "--config.env.max_steps=3", "--config.env.num_workers=4",
-         "--config.rollout.max_action_tokens=16", "--config.rollout.max_strategy_tokens=16",
-         "--config.rollout.max_judge_tokens=8", "--config.sft.steps=80",
-         "--config.sft.episodes=16", "--config.sft.log_every=20", "--config.ckpt.every=1"]
+SMALL = JOB + ["--config.iterations=2", "--config.ckpt.every=1"]
 # Wall times, throughputs, memory and compile / cache counts differ between the runs by design.
 NOT_REPLAYED = ("time/", "perf/", "compile/", "mem/")
 
 
-def _run(tmp_path, name):
+def _run(tmp_path, name, cache_dir):
     workdir = tmp_path / name
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL,
-           f"--config.workdir={workdir}", f"--config.sft.cache_dir={tmp_path / (name + '_ws')}",
+           f"--config.workdir={workdir}", f"--config.sft.cache_dir={cache_dir}",
            f"--config.compilation_cache_dir={tmp_path / 'jax_cache'}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
                          env=ONE_DEVICE)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return workdir
+    return workdir, out
 
 
 def _replayed(row):
@@ -62,9 +54,12 @@ def _load_safetensors(path):
     return load_file(path)
 
 
-def test_same_command_twice_gives_the_same_numbers(tmp_path, monkeypatch):
-    a = _run(tmp_path, "a")
-    b = _run(tmp_path, "b")
+def test_same_command_twice_gives_the_same_numbers(tmp_path, monkeypatch, small_warm_start):
+    shared, export = small_warm_start
+    a, out_a = _run(tmp_path, "a", shared)
+    b, out_b = _run(tmp_path, "b", tmp_path / "b_ws")
+    assert "loading cached behaviour-cloning export " + export in out_a.stderr   # a trained none
+    assert "behaviour cloning into" in out_b.stderr
     rows_a, rows_b = read_jsonl(str(a / "metrics.jsonl")), read_jsonl(str(b / "metrics.jsonl"))
     assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b] == [1, 2]
     # the second process really loaded programs the first one compiled
@@ -85,8 +80,9 @@ def test_same_command_twice_gives_the_same_numbers(tmp_path, monkeypatch):
     eps_a = (a / "trajectories.jsonl").read_text()
     assert eps_a == (b / "trajectories.jsonl").read_text() and eps_a.count("\n") >= 2
     # the warm start each process trained, and the checkpointed params after iteration 2
-    (ws_a,), (ws_b,) = (glob.glob(str(tmp_path / f"{n}_ws" / "*" / "model.safetensors"))
-                        for n in ("a", "b"))
+    ws_a = os.path.join(export, "model.safetensors")
+    (ws_b,) = glob.glob(str(tmp_path / "b_ws" / "*" / "model.safetensors"))
+    assert os.path.basename(os.path.dirname(ws_b)) == os.path.basename(export)   # one key
     wa, wb = _load_safetensors(ws_a), _load_safetensors(ws_b)
     assert wa.keys() == wb.keys() and all(np.array_equal(wa[k], wb[k]) for k in wa)
     meta_a, meta_b = (json.loads(open(os.path.join(os.path.dirname(p), "sft_meta.json")).read())
@@ -120,7 +116,7 @@ def _small_config(workdir):
     from configs import builtin
     from strata_jax.config import set_override
     c = builtin.get_config("tiny")
-    for flag in SMALL[1:]:
+    for flag in SMALL[1:]:   # after the --config= file
         key, value = flag[len("--config."):].split("=", 1)
         set_override(c, key, value)
     c.workdir = str(workdir)
@@ -129,14 +125,4 @@ def _small_config(workdir):
 
 def _restore(workdir):
     """The TrainState of checkpoint 2 of a run with the SMALL flags (host numpy leaves)."""
-    from strata_jax import experiment as ex
-    from strata_jax.training import Checkpointer, Trainer, TrainConfig
-    c = _small_config(workdir)
-    c.model.warm_start = ""   # shapes only: no warm start needed
-    tok = ex.build_tokenizer(c)
-    model_cfg, params = ex.build_model(c, tok, None)
-    trainer = Trainer(model_cfg, TrainConfig.from_config(c), None)
-    ckpt = Checkpointer(os.path.join(str(workdir), "ckpt"))
-    state, meta = ckpt.restore(trainer.abstract_state(params), step=2)
-    ckpt.close()
-    return jax.tree.map(np.asarray, jax.device_get(state)), meta
+    return restore_run_state(_small_config(workdir), 2)

@@ -1,7 +1,7 @@
 """A run compiles nothing after its warm-up, and holds no more memory objects as it goes.
 
-The smallest built-in job (memory_key, the tiny model, an 80-step behaviour-cloning warm start,
-test_determinism.py's setting) runs 8 iterations as one `python train.py` process on one CPU
+The smallest built-in job (tests/fixtures/small_job.py, from the session's warm start) runs 8
+iterations as one `python train.py` process on one CPU
 device, without the persistent compilation cache (every program it runs is compiled in this
 process, so ``compile/count`` counts them all), with the sampler's fixed shapes on (``rollout.sampler_fixed_shapes``: the update's shapes are bounded
 from the config always, training/bounds.py). From its metrics rows: ``compile/count`` is the
@@ -14,6 +14,7 @@ growing over the first saves), which a checkpoint every iteration adds to the co
 """
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -21,21 +22,14 @@ import pytest
 
 from strata_jax.metrics import read_jsonl
 from tests.fixtures.paths import REPO_ROOT
+from tests.fixtures.small_job import ONE_DEVICE as _ONE
+from tests.fixtures.small_job import SMALL as JOB
 
 pytestmark = pytest.mark.slow
 ITERATIONS = 8
-ONE_DEVICE = dict(os.environ, JAX_LOG_COMPILES="1", XLA_FLAGS=re.sub(
-    r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-    + " --xla_force_host_platform_device_count=1")
-SMALL = ["--config=configs/builtin.py:tiny", f"--config.iterations={ITERATIONS}",
-         "--config.rollout.tasks_per_batch=2", "--config.rollout.num_strategies=2",
-         "--config.rollout.episodes_per_strategy=2", "--config.rollout.group_size=4",
-         "--config.env.max_steps=3", "--config.env.num_workers=4",
-         "--config.rollout.max_action_tokens=16", "--config.rollout.max_strategy_tokens=16",
-         "--config.rollout.max_judge_tokens=8", "--config.sft.steps=80",
-         "--config.sft.episodes=16", "--config.sft.log_every=20",
-         f"--config.ckpt.every={ITERATIONS + 1}",
-         "--config.rollout.sampler_fixed_shapes=True", "--config.compilation_cache_dir="]
+ONE_DEVICE = dict(_ONE, JAX_LOG_COMPILES="1")
+SMALL = JOB + [f"--config.iterations={ITERATIONS}", f"--config.ckpt.every={ITERATIONS + 1}",
+               "--config.rollout.sampler_fixed_shapes=True", "--config.compilation_cache_dir="]
 
 
 def _late_compiles(stderr: str) -> list[str]:
@@ -48,7 +42,9 @@ def _late_compiles(stderr: str) -> list[str]:
                       stderr[mark.end():])
 
 
-def test_no_compiles_after_the_second_iteration_and_no_growth(tmp_path):
+def test_no_compiles_after_the_second_iteration_and_no_growth(tmp_path, small_warm_start):
+    # the session's warm start (a copy: the run only reads it, but its folder stays untouched)
+    shutil.copytree(small_warm_start[0], tmp_path / "ws")
     cmd = [sys.executable, os.path.join(REPO_ROOT, "train.py"), *SMALL,
            f"--config.workdir={tmp_path / 'run'}", f"--config.sft.cache_dir={tmp_path / 'ws'}"]
     out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800,

@@ -11,37 +11,21 @@ import jax
 import numpy as np
 import pytest
 
+from tests.fixtures.small_job import restore_run_state, smallest_config
+
 pytestmark = pytest.mark.slow
 
 
 def _config(workdir, iterations):
-    from configs import builtin
-    from strata_jax.config import set_override
-    c = builtin.get_config("tiny,stapo")
-    for key, value in (("iterations", str(iterations)), ("model.warm_start", ""),
-                       ("rollout.tasks_per_batch", "1"), ("rollout.num_strategies", "1"),
-                       ("rollout.episodes_per_strategy", "2"), ("rollout.group_size", "2"),
-                       ("env.max_steps", "2"), ("env.num_workers", "2"),
-                       ("rollout.max_action_tokens", "8"), ("rollout.max_strategy_tokens", "8"),
-                       ("rollout.max_judge_tokens", "8"), ("eval.every", "0"),
-                       ("ckpt.every", "1"), ("compilation_cache_dir", ""),
-                       ("replay.enabled", "true"), ("replay.fraction", "0.5"),
-                       ("adv.stapo_w_neg", "1.0")):
-        set_override(c, key, value)
-    c.workdir = str(workdir)
-    return c
+    return smallest_config(workdir, "tiny,stapo", iterations=str(iterations),
+                           rollout__num_strategies="1", rollout__episodes_per_strategy="2",
+                           ckpt__every="1", replay__enabled="true", replay__fraction="0.5",
+                           adv__stapo_w_neg="1.0")
 
 
 def _restore(c, step):
-    from strata_jax import experiment as ex
-    from strata_jax.training import Checkpointer, Trainer, TrainConfig
-    tok = ex.build_tokenizer(c)
-    model_cfg, params = ex.build_model(c, tok, None)
-    trainer = Trainer(model_cfg, TrainConfig.from_config(c), None)
-    ckpt = Checkpointer(os.path.join(c.workdir, "ckpt"))
-    state, meta = ckpt.restore(trainer.abstract_state(params), step=step)
-    ckpt.close()
-    return jax.tree.map(np.asarray, jax.device_get(state)), meta["trainer_state"]
+    state, meta = restore_run_state(c, step)
+    return state, meta["trainer_state"]
 
 
 def test_a_resumed_run_holds_the_same_pool_and_makes_the_same_update(tmp_path):

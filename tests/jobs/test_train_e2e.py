@@ -23,17 +23,14 @@ import pytest
 from configs import sciworld
 from strata_jax import experiment as ex
 from strata_jax.metrics import read_jsonl, read_tensorboard
-from strata_jax.training import Checkpointer, Trainer, TrainConfig
 from tests.fixtures.paths import REPO_ROOT
+from tests.fixtures.small_job import ONE_DEVICE, restore_run_state
 
 pytestmark = pytest.mark.slow
 ROOT = REPO_ROOT
 ITERS = 3
-# For the `python train.py` subprocesses whose test is not about sharding: the one CPU device a
-# user's CPU box has (this process's 8 fake devices make a 2-core run several times slower).
-ONE_DEVICE = dict(os.environ, XLA_FLAGS=re.sub(
-    r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-    + " --xla_force_host_platform_device_count=1")
+# ONE_DEVICE (tests/fixtures/small_job.py): the `python train.py` subprocesses whose test is not
+# about sharding run on the one CPU device a user's CPU box has.
 
 
 
@@ -49,13 +46,7 @@ def tiny_config(workdir, warm_start_cache, extra=""):
 
 def restore_state(c, step):
     """The TrainState of checkpoint `step` of run `c` (host numpy leaves) and its meta."""
-    tok = ex.build_tokenizer(c)
-    model_cfg, params = ex.build_model(c, tok, None)
-    trainer = Trainer(model_cfg, TrainConfig.from_config(c), None)
-    ckpt = Checkpointer(os.path.join(c.workdir, "ckpt"))
-    state, meta = ckpt.restore(trainer.abstract_state(params), step=step)
-    ckpt.close()
-    return jax.tree.map(np.asarray, jax.device_get(state)), meta
+    return restore_run_state(c, step)
 
 
 @pytest.fixture(scope="module")

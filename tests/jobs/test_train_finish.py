@@ -8,23 +8,13 @@ import logging
 
 import pytest
 
+from tests.fixtures.small_job import smallest_config
+
 pytestmark = pytest.mark.slow
 
 
 def _config(workdir):
-    from configs import builtin
-    from strata_jax.config import set_override
-    c = builtin.get_config("tiny")
-    for key, value in (("iterations", "1"), ("model.warm_start", ""),
-                       ("rollout.tasks_per_batch", "1"), ("rollout.num_strategies", "2"),
-                       ("rollout.episodes_per_strategy", "1"), ("rollout.group_size", "2"),
-                       ("env.max_steps", "2"), ("env.num_workers", "2"),
-                       ("rollout.max_action_tokens", "8"), ("rollout.max_strategy_tokens", "8"),
-                       ("rollout.max_judge_tokens", "8"), ("eval.every", "0"),
-                       ("compilation_cache_dir", "")):
-        set_override(c, key, value)
-    c.workdir = str(workdir)
-    return c
+    return smallest_config(workdir)
 
 
 class _RequestedFlag:
