@@ -72,6 +72,13 @@ def get_base_config() -> ml_collections.ConfigDict:
     # Exports are keyed by a fingerprint of everything they depend on, so every run and eval of
     # any variant or workdir finds the same one ("" = <workdir>/warm_start, per run).
     c.sft.cache_dir = "runs/warm_start"
+    # LoRA behaviour cloning: rank > 0 trains adapters over the frozen initial params (at sft.lr;
+    # LoRA wants a larger one than full fine-tuning) and exports only them (PEFT's files, small
+    # enough to commit); the warm start is the base with them merged. 0 = full fine-tuning, an
+    # HF checkpoint. Independent of c.lora (the RL run's adapters ride on the merged weights).
+    c.sft.lora_rank = 0
+    c.sft.lora_alpha = 64.0
+    c.sft.lora_targets = (r"(q|k|v|o|gate|up|down)_proj$",)  # regexes over "layers.<i>.<proj>"
 
     # --- Mesh (-1 = the rest of the devices) ----------------------------------------------
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
