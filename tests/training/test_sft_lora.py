@@ -262,3 +262,35 @@ def test_lora_fields_are_checked_like_the_lora_section():
         sft.SFTConfig(lora_rank=4, lora_targets=("(",))
     assert sft.SFTConfig(lora_rank=4, lora_targets="q_proj$").lora.targets == ("q_proj$",)
     assert sft.SFTConfig().lora is None
+
+
+def test_lora_sft_and_its_merge_on_a_mesh(tmp_path, examples):
+    """Params on the mesh: the adapters are placed like the RL trainer's (`lora_shardings`), the
+    steps after the first reuse its program, and the merged warm start keeps the params'
+    placement and equals the merge of the same adapters off the mesh."""
+    from strata_jax.metrics import CompileCounter
+    from strata_jax.models import shard_params
+    from strata_jax.models.lora import lora_shardings
+    from strata_jax.sharding import make_mesh
+    mesh = make_mesh({"fsdp": -1})
+    host = init_params(SMALL, jax.random.PRNGKey(0))
+    params = shard_params(host, SMALL, mesh)
+    scfg = sft.SFTConfig(steps=3, batch_size=10, lr=1e-2, warmup_steps=1, log_every=1,
+                         lora_rank=4, lora_alpha=8.0)
+    counter = CompileCounter.install()
+    seen = []
+    adapters, losses = sft.train_sft(params, SMALL, examples, scfg,
+                                     log_fn=lambda _: seen.append(counter.count))
+    assert seen[3] == seen[2] == seen[1] > seen[0], seen
+    assert losses[2] < losses[0]
+    want = lora_shardings(adapters, SMALL, mesh)
+    for a, s in zip(jax.tree.leaves(adapters), jax.tree.leaves(want)):
+        assert a.sharding == s
+    c = _lora_config(builtin.get_config("tiny"))
+    warm_start.export_sft_adapters(c, SMALL, scfg, adapters, params, str(tmp_path))
+    on_mesh = warm_start.merged_warm_start(c, SMALL, params, str(tmp_path), mesh=mesh)
+    off_mesh = warm_start.merged_warm_start(c, SMALL, host, str(tmp_path))
+    for a, b, p in zip(jax.tree.leaves(on_mesh), jax.tree.leaves(off_mesh),
+                       jax.tree.leaves(params)):
+        assert a.sharding == p.sharding
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8)
