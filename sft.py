@@ -7,7 +7,9 @@
 
 The initial params are the run's own before its warm start (`experiment.build_model`: a random
 ``model.preset`` with the vocabulary widened to the tokenizer, or ``model.path``). The result is an HF checkpoint
-(config.json + model.safetensors, no tokenizer files) in ``--out`` or, by default, the cache dir
+(config.json + model.safetensors, no tokenizer files; with ``--config.sft.lora_rank=R`` > 0 the
+LoRA adapters alone, PEFT's adapter_model.safetensors + adapter_config.json, merged into the
+initial params when loaded) in ``--out`` or, by default, the cache dir
 that ``model.warm_start=sft`` reads (``<sft.cache_dir>/<fingerprint>``, default
 ``runs/warm_start/<fingerprint>``), so every later ``train.py`` / ``eval.py`` of the same setting,
 whatever its variant or workdir, reuses it. To start any run from an export explicitly:

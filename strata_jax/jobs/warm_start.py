@@ -11,6 +11,13 @@ since the fingerprint covers all the warm start depends on; ``sft.cache_dir=""``
 run in ``<workdir>/warm_start``); any other value is an export directory. The assembly of
 training and evaluation (`strata_jax.jobs.assemble`; evaluation never trains one) calls
 `maybe_warm_start`; ``sft.py`` runs `export_warm_start`, the warm start alone.
+
+An export holds one of two forms: an HF checkpoint (config.json + model.safetensors:
+``sft.lora_rank=0``, every param fine-tuned) or LoRA adapter files (``sft.lora_rank`` > 0:
+adapter_model.safetensors + adapter_config.json, `strata_jax.models.adapter_files`, small
+enough to keep in git), whose warm start is the run's initial params with the adapters merged
+(`merged_warm_start`), refused unless the file's checksum and its recorded base (the bytes of
+the initial params) match.
 """
 from __future__ import annotations
 
@@ -30,7 +37,10 @@ import numpy as np
 from envs_bridge import TaskSampler
 from envs_bridge.base import Task
 from strata_jax import experiment as ex
+from strata_jax.jobs.adapters import base_identity
 from strata_jax.models import Qwen2Config, export_params, load_params
+from strata_jax.models.adapter_files import CONFIG_FILE, AdapterError, load_adapters, save_adapters
+from strata_jax.models.lora import LoraConfig, apply_lora, lora_shardings
 from strata_jax.rollout import make_prompt_builder
 from strata_jax.exits import exception_chain
 from strata_jax.training.config import remat_policy
@@ -143,6 +153,9 @@ def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
                        ("plan_code_keep", 0.0), ("clone_guesses", True)):
         if sft[k] == default:   # the rendering before the option existed: existing
             del sft[k]          # fingerprints stay valid
+    if not cfg.lora_rank:       # full fine-tuning, as before the LoRA fields existed
+        for k in ("lora_rank", "lora_alpha", "lora_targets"):
+            del sft[k]
     # The run's seed reaches the warm start only through a preset's random init (the data and
     # the cloning follow sft.seed), so a pretrained model's runs of every seed share one warm
     # start, the one their evals compare against (0 keeps existing fingerprints).
@@ -161,12 +174,13 @@ def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
 def run_sft(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any, out_dir: str,
             cfg: SFTConfig | None = None, log_fn: Callable[[str], None] | None = None
             ) -> tuple[Any, dict[str, Any]]:
-    """Collect experts, train from `params`, export an HF checkpoint to `out_dir`.
+    """Collect experts, train from `params`, export to `out_dir`.
 
     Writes ``out_dir/config.json`` + ``model.safetensors`` (`export_params`, loadable with
     ``--config.model.path=out_dir --config.model.tokenizer=offline``: no tokenizer files are
-    written) and ``out_dir/sft_meta.json`` (settings, example counts, losses, wall time).
-    Returns (params, meta).
+    written), or with ``sft.lora_rank`` > 0 the adapters alone (`export_sft_adapters`), then
+    ``out_dir/sft_meta.json`` (settings, example counts, losses, wall time), last.
+    Returns (trained, meta): trained is the new params, or the adapters pytree under LoRA.
     """
     cfg = cfg or SFTConfig.from_config(c)
     t0 = time.time()
@@ -176,10 +190,13 @@ def run_sft(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any, out_dir
     (log_fn or log.info)(f"sft: {len(eps)} expert episodes ({sum(e.success for e in eps)} "
                          f"successful, {sum(s.noisy for e in eps for s in e.steps)} noisy steps), "
                          f"examples {counts}, data {t_data:.1f} s")
-    params, losses = train_sft(params, model_cfg, examples, cfg,
-                               remat=remat_policy(c.model.remat), log_fn=log_fn or log.info)
+    trained, losses = train_sft(params, model_cfg, examples, cfg,
+                                remat=remat_policy(c.model.remat), log_fn=log_fn or log.info)
     os.makedirs(out_dir, exist_ok=True)
-    export_params(params, model_cfg, out_dir)
+    if cfg.lora is None:
+        export_params(trained, model_cfg, out_dir)
+    else:
+        export_sft_adapters(c, model_cfg, cfg, trained, params, out_dir)
     meta = dict(sft=dataclasses.asdict(cfg), episodes=len(eps),
                 expert_success=float(np.mean([e.success for e in eps])), examples=counts,
                 first_loss=losses[0], final_loss=float(np.mean(losses[-10:])),
@@ -188,7 +205,68 @@ def run_sft(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any, out_dir
                 code=source_fingerprint())
     with open(os.path.join(out_dir, META_FILE), "w") as f:
         json.dump(meta, f, indent=1)
-    return params, meta
+    return trained, meta
+
+
+def sft_base_identity(c: Any, params: Any) -> dict[str, Any]:
+    """The base identity behaviour-cloning adapters record and are checked against:
+    `base_identity` of the run's initial params as built (model path / preset, dtype and the
+    sha256 of `params`' bytes, which alone decides when both sides hold it), with
+    ``warm_start`` "": the adapters ride on the base before any warm start, however the run
+    names its warm start ("sft" or the export folder)."""
+    return {**base_identity(c, base=params), "warm_start": ""}
+
+
+def export_sft_adapters(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig, adapters: Any,
+                        params: Any, out_dir: str) -> str:
+    """Write behaviour-cloning `adapters` (trained over the initial `params`) to `out_dir` with
+    `save_adapters`: bf16 under PEFT's names, their sha256, ``step`` = ``cfg.steps``, ``algo``
+    "sft", ``seed`` = ``cfg.seed`` and `sft_base_identity`. Returns out_dir."""
+    meta = {"step": cfg.steps, "algo": "sft", "seed": cfg.seed,
+            "base": sft_base_identity(c, params)}
+    return save_adapters(adapters, cfg.lora, model_cfg, out_dir, meta)
+
+
+def holds_adapters(path: str) -> bool:
+    """Whether export folder `path` holds LoRA adapter files (its adapter_config.json) rather
+    than an HF checkpoint."""
+    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+def merged_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, path: str,
+                      lora_cfg: LoraConfig | None = None,
+                      mesh: jax.sharding.Mesh | None = None) -> Any:
+    """The warm start of adapter folder `path`: every adapted W of the initial `params`
+    replaced by W + (alpha / rank) * B @ A, computed in float32 and cast to ``c.model.dtype``
+    (`apply_lora`; the other leaves as they are), placed like `params`.
+
+    The adapters are read by `load_adapters`: the file's sha256 must be the recorded one, the
+    tensors must fit `model_cfg`, with `lora_cfg` given its rank / alpha / targets must be the
+    file's, and the recorded base must be `sft_base_identity` of `params`.
+    Raises AdapterError (one line naming the folder and what to do) and FileNotFoundError.
+    """
+    try:
+        adapters, meta = load_adapters(path, model_cfg, lora_cfg, base=sft_base_identity(c, params))
+    except AdapterError as e:
+        raise AdapterError(f"model.warm_start: {e}") from None
+    merge = jax.jit(apply_lora, static_argnums=(2, 3),
+                    out_shardings=jax.tree.map(lambda x: x.sharding, params))
+    if mesh is None:
+        return merge(params, adapters, meta["lora"], jnp.dtype(c.model.dtype))
+    adapters = jax.device_put(adapters, lora_shardings(adapters, model_cfg, mesh))
+    with jax.set_mesh(mesh):
+        return merge(params, adapters, meta["lora"], jnp.dtype(c.model.dtype))
+
+
+def load_export(c: Any, model_cfg: Qwen2Config, params: Any, path: str,
+                lora_cfg: LoraConfig | None = None,
+                mesh: jax.sharding.Mesh | None = None) -> Any:
+    """The params of export folder `path` in ``c.model.dtype``: its adapters merged into the
+    initial `params` (`merged_warm_start`, when it holds adapter files) or its HF checkpoint
+    (`load_params`, placed on `mesh` when given)."""
+    if holds_adapters(path):
+        return merged_warm_start(c, model_cfg, params, path, lora_cfg, mesh)
+    return load_params(path, model_cfg, dtype=jnp.dtype(c.model.dtype), mesh=mesh)
 
 
 def export_warm_start(c: Any, out: str = "", force: bool = False,
@@ -236,40 +314,45 @@ def maybe_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any
 
     "" (default): `params` unchanged. "sft": behaviour cloning from `params` (see `run_sft`),
     cached: a finished export in `warm_start_dir` is loaded instead of retrained (the meta file
-    is written last, so a killed run retrains). Any other value: a directory with an HF export
-    (e.g. from ``sft.py``) whose config.json must equal `model_cfg`.
+    is written last, so a killed run retrains). Any other value: an export directory (e.g. from
+    ``sft.py``): an HF checkpoint whose config.json must equal `model_cfg`, or adapter files
+    trained over these very `params` (`merged_warm_start`). Either form loads by `load_export`.
     Returns params in ``c.model.dtype``, placed on `mesh` when given (as `load_params` places).
-    Raises ValueError when a given export has another shape; with ``train=False`` (eval), an
-    "sft" warm start that is not cached is an `experiment.ConfigError` instead of being trained.
+    Raises ValueError when a given export has another shape, AdapterError (a ValueError) for
+    adapter files that fail their checks; with ``train=False`` (eval), an "sft" warm start that
+    is not cached is an `experiment.ConfigError` instead of being trained.
     """
     ws = str(c.model.get("warm_start", "") or "")
     if not ws:
         return params
-    dtype = jnp.dtype(c.model.dtype)
     if ws != "sft":
-        found = Qwen2Config.from_pretrained(ws)
-        if found != model_cfg:
-            raise ValueError(f"model.warm_start={ws!r} holds a {found} model but the run builds "
-                             f"{model_cfg}; use the same model.preset / path as the SFT run")
-        return load_params(ws, model_cfg, dtype=dtype, mesh=mesh)
+        if not holds_adapters(ws):
+            found = Qwen2Config.from_pretrained(ws)
+            if found != model_cfg:
+                raise ValueError(f"model.warm_start={ws!r} holds a {found} model but the run "
+                                 f"builds {model_cfg}; use the same model.preset / path as the "
+                                 "SFT run")
+        return load_export(c, model_cfg, params, ws, mesh=mesh)
+    cfg = SFTConfig.from_config(c)
     out = warm_start_dir(c, model_cfg, workdir)
     if os.path.isfile(os.path.join(out, META_FILE)):
         log.info("warm start: loading cached behaviour-cloning export %s", out)
         stale = stale_export_warning(out)
         if stale:
             log.warning("%s", stale)
-        return load_params(out, model_cfg, dtype=dtype, mesh=mesh)
+        return load_export(c, model_cfg, params, out, cfg.lora, mesh)
     if not train:
         raise ex.ConfigError(f"the warm start of this config is not cached in {out}; train it "
                              "first (python sft.py with the same --config) or pass "
                              "--config.model.warm_start= to use the initial params")
     log.info("warm start: behaviour cloning into %s (once; every run of this setting reuses "
              "it)", out)
-    run_sft(c, model_cfg, params, tokenizer, out)
-    return load_params(out, model_cfg, dtype=dtype, mesh=mesh)
+    run_sft(c, model_cfg, params, tokenizer, out, cfg)
+    return load_export(c, model_cfg, params, out, cfg.lora, mesh)
 
 
 __all__ = ["maybe_warm_start", "export_warm_start", "run_sft", "warm_start_dir", "export_name",
-           "fingerprint",
+           "fingerprint", "sft_base_identity", "export_sft_adapters", "holds_adapters",
+           "merged_warm_start", "load_export",
            "source_fingerprint", "stale_export_warning",
            "sft_examples", "expert_tasks", "EXAMPLE_FORMAT", "META_FILE"]

@@ -5,11 +5,12 @@ Cross-entropy on response tokens only (the prompt is context, never a target; do
 step per batch; prompts are left-padded and responses right-padded to power-of-two buckets so a
 run compiles a handful of programs (docs/design.md §6.3). The forward and the chunked LM-head
 logprobs are the RL trainer's own (`response_states` / `response_logprobs`), so the model
-scores exactly the columns the RL update scores.
+scores exactly the columns the RL update scores. With ``sft.lora_rank`` > 0 the step trains
+LoRA adapters instead (`strata_jax.models.lora`: the forward runs ``lora_params(base,
+adapters)``, the base is frozen and never donated), with the same loss, data and optimiser.
 """
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -20,6 +21,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from strata_jax.models import Qwen2Config
+from strata_jax.models.lora import init_lora, lora_params, lora_shardings
 from strata_jax.models.tokenizer import ENDOFTEXT_ID
 from strata_jax.sampling import bucket
 from strata_jax.training.config import TrainConfig
@@ -82,8 +84,10 @@ class SFTTrainer:
     """Jitted behaviour-cloning steps for one model config.
 
     Args:
-      model_cfg: the model. cfg: `SFTConfig` (optimiser and chunking). remat: the forward's
+      model_cfg: the model. cfg: `SFTConfig` (optimiser, chunking, LoRA). remat: the forward's
         rematerialisation policy (`sft_loss`).
+    The trained tree is the params (``cfg.lora_rank`` 0) or the LoRA adapters, whose steps
+    take the frozen base as a further argument (``base``, never donated or updated).
     The optimiser is `training.make_optimizer` (global-norm clip, AdamW) with linear warmup then
     cosine decay to 0 at ``cfg.steps``; params and optimiser state are donated to each step.
     Params on a mesh (a checkpoint loaded onto it, or a preset placed there) keep their
@@ -93,21 +97,23 @@ class SFTTrainer:
 
     def __init__(self, model_cfg: Qwen2Config, cfg: SFTConfig, remat: str = "none") -> None:
         self.model_cfg, self.cfg, self.remat = model_cfg, cfg, remat
+        self.lora = cfg.lora   # LoraConfig, or None: full fine-tuning
         tcfg = TrainConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                            warmup_steps=min(cfg.warmup_steps, cfg.steps - 1),
                            lr_schedule="cosine", decay_steps=cfg.steps)
         self.tx = make_optimizer(tcfg)
         self._step = jax.jit(self._step_fn, donate_argnums=(0, 1))
         self._pinned = None   # the step with its outputs placed like its inputs (params on a mesh)
-        self._eval = jax.jit(functools.partial(sft_loss, model_cfg=model_cfg,
-                                               chunk_size=cfg.logprob_chunk, remat=remat))
+        self._eval = jax.jit(self._loss_fn)
 
-    def _step_fn(self, params, opt_state, batch):
-        grad_fn = jax.value_and_grad(
-            lambda p: sft_loss(p, self.model_cfg, batch, chunk_size=self.cfg.logprob_chunk,
-                               remat=self.remat),
-            has_aux=True)
-        (loss, n), grads = grad_fn(params)
+    def _loss_fn(self, trained, batch, base=None):
+        """`sft_loss` of the params `trained`, or of ``lora_params(base, trained)`` (LoRA)."""
+        params = trained if base is None else lora_params(base, trained, self.lora)
+        return sft_loss(params, self.model_cfg, batch, chunk_size=self.cfg.logprob_chunk,
+                        remat=self.remat)
+
+    def _step_fn(self, params, opt_state, batch, base=None):
+        (loss, n), grads = jax.value_and_grad(self._loss_fn, has_aux=True)(params, batch, base)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -122,23 +128,37 @@ class SFTTrainer:
         return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding)
                             else jax.device_put(x, rep), opt_state)
 
-    def step(self, params: Any, opt_state: Any, batch: dict[str, np.ndarray]
-             ) -> tuple[Any, Any, jax.Array]:
-        """One optimiser step on a `make_sft_batch` batch: (params, opt_state, loss before).
+    def step(self, params: Any, opt_state: Any, batch: dict[str, np.ndarray],
+             base: Any = None) -> tuple[Any, Any, jax.Array]:
+        """One optimiser step on a `make_sft_batch` batch: (params, opt_state, loss before);
+        `params` is the trained tree (the adapters under LoRA, with `base` the frozen params).
         Params on a mesh come back placed as they went in (the first call's placement)."""
         sharding = jax.tree.leaves(params)[0].sharding
         if not isinstance(sharding, NamedSharding):
-            return self._step(params, opt_state, batch)
+            return self._step(params, opt_state, batch, base)
         if self._pinned is None:
             out = jax.tree.map(lambda x: x.sharding, (params, opt_state))
             rep = NamedSharding(sharding.mesh, PartitionSpec())
             self._pinned = jax.jit(self._step_fn, donate_argnums=(0, 1),
                                    out_shardings=(*out, rep))
-        return self._pinned(params, opt_state, batch)
+        return self._pinned(params, opt_state, batch, base)
 
-    def loss(self, params: Any, batch: dict[str, np.ndarray]) -> float:
-        """Token-mean response cross-entropy of a batch (no update)."""
-        return float(self._eval(params, batch)[0])
+    def loss(self, params: Any, batch: dict[str, np.ndarray], base: Any = None) -> float:
+        """Token-mean response cross-entropy of a batch (no update; `base` as in `step`)."""
+        return float(self._eval(params, batch, base)[0])
+
+    def initial(self, params: Any) -> Any:
+        """The tree the steps train from initial params `params`: a donation-safe copy of them,
+        or (LoRA) fresh adapters (`init_lora`, B = 0, key from ``cfg.seed``), placed on the
+        params' mesh like the RL trainer's (`lora_shardings`) when the params are on one."""
+        if self.lora is None:
+            return jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+        adapters = init_lora(self.model_cfg, self.lora, jax.random.PRNGKey(self.cfg.seed))
+        sharding = jax.tree.leaves(params)[0].sharding
+        if isinstance(sharding, NamedSharding):
+            adapters = jax.device_put(adapters, lora_shardings(adapters, self.model_cfg,
+                                                               sharding.mesh))
+        return adapters
 
 
 def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[list[int]]:
@@ -177,23 +197,28 @@ def train_sft(params: Any, model_cfg: Qwen2Config, examples: Sequence[SFTExample
 
     Batches hold ``min(batch_size, len(examples))`` rows; prompt and response lengths are
     bucketed per batch; remat is the forward's rematerialisation policy (`sft_loss`). Returns
-    (new params, loss of every step, measured before its update).
+    (trained, loss of every step, measured before its update): trained is the new params, or
+    with ``cfg.lora_rank`` > 0 the adapters pytree (`strata_jax.models.lora`, float32) trained
+    over `params`, which stay as they are (the warm start is ``apply_lora(params, adapters,
+    cfg.lora)``).
     Raises ValueError on no examples.
     """
     if not examples:
         raise ValueError("train_sft needs at least one example (did the expert play any task?)")
     trainer = SFTTrainer(model_cfg, cfg, remat)
-    params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)  # donation-safe copy
+    base = None if trainer.lora is None else params
+    params = trainer.initial(params)
     opt_state = trainer.init(params)
     rows = min(cfg.batch_size, len(examples))
     losses: list[float] = []
     t0 = last = prev = time.time()
     clock = StepClock()   # the ETA's rate, from steps that compiled nothing
     if log_fn:
-        log_fn(f"sft: {cfg.steps} steps of {rows} examples; compiling the first step ...")
+        what = "" if trainer.lora is None else f" (rank-{cfg.lora_rank} LoRA adapters)"
+        log_fn(f"sft: {cfg.steps} steps of {rows} examples{what}; compiling the first step ...")
     for i, idx in enumerate(batch_order(len(examples), cfg.batch_size, cfg.steps, cfg.seed)):
         batch = make_sft_batch([examples[j] for j in idx], rows, pad_id)
-        params, opt_state, loss = trainer.step(params, opt_state, batch)
+        params, opt_state, loss = trainer.step(params, opt_state, batch, base)
         losses.append(float(loss))
         now = time.time()
         clock.observe((batch["prompt_ids"].shape, batch["response_ids"].shape), now - prev)

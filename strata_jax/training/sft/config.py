@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, ClassVar
 
 from strata_jax.config import read_fields, section_sources
+from strata_jax.models.lora import ALL_LINEAR, LoraConfig
 
 STRATEGY_MODES = ("both", "strata", "flat")
 PLAN_CODES = ("keep", "mask")
@@ -55,6 +56,16 @@ class SFTConfig:
       seed: data and batch order seed. log_every: steps between loss log lines.
       cache_dir: where `strata_jax.jobs.warm_start` keeps exports, one sub-folder per fingerprint
         (configs/base.py: ``runs/warm_start``; "" = ``<workdir>/warm_start``).
+      lora_rank: 0 (default) fine-tunes every param and exports an HF checkpoint; > 0 trains
+        rank-``lora_rank`` adapters (`strata_jax.models.lora`, the RL trainer's LoRA) over the
+        frozen initial params at ``lr`` and exports only the adapters (PEFT's files,
+        `strata_jax.models.adapter_files`), a folder small enough to keep in git; the warm
+        start is then the initial params with the adapters merged.
+      lora_alpha, lora_targets: the adapters' scale numerator (scale alpha / rank) and the
+        projections they adapt (regexes over ``layers.<i>.<proj>``, as ``lora.targets``; the
+        default adapts every projection). Separate from ``lora.*``: those are the RL run's own
+        adapters, which ride on the merged warm start.
+    Raises ValueError for an out-of-range field (a LoRA field as `LoraConfig` would).
     """
 
     episodes: int = 32
@@ -81,6 +92,13 @@ class SFTConfig:
     seed: int = 0
     log_every: int = 50
     cache_dir: str = "runs/warm_start"
+    lora_rank: int = 0
+    lora_alpha: float = 64.0
+    lora_targets: tuple[str, ...] = (ALL_LINEAR,)
+
+    # a ``--config.sft.lora_targets=<regex>`` string is one target, as ``lora.targets``
+    CONVERT: ClassVar[dict[str, Callable[[Any], Any]]] = {
+        "lora_targets": lambda t: (t,) if isinstance(t, str) else tuple(t), "lora_rank": int}
 
     def __post_init__(self) -> None:
         if self.strategy_mode not in STRATEGY_MODES:
@@ -99,6 +117,25 @@ class SFTConfig:
         for name in ("episodes", "steps", "batch_size", "max_plan_items"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.lora_targets, str):
+            object.__setattr__(self, "lora_targets", (self.lora_targets,))
+        try:
+            self.lora   # LoraConfig's own checks (alpha > 0, targets non-empty and valid regexes)
+        except ValueError as e:
+            # the message names LoraConfig's key (lora.alpha): name this section's instead
+            raise ValueError(str(e).replace("lora.", "sft.lora_", 1)) from None
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        """The adapters' `LoraConfig` (rank, alpha, targets; its lr is unused: ``lr`` trains
+        them), or None when ``lora_rank`` is 0 (full fine-tuning).
+        Raises ValueError for a negative rank, a non-positive alpha or bad targets."""
+        if self.lora_rank < 0:
+            raise ValueError(f"lora.rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
+        if self.lora_rank == 0:
+            return None
+        return LoraConfig(rank=int(self.lora_rank), alpha=float(self.lora_alpha),
+                          targets=tuple(self.lora_targets))
 
     @classmethod
     def config_sources(cls) -> dict[str, str]:
@@ -108,7 +145,7 @@ class SFTConfig:
     @classmethod
     def from_config(cls, c: Any, **overrides: Any) -> "SFTConfig":
         """From ``c.sft``, every field read; a missing or unknown key is a ConfigError."""
-        v = read_fields(cls, c, cls.config_sources(), owned={"sft": ()})
+        v = read_fields(cls, c, cls.config_sources(), convert=cls.CONVERT, owned={"sft": ()})
         v.update(overrides)
         return cls(**v)
 
