@@ -14,6 +14,29 @@ from studies.processes import lock_path, running_elsewhere, start_job, wait_unti
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+def queue_parser(doc: str, out: str, results: str):
+    """The command line every study queue shares: --out (the jobs' workdirs), --results (kept
+    outputs, committed), --keep-every (seconds between keeps of a running job's curve), --only
+    (job name prefixes to run), --list (each job's state)."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default=out, help="the jobs' workdirs")
+    ap.add_argument("--results", default=results, help="kept outputs (committed)")
+    ap.add_argument("--keep-every", type=float, default=120.0)
+    ap.add_argument("--only", nargs="*", default=[], help="job name prefixes to run")
+    ap.add_argument("--list", action="store_true")
+    return ap
+
+
+def list_jobs(args, queue: list[dict], resolve=None) -> None:
+    """Print one line per job of `queue`: kept (under --results), done (here) or to run;
+    `resolve` as `run_queue`'s."""
+    for job in queue:
+        j = (resolve(args, job) if resolve else job) or job
+        state = "kept" if is_kept(args, j, queue) else "done" if finished_here(j) else "to run"
+        print(f"{job['name']:<28} {state}")
+
+
 def variant(args, algo: str, workdir: str, extra: tuple[str, ...] = ()) -> str:
     """The config variant string (configs/builtin.py) every job of the study shares, for
     prompting / training with `algo` in `workdir`."""

@@ -59,16 +59,10 @@ WARM = "{warm_start}"   # replaced by the warm start's export folder once it exi
 def registered_args(argv=None) -> argparse.Namespace:
     """The command line; its defaults are the registered setting (the memory_key study's
     reported one: studies/memory_key/README.md, k50_t06_lr2e5_m4)."""
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", default="runs/memory_key_fair", help="the jobs' workdirs")
-    ap.add_argument("--results", default=RESULTS, help="kept outputs (committed)")
-    ap.add_argument("--keep-every", type=float, default=120.0)
-    ap.add_argument("--only", nargs="*", default=[], help="job name prefixes to run")
+    ap = mq.queue_parser(__doc__, "runs/memory_key_fair", RESULTS)
     ap.add_argument("--remat", default="full", help="a memory knob (not part of a job's key)")
     ap.add_argument("--micro", type=int, default=4, help="a memory knob (rows per micro-batch)")
     ap.add_argument("--report", action="store_true")
-    ap.add_argument("--list", action="store_true")
     a = ap.parse_args(argv)
     # the setting (studies/memory_key/queue.py `variant` / `train_extra` read these names)
     fixed = dict(model="qwen2.5-coder-0.5b-instruct", warm_start="mask", plan_code_keep=0.5,
@@ -150,19 +144,10 @@ def resolve(a, job: dict) -> dict | None:
     return {**job, "argv": [x.replace(WARM, export) for x in job["argv"]]}
 
 
-def list_jobs(a) -> None:
-    """One line per job: done here, kept, or to run."""
-    q = jobs(a)
-    for job in q:
-        j = resolve(a, job) or job
-        state = ("kept" if mq.is_kept(a, j, q) else "done" if mq.finished_here(j) else "to run")
-        print(f"{job['name']:<28} {state}")
-
-
 def main(argv=None) -> int:
     a = registered_args(argv)
     if a.list:
-        list_jobs(a)
+        mq.list_jobs(a, jobs(a), resolve)
         return 0
     if not a.report:
         mq.run_queue(a, jobs(a), resolve)

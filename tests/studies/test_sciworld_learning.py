@@ -1,0 +1,100 @@
+"""The ScienceWorld learning study's queue (studies/sciworld_learning/run.py): the registered
+jobs in order, the warm start as LoRA adapters written under --results, each arm's config as
+the write-up registers it, the family rule on hand-made screens, and the chosen families filled
+into every later job."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from configs import sciworld
+from studies.sciworld_learning import run as sw
+
+
+def _config(job):
+    arg = [x for x in job["argv"] if x.startswith("--config=")][0]
+    return sciworld.get_config(arg.split(":", 1)[1])
+
+
+@pytest.fixture()
+def queue(tmp_path):
+    a = sw.registered_args(["--out", str(tmp_path / "runs"), "--results", str(tmp_path / "res")])
+    return a, sw.jobs(a)
+
+
+def test_the_registered_jobs_in_order(queue):
+    a, q = queue
+    assert [j["name"] for j in q] == [
+        "warm_start", "screen", "start_strata", "start_flat",
+        "run_grpo_s0", "final_grpo_s0", "run_strata_s0", "final_strata_s0",
+        "run_grpo_s1", "final_grpo_s1", "run_strata_s1", "final_strata_s1"]
+
+
+def test_the_warm_start_is_lora_cloning_of_the_screen_families_kept_under_results(queue):
+    a, q = queue
+    ws = q[0]
+    c = _config(ws)
+    assert ws["argv"][-1] == "--out=" + sw.export_dir(a)
+    assert sw.export_dir(a).startswith(os.path.abspath(a.results))
+    assert ws["done"] == os.path.join(sw.export_dir(a), "sft_meta.json")
+    assert (c.sft.lora_rank, c.sft.lora_alpha, c.sft.episodes, c.sft.steps, c.sft.lr) == (
+        16, 64, 28, 30, 1e-4)
+    assert tuple(c.env.tasks) == sw.SCREEN_FAMILIES and c.env.max_steps == 15
+    assert c.model.path == "qwen2.5-coder-0.5b-instruct" and c.model.dtype == "float32"
+    # every later job loads that export by its folder, never a cache lookup
+    for job in q[1:]:
+        assert _config(job).model.warm_start == sw.export_dir(a), job["name"]
+
+
+def test_each_arms_config_is_the_registered_one(queue):
+    a, q = queue
+    by = {j["name"]: j for j in q}
+    g, s = _config(by["run_grpo_s1"]), _config(by["run_strata_s0"])
+    assert (g.algo, s.algo, g.seed, s.seed) == ("grpo", "strata", 1, 0)
+    assert g.rollout.group_size == 8 == s.rollout.num_strategies * s.rollout.episodes_per_strategy
+    for c in (g, s):
+        assert (c.iterations, c.lora.rank, c.optim.lr, c.rollout.temperature, c.loss.kl_coef,
+                c.loss.entropy_coef, c.rollout.tasks_per_batch, c.env.max_steps) == (
+            15, 16, 2e-5, 0.6, 0, 0, 1, 15)
+    ev = _config(by["final_strata_s0"])
+    assert ev.seed == 0 == _config(by["start_strata"]).seed
+    assert by["final_strata_s0"]["argv"][-1] == "--adapter=" + os.path.join(
+        os.path.abspath(a.out), "run_strata_s0", "adapters", "step15")
+    assert "--split=dev" in by["screen"]["argv"] and "--split=test" in by["final_grpo_s0"]["argv"]
+
+
+def _screen(values):
+    out = {}
+    for f, (succ, score) in zip(sw.SCREEN_FAMILIES, values):
+        out[f"eval/family/{f}/success"], out[f"eval/family/{f}/score"] = succ, score
+    return out
+
+
+def test_the_family_rule_on_hand_made_screens():
+    f = sw.SCREEN_FAMILIES
+    # success in [0.10, 0.60] or score in [20, 70]; nearest 0.35 first, at most 3
+    screen = _screen([(0.0, 5.0), (0.375, 50.0), (0.125, 30.0), (0.8, 90.0), (0.0, 25.0),
+                      (0.3125, 40.0), (1.0, 100.0)])
+    # qualifying: f[1] (|.375-.35|=.025), f[2] (.225), f[4] by score (.35), f[5] (.0375)
+    assert sw.choose_families(screen) == [f[1], f[5], f[2]]
+    # one qualifies: too few, the queue stops
+    assert sw.choose_families(_screen([(0.0, 0.0)] * 6 + [(0.5, 60.0)])) == []
+    assert sw.choose_families(_screen([(0.0, 0.0)] * 5 + [(0.6, 10.0), (0.1, 10.0)])) == [
+        f[5], f[6]]
+
+
+def test_the_chosen_families_fill_every_later_job(queue, tmp_path):
+    a, q = queue
+    by = {j["name"]: j for j in q}
+    assert sw.resolve(a, by["screen"]) is by["screen"]
+    assert sw.resolve(a, by["run_strata_s0"]) is None   # no screen yet
+    os.makedirs(os.path.join(a.out, "screen"))
+    f = sw.SCREEN_FAMILIES
+    with open(os.path.join(a.out, "screen", "eval_dev_step0.json"), "w") as fh:
+        json.dump(_screen([(0.0, 0.0), (0.25, 30.0), (0.0, 0.0), (0.0, 0.0), (0.5, 60.0),
+                           (0.0, 0.0), (0.0, 0.0)]), fh)
+    job = sw.resolve(a, by["run_strata_s0"])
+    assert tuple(_config(job).env.tasks) == (f[1], f[4])   # in the screen's order
+    assert sw.chosen_families(a) == [f[1], f[4]]
