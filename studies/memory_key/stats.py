@@ -105,10 +105,6 @@ def detectable_rate(p0: float, n: int, alpha: float = 0.05, power: float = 0.8,
     return 1.0
 
 
-__all__ = ["wilson", "fisher_greater", "mcnemar_greater", "cochran_armitage", "fisher_power",
-           "detectable_rate"]
-
-
 def mean_t_interval(values: Sequence[float], confidence: float = 0.95
                     ) -> tuple[float, float, float]:
     """(mean, low, high): the mean of `values` (e.g. one gain per seed) with its Student t
@@ -132,3 +128,37 @@ def welch_p(a: Sequence[float], b: Sequence[float]) -> float:
     if len(a) < 2 or len(b) < 2:
         return math.nan
     return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def wilcoxon_greater(diffs: Sequence[float]) -> float:
+    """One-sided paired Wilcoxon signed-rank p-value that the paired differences `diffs`
+    (after - before, e.g. one per task variation) lean positive (scipy.stats.wilcoxon,
+    alternative "greater", zero differences dropped, the exact distribution when scipy can use
+    it). 1.0 when every difference is 0; nan on an empty sequence."""
+    d = [float(x) for x in diffs if float(x) != 0.0]
+    if not diffs:
+        return math.nan
+    if not d:
+        return 1.0
+    return float(stats.wilcoxon(d, alternative="greater").pvalue)
+
+
+def bootstrap_mean_interval(values: Sequence[float], confidence: float = 0.95,
+                            resamples: int = 10000, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, low, high): the mean of `values` (e.g. paired score differences) with its
+    percentile bootstrap interval over `resamples` resamples with replacement (numpy's
+    default_rng(seed): the same interval every time). Raises ValueError on an empty sequence."""
+    import numpy as np
+    v = np.asarray(values, np.float64)
+    if v.size == 0:
+        raise ValueError("bootstrap_mean_interval needs at least one value")
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, v.size, size=(resamples, v.size))].mean(axis=1)
+    tail = (1.0 - confidence) / 2
+    lo, hi = np.quantile(means, [tail, 1.0 - tail])
+    return float(v.mean()), float(lo), float(hi)
+
+
+__all__ = ["wilson", "fisher_greater", "mcnemar_greater", "cochran_armitage", "fisher_power",
+           "detectable_rate", "mean_t_interval", "welch_p", "wilcoxon_greater",
+           "bootstrap_mean_interval"]

@@ -5,6 +5,7 @@ studies/sciworld_learning/README.md).
 
     nohup python -m studies.sciworld_learning.run > runs/sciworld_learning.log 2>&1 &   # run / continue
     python -m studies.sciworld_learning.run --list      # the queue's jobs and their state
+    python -m studies.sciworld_learning.run --report    # the tables and tests of what ran
 
 The defaults are the registered setting. The queue, in order: the warm start (`sft.py` with
 ``sft.lora_rank`` > 0: adapter files written straight under --results, so a fresh clone loads
@@ -46,7 +47,9 @@ MIN_FAMILIES, MAX_FAMILIES = 2, 3
 
 def registered_args(argv=None) -> argparse.Namespace:
     """The command line; its defaults are the registered setting."""
-    a = mq.queue_parser(__doc__, "runs/sciworld_learning", RESULTS).parse_args(argv)
+    ap = mq.queue_parser(__doc__, "runs/sciworld_learning", RESULTS)
+    ap.add_argument("--report", action="store_true")
+    a = ap.parse_args(argv)
     a.model, a.iterations, a.eval_per_family, a.screen_per_family = (
         "qwen2.5-coder-0.5b-instruct", 15, 24, 16)
     return a
@@ -177,7 +180,11 @@ def main(argv=None) -> int:
         mq.list_jobs(a, jobs(a), resolve)
         print("chosen families:", chosen_families(a))
         return 0
-    mq.run_queue(a, jobs(a), resolve)
+    if not a.report:
+        mq.run_queue(a, jobs(a), resolve)
+    from studies.sciworld_learning.report import report
+    res = report(a)
+    print(json.dumps({k: v.get("overall") for k, v in res["policies"].items() if v}, indent=1))
     return 0
 
 

@@ -98,3 +98,37 @@ def test_the_chosen_families_fill_every_later_job(queue, tmp_path):
     job = sw.resolve(a, by["run_strata_s0"])
     assert tuple(_config(job).env.tasks) == (f[1], f[4])   # in the screen's order
     assert sw.chosen_families(a) == [f[1], f[4]]
+
+
+def test_paired_statistics_on_hand_values():
+    import math
+    from studies.memory_key import stats
+    # five positive differences, no ties: exact one-sided p = 1 / 2^5
+    assert math.isclose(stats.wilcoxon_greater([1.0, 2.0, 3.0, 4.0, 5.0]), 1 / 32)
+    assert stats.wilcoxon_greater([0.0, 0.0]) == 1.0
+    assert stats.bootstrap_mean_interval([7.0] * 5) == (7.0, 7.0, 7.0)
+    # 400 alternating 0 / 1: mean 0.5, standard error 0.025 -> about 0.5 -+ 0.049
+    m, lo, hi = stats.bootstrap_mean_interval([0.0, 1.0] * 200)
+    assert m == 0.5 and abs(lo - 0.451) < 0.006 and abs(hi - 0.549) < 0.006
+    assert stats.bootstrap_mean_interval([0.0, 1.0] * 200) == (m, lo, hi)   # seeded
+
+
+def test_a_trained_policy_against_its_start_on_the_same_variations():
+    from studies.sciworld_learning import report as rp
+
+    def ep(fam, var, ok, ret):
+        return dict(task_id=fam, variation=var, success=ok, episode_return=ret,
+                    steps=[dict(invalid=False, env_rejected=False)] * 3)
+
+    start = rp.episode_rows([ep("find-plant", 1, False, 0.25), ep("find-plant", 2, False, 0.0),
+                             ep("find-plant", 3, True, 1.0), ep("find-animal", 4, False, 0.5)])
+    after = rp.episode_rows([ep("find-plant", 1, True, 1.0), ep("find-plant", 2, False, 0.25),
+                             ep("find-plant", 3, True, 1.0), ep("find-animal", 4, True, 1.0),
+                             ep("find-animal", 9, True, 1.0)])   # no partner: left out
+    t = rp.against_start(after, start)
+    assert (t["pairs"], t["unpaired"], t["gained"], t["lost"]) == (4, 1, 2, 0)
+    assert abs(t["mcnemar_p"] - 0.25) < 1e-12            # both discordant pairs gains: 0.5^2
+    assert abs(t["fisher_p"] - 17 / 70) < 1e-12          # P(X >= 3), 4 of 8 successes, 4 drawn
+    assert t["score_diff"] == (75 + 25 + 0 + 50) / 4     # scores 0-100
+    s = rp.policy_summary(start)
+    assert (s["n"], s["k"], s["score"]) == (4, 1, (25 + 0 + 100 + 50) / 4)
