@@ -191,11 +191,14 @@ def score_scale_line(env_name: str) -> str:
 
 
 def tiny_model_note(c: Any) -> str | None:
-    """A note when the evaluated model is the tiny random preset (no ``model.path``): its
-    strategies fail the format and its scores are near 0 by design. None otherwise."""
+    """A note when the evaluated model is the tiny preset (no ``model.path``), randomly
+    initialised or behaviour-cloned on a few gold paths (``model.warm_start``): its strategies
+    fail the format and its scores are near 0 by design. None otherwise."""
     if c.model.path or c.model.preset != "tiny":
         return None
-    return ("note: the model is the tiny random preset (a machinery check, not a policy): "
+    start = ("behaviour-cloned on a few expert episodes" if c.model.get("warm_start")
+             else "randomly initialised")
+    return (f"note: the model is the tiny preset, {start} (a machinery check, not a policy): "
             "strategy format failures near 1.000 and scores near 0 are expected")
 
 

@@ -16,12 +16,16 @@ def test_the_score_scale_is_printed_in_the_envs_units():
         "scores are the episode return, 0-1 (as training prints it)")
 
 
-def test_the_tiny_random_model_says_its_failures_are_expected():
+def test_the_tiny_model_says_its_failures_are_expected():
     from configs import builtin, sciworld
     c = sciworld.get_config("tiny")
     assert tiny_model_note(c) == (
-        "note: the model is the tiny random preset (a machinery check, not a policy): strategy "
-        "format failures near 1.000 and scores near 0 are expected")
+        "note: the model is the tiny preset, behaviour-cloned on a few expert episodes (a "
+        "machinery check, not a policy): strategy format failures near 1.000 and scores near 0 "
+        "are expected")
+    c.model.warm_start = ""
+    assert tiny_model_note(c).startswith("note: the model is the tiny preset, randomly "
+                                         "initialised (a machinery check")
     assert tiny_model_note(sciworld.get_config("tiny,real")) is None   # a real model
     c = builtin.get_config("tiny")
     metrics = {"eval/success": 0.0, "eval/score": 0.25, "eval/episodes": 4.0, "step": 3,
