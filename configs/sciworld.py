@@ -12,7 +12,7 @@ Variants (comma-separated, see configs/base.py:apply_variant):
                  32 new tokens, 3 iterations; minutes on a laptop-class CPU (the warm start
                  once, then the iterations). Its figures:
                  benchmarks/results/tiny_main_job/README.md.
-    :grpo / :gigpo / :rloo / :ppo / :dapo / :stapo    baselines (group_size 8 episodes / task)
+    :grpo / :gigpo / :rloo / :ppo / :dapo / :stapo    baselines (group_size episodes / task: 8; :tiny 4)
     :matched     baselines with the StraTA episode budget (group_size = N*M = 32)
     :vanilla / :diverse / :judgment / :full    StraTA ablations;  :mean   top-delta -> mean
 """
