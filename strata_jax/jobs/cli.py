@@ -264,14 +264,16 @@ def user_errors() -> tuple[type[BaseException], ...]:
     ALFWorld's missing game data), a checkpoint that cannot be written (`CheckpointWriteError`:
     a full disk; its message names the path and the space needed) or restored
     (`NoRestorableCheckpointError`: names each step and file), a model file that cannot be used
-    (`GGUFError`: malformed, hostile or inconsistent), a damaged run log (`DamagedLogError`:
-    names the file and line)."""
+    (`GGUFError`: malformed, hostile or inconsistent), LoRA adapter files that fail their
+    checks (`AdapterError`: a checksum, an edited config, another base), a damaged run log
+    (`DamagedLogError`: names the file and line)."""
     from strata_jax.config import ConfigError
     from strata_jax.metrics import DamagedLogError
+    from strata_jax.models.adapter_files import AdapterError
     from strata_jax.models.gguf import GGUFError
     from strata_jax.training.checkpoint import CheckpointWriteError, NoRestorableCheckpointError
     return (ConfigError, FileNotFoundError, CheckpointWriteError, NoRestorableCheckpointError,
-            GGUFError, DamagedLogError)
+            GGUFError, AdapterError, DamagedLogError)
 
 
 def guarded(main: Callable[[list[str]], int]) -> Callable[[list[str]], int]:

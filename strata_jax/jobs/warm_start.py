@@ -265,6 +265,10 @@ def load_export(c: Any, model_cfg: Qwen2Config, params: Any, path: str,
     initial `params` (`merged_warm_start`, when it holds adapter files) or its HF checkpoint
     (`load_params`, placed on `mesh` when given)."""
     if holds_adapters(path):
+        if os.path.isfile(os.path.join(path, "model.safetensors")):
+            raise AdapterError(f"model.warm_start: {path} holds both LoRA adapter files and a "
+                               "full checkpoint (model.safetensors); which one is the warm start "
+                               "is ambiguous: keep one form per folder")
         return merged_warm_start(c, model_cfg, params, path, lora_cfg, mesh)
     return load_params(path, model_cfg, dtype=jnp.dtype(c.model.dtype), mesh=mesh)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from typing import Any
@@ -150,9 +151,14 @@ def save_adapters(adapters: Adapters, lora_cfg: LoraConfig, model_cfg: Qwen2Conf
                 ab[which.lower()].astype(np.float32).astype(ml_dtypes.bfloat16)
     os.makedirs(out_dir, exist_ok=True)
     model_file = os.path.join(out_dir, ADAPTER_FILE)
-    write_safetensors(model_file + ".tmp", tensors, metadata={"format": "pt"})
-    os.replace(model_file + ".tmp", model_file)
     base = dict(meta.get("base", {}))
+    # the settings that decide what the tensors mean, also inside the checksummed file: an
+    # edit of adapter_config.json alone is then seen (`check_config`)
+    inside = dict(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, targets=list(lora_cfg.targets),
+                  base=base)
+    write_safetensors(model_file + ".tmp", tensors, metadata={
+        "format": "pt", "strata_jax": json.dumps(inside, sort_keys=True)})
+    os.replace(model_file + ".tmp", model_file)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.rank,
         "lora_alpha": lora_cfg.alpha, "lora_dropout": 0.0, "bias": "none",
@@ -195,6 +201,43 @@ def read_adapter_config(path: str) -> dict[str, Any]:
     return config
 
 
+def _file_metadata(model_file: str) -> dict[str, str]:
+    """The ``__metadata__`` block of a safetensors file's header ({} when absent)."""
+    with open(model_file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    meta = header.get("__metadata__") or {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def check_config(config: dict[str, Any], model_file: str) -> None:
+    """Refuse an adapter config whose settings are not a LoRA's (peft_type LORA, an integer
+    r >= 1, a finite lora_alpha > 0) or differ from the copy the checksummed
+    adapter_model.safetensors holds (r, lora_alpha, targets, base; files written before that
+    copy existed carry none and are checked on their values only). Raises AdapterError."""
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    ok = (config.get("peft_type") == "LORA" and isinstance(r, int) and not isinstance(r, bool)
+          and r >= 1 and isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+          and math.isfinite(alpha) and alpha > 0)
+    if not ok:
+        raise AdapterError(f"{model_file}: {CONFIG_FILE} holds peft_type={config.get('peft_type')!r}"
+                           f", r={r!r}, lora_alpha={alpha!r}; a LoRA adapter has an integer r >= 1 "
+                           "and a finite lora_alpha > 0: restore the folder from a copy")
+    raw = _file_metadata(model_file).get("strata_jax")
+    if raw is None:
+        return
+    inside = json.loads(raw)
+    sj = config.get("strata_jax", {})
+    given = dict(r=r, lora_alpha=alpha, targets=list(sj.get("targets", [])),
+                 base=sj.get("base", {}))
+    for k, v in inside.items():
+        if given.get(k) != v:
+            raise AdapterError(f"{os.path.join(os.path.dirname(model_file), CONFIG_FILE)}: {k}="
+                               f"{given.get(k)!r} but {ADAPTER_FILE} was written with {k}={v!r}: "
+                               "the config was edited after the adapters were saved; restore it "
+                               "from a copy")
+
+
 def lora_config_of(config: dict[str, Any]) -> LoraConfig:
     """The `LoraConfig` an adapter config records (rank, alpha, targets; lr is not part of the
     adapters and is left at its default)."""
@@ -209,6 +252,10 @@ def check_base(recorded: dict[str, Any], expected: dict[str, Any], path: str) ->
     reached under another name (a warm start named by its export folder instead of "sft", a
     copied model folder) is the same base, and any other base differs in its bytes.
     Raises AdapterError naming the field, both values and the folder."""
+    if "params_sha256" in expected and "params_sha256" not in recorded:
+        raise AdapterError(f"{os.path.join(path, CONFIG_FILE)} records no params_sha256 of the "
+                           "base its adapters were trained on, so they cannot be checked against "
+                           "this base; use the folder as its training run wrote it")
     fields = IDENTITY_FIELDS
     if "params_sha256" in recorded and "params_sha256" in expected:
         fields = ("params_sha256",)
@@ -239,6 +286,7 @@ def load_adapters(path: str, model_cfg: Qwen2Config, lora_cfg: LoraConfig | None
     """
     from strata_jax.models.loading import read_safetensors
     config = read_adapter_config(path)
+    check_config(config, os.path.join(path, ADAPTER_FILE))
     meta = dict(config["strata_jax"])
     recorded = lora_config_of(config)
     model_file = os.path.join(path, ADAPTER_FILE)

@@ -32,6 +32,7 @@ alpha / r scaling); PEFT ``LoraLayer`` (A/B layout, kaiming-uniform A); verl-age
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, ClassVar
 
@@ -76,8 +77,8 @@ class LoraConfig:
     def __post_init__(self) -> None:
         if self.rank < 0:
             raise ValueError(f"lora.rank must be >= 0 (0 = off), got {self.rank}")
-        if self.rank > 0 and self.alpha <= 0:
-            raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
+        if self.rank > 0 and not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"lora.alpha must be a finite number > 0, got {self.alpha}")
         if isinstance(self.targets, str):
             object.__setattr__(self, "targets", (self.targets,))
         if self.rank > 0 and not self.targets:

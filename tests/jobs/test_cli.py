@@ -294,9 +294,12 @@ def test_damaged_runs_and_checkpoints_are_user_errors_of_one_line(capsys):
     from strata_jax.metrics import DamagedLogError
     from strata_jax.models.gguf import GGUFError
     from strata_jax.training import NoRestorableCheckpointError
-    assert {NoRestorableCheckpointError, DamagedLogError, GGUFError} <= set(user_errors())
+    from strata_jax.models.adapter_files import AdapterError
+    assert {NoRestorableCheckpointError, DamagedLogError, GGUFError, AdapterError} <= set(
+        user_errors())
     for err in (NoRestorableCheckpointError("no restorable checkpoint in w/ckpt (step 3: ...)"),
-                DamagedLogError("w/metrics.jsonl: line 2 is not JSON"), GGUFError("m.gguf: bad")):
+                DamagedLogError("w/metrics.jsonl: line 2 is not JSON"), GGUFError("m.gguf: bad"),
+                AdapterError("model.warm_start: a/adapter_model.safetensors has sha256 ...")):
         def main(argv, err=err):
             raise err
         with pytest.raises(SystemExit) as e:

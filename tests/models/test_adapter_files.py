@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -195,3 +196,44 @@ def test_peft_loads_the_folder_onto_the_hf_base_with_our_logits(tmp_path):
     theirs = hf_logits(PeftModel.from_pretrained(model, folder).eval(), tokens, mask)
     np.testing.assert_allclose(ours[mask], theirs[mask], atol=1e-5)
     assert np.abs(theirs[mask] - bare[mask]).max() > 1e-3
+
+
+def _edit_config(folder, **changes):
+    path = os.path.join(folder, CONFIG_FILE)
+    config = json.load(open(path))
+    for key, value in changes.items():
+        if key.startswith("sj_"):
+            config["strata_jax"][key[3:]] = value
+        else:
+            config[key] = value
+    with open(path, "w") as f:
+        f.write(json.dumps(config))   # NaN / Infinity written as JSON's extensions
+
+
+def test_an_edited_config_is_refused_though_the_tensor_file_is_intact(saved, base):
+    import shutil
+    good = load_adapters(saved, TINY, None)[1]["lora"]
+    assert (good.rank, good.alpha) == (4, 8.0)
+    cases = [(dict(lora_alpha=16.0), "lora_alpha=16.0 but adapter_model.safetensors was written "
+                                     "with lora_alpha=8.0"),
+             (dict(lora_alpha=float("nan")), "a finite lora_alpha > 0"),
+             (dict(lora_alpha=float("inf")), "a finite lora_alpha > 0"),
+             (dict(r=4.7), "an integer r >= 1"),
+             (dict(peft_type="IA3"), "peft_type='IA3'"),
+             (dict(sj_targets=["q_proj$"]), "targets=['q_proj$'] but"),
+             (dict(sj_base={**BASE_ID, "params_sha256": "0" * 64}), "base=")]
+    for i, (change, message) in enumerate(cases):
+        copy = shutil.copytree(saved, f"{saved}_edit{i}")
+        _edit_config(copy, **change)
+        with pytest.raises(AdapterError, match=re.escape(message)):
+            load_adapters(copy, TINY, None)
+    # the base check cannot be switched off by deleting the recorded bytes' checksum: the
+    # file's own copy sees the edit, and a record without it is refused where the caller has
+    # the bytes to compare
+    copy = shutil.copytree(saved, f"{saved}_nobase")
+    _edit_config(copy, sj_base=BASE_ID)
+    with pytest.raises(AdapterError, match="but adapter_model.safetensors was written with base="):
+        load_adapters(copy, TINY, None, base={**BASE_ID, "params_sha256": params_sha256(base)})
+    from strata_jax.models.adapter_files import check_base
+    with pytest.raises(AdapterError, match="records no params_sha256"):
+        check_base(BASE_ID, {**BASE_ID, "params_sha256": params_sha256(base)}, copy)

@@ -225,6 +225,15 @@ def test_a_tampered_or_foreign_adapter_file_is_refused(tmp_path, tok):
     with pytest.raises(AdapterError, match=r"^model\.warm_start: .* has sha256 .* the file "
                                            r"changed after it was written"):
         warm_start.maybe_warm_start(c, SMALL, params, tok, "unused")
+    # a folder holding a full checkpoint beside adapter files: which is the warm start?
+    both = str(tmp_path / "both")
+    warm_start.export_sft_adapters(c, SMALL, scfg, adapters, params, both)
+    from strata_jax.models import export_params
+    export_params(other, SMALL, both)
+    c.model.warm_start = both
+    with pytest.raises(AdapterError, match=r"holds both LoRA adapter files and a full "
+                                           r"checkpoint"):
+        warm_start.maybe_warm_start(c, SMALL, params, tok, "unused")
 
 
 def test_lora_rank_0_keeps_the_old_fingerprints_and_the_hf_export(tmp_path, tok):
@@ -256,8 +265,9 @@ def test_lora_rank_0_keeps_the_old_fingerprints_and_the_hf_export(tmp_path, tok)
 def test_lora_fields_are_checked_like_the_lora_section():
     with pytest.raises(ValueError, match=r"^sft\.lora_rank must be >= 0"):
         sft.SFTConfig(lora_rank=-1)
-    with pytest.raises(ValueError, match=r"^sft\.lora_alpha must be > 0"):
-        sft.SFTConfig(lora_rank=4, lora_alpha=0.0)
+    for bad in (0.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"^sft\.lora_alpha must be a finite number > 0"):
+            sft.SFTConfig(lora_rank=4, lora_alpha=bad)
     with pytest.raises(ValueError, match=r"^sft\.lora_targets entry '\(' is not a valid regex"):
         sft.SFTConfig(lora_rank=4, lora_targets=("(",))
     assert sft.SFTConfig(lora_rank=4, lora_targets="q_proj$").lora.targets == ("q_proj$",)
