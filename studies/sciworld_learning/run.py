@@ -152,13 +152,41 @@ def choose_families(screen: dict) -> list[str]:
     return chosen if len(chosen) >= MIN_FAMILIES else []
 
 
+def read_screen(path: str) -> dict:
+    """The screen eval's metrics file, checked: a JSON object whose ``eval/family/<f>/success``
+    is a finite number in [0, 1] and ``.../score`` a finite number in [-100, 100] for every
+    SCREEN_FAMILIES family. Raises ValueError naming the file and the entry (a damaged or
+    foreign file chooses no families)."""
+    import math
+    try:
+        with open(path) as f:
+            screen = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not the screen's eval file ({type(e).__name__}: {e}); "
+                         "delete it and let the queue run the screen again") from None
+    if not isinstance(screen, dict):
+        raise ValueError(f"{path} holds a {type(screen).__name__}, not the screen's metrics")
+    for fam in SCREEN_FAMILIES:
+        for key, lo, hi in (("success", 0.0, 1.0), ("score", -100.0, 100.0)):
+            v = screen.get(f"eval/family/{fam}/{key}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or not lo <= v <= hi:
+                raise ValueError(f"{path}: eval/family/{fam}/{key} is {v!r}, not a number in "
+                                 f"[{lo:g}, {hi:g}]; delete the file and run the screen again")
+    return screen
+
+
 def chosen_families(a) -> list[str] | None:
-    """The rule applied to the screen's result (here or kept under --results), in
-    SCREEN_FAMILIES order; None before the screen ran."""
-    for base in (os.path.join(a.out, "screen"), os.path.join(a.results, "screen")):
-        path = os.path.join(base, "eval_dev_step0.json")
-        if os.path.exists(path):
-            chosen = choose_families(json.load(open(path)))
+    """The rule applied to the result of the screen job that finished (here, with its argv
+    marker) or is kept under --results, in SCREEN_FAMILIES order; None before it ran. A screen
+    file no finished screen job wrote is not read. Raises ValueError for a damaged one."""
+    q = jobs(a)
+    screen = next(j for j in q if j["name"] == "screen")
+    for done, ok in ((screen["done"], mq.finished_here(screen)),
+                     (os.path.join(mq.kept_dir(a, screen), os.path.basename(screen["done"])),
+                      mq.is_kept(a, screen, q))):
+        if ok and os.path.exists(done):
+            chosen = choose_families(read_screen(done))
             return [f for f in SCREEN_FAMILIES if f in chosen]
     return None
 
@@ -175,6 +203,14 @@ def resolve(a, job: dict) -> dict | None:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except ValueError as e:   # a damaged screen file (`read_screen`): one line, what to do
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv=None) -> int:
     a = registered_args(argv)
     if a.list:
         mq.list_jobs(a, jobs(a), resolve)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -95,6 +96,11 @@ def test_the_chosen_families_fill_every_later_job(queue, tmp_path):
     with open(os.path.join(a.out, "screen", "eval_dev_step0.json"), "w") as fh:
         json.dump(_screen([(0.0, 0.0), (0.25, 30.0), (0.0, 0.0), (0.0, 0.0), (0.5, 60.0),
                            (0.0, 0.0), (0.0, 0.0)]), fh)
+    # a screen file that no finished screen job wrote (no argv marker) chooses nothing
+    assert sw.chosen_families(a) is None and sw.resolve(a, by["run_strata_s0"]) is None
+    from studies.memory_key import queue as mq
+    with open(mq.marker(by["screen"]), "w") as fh:
+        json.dump(mq.job_key(by["screen"]), fh)
     job = sw.resolve(a, by["run_strata_s0"])
     assert tuple(_config(job).env.tasks) == (f[1], f[4])   # in the screen's order
     assert sw.chosen_families(a) == [f[1], f[4]]
@@ -132,3 +138,21 @@ def test_a_trained_policy_against_its_start_on_the_same_variations():
     assert t["score_diff"] == (75 + 25 + 0 + 50) / 4     # scores 0-100
     s = rp.policy_summary(start)
     assert (s["n"], s["k"], s["score"]) == (4, 1, (25 + 0 + 100 + 50) / 4)
+
+
+def test_a_damaged_screen_file_is_refused_with_what_to_do(tmp_path):
+    good = _screen([(0.25, 30.0)] * 7)
+    for bad, message in (("garbage{", "is not the screen's eval file"), ("[1, 2]", "holds a list"),
+                         ("{}", "eval/family/find-non-living-thing/success is None"),
+                         (json.dumps({**good, "eval/family/find-plant/success": float("nan")}),
+                          "find-plant/success is nan"),
+                         (json.dumps({**good, "eval/family/find-plant/success": 35}),
+                          "find-plant/success is 35, not a number in [0, 1]"),
+                         (json.dumps({**good, "eval/family/find-plant/score": True}),
+                          "find-plant/score is True")):
+        path = tmp_path / "screen.json"
+        path.write_text(bad)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            sw.read_screen(str(path))
+    path.write_text(json.dumps(good))
+    assert sw.read_screen(str(path)) == good
