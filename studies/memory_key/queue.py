@@ -128,6 +128,33 @@ KEEP = dict(sft=("sft_meta.json",), eval=("eval_*.json", "eval_*_trajectories.js
             train=("metrics.jsonl", "trajectories.jsonl", "batches/*.npz", "adapters/*/*"))
 
 
+def one_line_errors(main, argv=None) -> int:
+    """Run a study's `main(argv)`; a ValueError (a damaged record or result file the queue
+    refuses: `read_record`, a study's own readers) ends it with one line on stderr and
+    status 2 instead of a traceback."""
+    try:
+        return main(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def read_record(path: str) -> dict | list:
+    """A queue record (a kept job.json or export.json, a workdir's argv marker) as JSON.
+    Raises ValueError naming the file and what to do when it is damaged (the queue trusts no
+    half-written or edited record)."""
+    try:
+        with open(path) as f:
+            out = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{path} is damaged ({e}); restore it (git checkout -- {path} for a "
+                         "kept record) or delete it so that its job runs again") from None
+    if not isinstance(out, (dict, list)):
+        raise ValueError(f"{path} holds a {type(out).__name__}, not a queue record; restore or "
+                         "delete it")
+    return out
+
+
 def sha256_file(path: str) -> str:
     """Hex sha256 of a file's bytes (read in 1 MiB blocks)."""
     import hashlib
@@ -148,7 +175,7 @@ def warm_start_export(args, name: str = "warm_start") -> str | None:
     if found:
         return found[-1]
     rec = os.path.join(args.results, name, "export.json")
-    return json.load(open(rec))["dir"] if os.path.exists(rec) else None
+    return read_record(rec)["dir"] if os.path.exists(rec) else None
 
 
 def job_key(job: dict) -> list[str]:
@@ -197,7 +224,7 @@ def finished_here(job: dict) -> bool:
     matching `marker` (another setting of the study on the same --out is another job)."""
     if not (os.path.exists(job["done"]) and os.path.exists(marker(job))):
         return False
-    return same_setting(json.load(open(marker(job))), job_key(job))
+    return same_setting(read_record(marker(job)), job_key(job))
 
 
 def is_kept(args, job: dict, queue: list[dict]) -> bool:
@@ -206,7 +233,8 @@ def is_kept(args, job: dict, queue: list[dict]) -> bool:
     meta = os.path.join(kept_dir(args, job), "job.json")
     if job.get("local") or not os.path.exists(meta):
         return False
-    if not same_setting(json.load(open(meta)).get("argv"), job_key(job)):
+    rec = read_record(meta)
+    if not isinstance(rec, dict) or not same_setting(rec.get("argv"), job_key(job)):
         return False
     partner = [j for j in queue if j["name"] == job.get("kept_with")]
     return all(is_kept(args, j, queue) for j in partner)

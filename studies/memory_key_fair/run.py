@@ -145,6 +145,10 @@ def resolve(a, job: dict) -> dict | None:
 
 
 def main(argv=None) -> int:
+    return mq.one_line_errors(_main, argv)   # a damaged record or screen file: one line
+
+
+def _main(argv=None) -> int:
     a = registered_args(argv)
     if a.list:
         mq.list_jobs(a, jobs(a), resolve)

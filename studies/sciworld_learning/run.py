@@ -203,11 +203,7 @@ def resolve(a, job: dict) -> dict | None:
 
 
 def main(argv=None) -> int:
-    try:
-        return _main(argv)
-    except ValueError as e:   # a damaged screen file (`read_screen`): one line, what to do
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return mq.one_line_errors(_main, argv)   # a damaged record or screen file: one line
 
 
 def _main(argv=None) -> int:

@@ -128,3 +128,16 @@ def test_seed_level_statistics_on_hand_values():
     assert math.isnan(stats.welch_p([0.1], [0.2, 0.3]))
     with pytest.raises(ValueError):
         stats.mean_t_interval([])
+
+
+def test_a_damaged_kept_record_is_one_line_with_what_to_do(tmp_path, capsys):
+    res = tmp_path / "res"
+    (res / "start_strata").mkdir(parents=True)
+    (res / "start_strata" / "job.json").write_text("garbage")
+    rc = fair.main(["--list", "--out", str(tmp_path / "runs"), "--results", str(res)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err
+    assert err.startswith(f"error: {res / 'start_strata' / 'job.json'} is damaged (")
+    assert "restore it (git checkout -- " in err
+    (res / "start_strata" / "job.json").write_text("[1]")   # valid JSON, not a record
+    assert fair.main(["--list", "--out", str(tmp_path / "runs"), "--results", str(res)]) == 0
