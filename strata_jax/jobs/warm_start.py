@@ -40,7 +40,7 @@ from strata_jax import experiment as ex
 from strata_jax.jobs.adapters import base_identity
 from strata_jax.models import Qwen2Config, export_params, load_params
 from strata_jax.models.adapter_files import CONFIG_FILE, AdapterError, load_adapters, save_adapters
-from strata_jax.models.lora import LoraConfig, apply_lora, lora_shardings
+from strata_jax.models.lora import LoraConfig, apply_lora, lora_shardings, target_names
 from strata_jax.rollout import make_prompt_builder
 from strata_jax.exits import exception_chain
 from strata_jax.training.config import remat_policy
@@ -181,8 +181,15 @@ def run_sft(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any, out_dir
     written), or with ``sft.lora_rank`` > 0 the adapters alone (`export_sft_adapters`), then
     ``out_dir/sft_meta.json`` (settings, example counts, losses, wall time), last.
     Returns (trained, meta): trained is the new params, or the adapters pytree under LoRA.
+    Raises ex.ConfigError before any expert plays when sft.lora_targets selects no projection
+    of `model_cfg`.
     """
     cfg = cfg or SFTConfig.from_config(c)
+    if cfg.lora is not None:
+        try:
+            target_names(model_cfg, cfg.lora)
+        except ValueError as e:
+            raise ex.ConfigError(str(e).replace("lora.targets", "sft.lora_targets", 1)) from None
     t0 = time.time()
     examples, eps = sft_examples(c, tokenizer, cfg)
     t_data = time.time() - t0

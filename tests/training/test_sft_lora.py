@@ -304,3 +304,15 @@ def test_lora_sft_and_its_merge_on_a_mesh(tmp_path, examples):
                        jax.tree.leaves(params)):
         assert a.sharding == p.sharding
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8)
+
+
+def test_lora_targets_that_select_nothing_are_refused_before_any_expert_plays(tmp_path, tok,
+                                                                             monkeypatch):
+    from strata_jax.config import ConfigError
+    c = _lora_config(builtin.get_config("tiny"))
+    c.sft.lora_targets = ("nonexistent_proj",)
+    monkeypatch.setattr(warm_start, "sft_examples", lambda *a: pytest.fail("experts played"))
+    with pytest.raises(ConfigError, match=r"^sft\.lora_targets \('nonexistent_proj',\) match "
+                                          r"no projection"):
+        warm_start.run_sft(c, SMALL, init_params(SMALL, jax.random.PRNGKey(0)), tok,
+                           str(tmp_path / "x"))
