@@ -39,7 +39,8 @@ from envs_bridge.base import Task
 from strata_jax import experiment as ex
 from strata_jax.jobs.adapters import base_identity
 from strata_jax.models import Qwen2Config, export_params, load_params
-from strata_jax.models.adapter_files import CONFIG_FILE, AdapterError, load_adapters, save_adapters
+from strata_jax.models.adapter_files import (ADAPTER_FILE, CONFIG_FILE, AdapterError,
+                                             load_adapters, save_adapters)
 from strata_jax.models.lora import LoraConfig, apply_lora, lora_shardings, target_names
 from strata_jax.rollout import make_prompt_builder
 from strata_jax.exits import exception_chain
@@ -236,8 +237,19 @@ def export_sft_adapters(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig, adapters
 
 def holds_adapters(path: str) -> bool:
     """Whether export folder `path` holds LoRA adapter files (its adapter_config.json) rather
-    than an HF checkpoint."""
-    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+    than an HF checkpoint. Raises AdapterError for a folder of neither form or both: adapter
+    tensors without their config (a copy cut short), or adapters beside a model.safetensors
+    (which one is the warm start would be a guess)."""
+    config = os.path.isfile(os.path.join(path, CONFIG_FILE))
+    if not config and os.path.isfile(os.path.join(path, ADAPTER_FILE)):
+        raise AdapterError(f"model.warm_start: {path} holds {ADAPTER_FILE} without its "
+                           f"{CONFIG_FILE}: an incomplete LoRA export; delete the folder so that "
+                           "the warm start is trained again (python sft.py with the same config)")
+    if config and os.path.isfile(os.path.join(path, "model.safetensors")):
+        raise AdapterError(f"model.warm_start: {path} holds both LoRA adapter files and a full "
+                           "checkpoint (model.safetensors); which one is the warm start is "
+                           "ambiguous: keep one form per folder")
+    return config
 
 
 def merged_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, path: str,
@@ -272,10 +284,6 @@ def load_export(c: Any, model_cfg: Qwen2Config, params: Any, path: str,
     initial `params` (`merged_warm_start`, when it holds adapter files) or its HF checkpoint
     (`load_params`, placed on `mesh` when given)."""
     if holds_adapters(path):
-        if os.path.isfile(os.path.join(path, "model.safetensors")):
-            raise AdapterError(f"model.warm_start: {path} holds both LoRA adapter files and a "
-                               "full checkpoint (model.safetensors); which one is the warm start "
-                               "is ambiguous: keep one form per folder")
         return merged_warm_start(c, model_cfg, params, path, lora_cfg, mesh)
     return load_params(path, model_cfg, dtype=jnp.dtype(c.model.dtype), mesh=mesh)
 

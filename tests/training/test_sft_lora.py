@@ -234,6 +234,13 @@ def test_a_tampered_or_foreign_adapter_file_is_refused(tmp_path, tok):
     with pytest.raises(AdapterError, match=r"holds both LoRA adapter files and a full "
                                            r"checkpoint"):
         warm_start.maybe_warm_start(c, SMALL, params, tok, "unused")
+    # the adapter tensors without their config (a copy cut short)
+    os.remove(os.path.join(both, "config.json"))
+    os.remove(os.path.join(both, "model.safetensors"))
+    os.remove(os.path.join(both, "adapter_config.json"))
+    with pytest.raises(AdapterError, match=r"without its adapter_config.json: an incomplete LoRA "
+                                           r"export; delete the folder"):
+        warm_start.maybe_warm_start(c, SMALL, params, tok, "unused")
 
 
 def test_lora_rank_0_keeps_the_old_fingerprints_and_the_hf_export(tmp_path, tok):
