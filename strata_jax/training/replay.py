@@ -357,8 +357,39 @@ class ReplayPool:
             raise ValueError(f"the checkpoint's replay pool is malformed (missing {missing}, "
                              f"row counts {sorted(rows)} for {meta['rows']} rows); resume "
                              "from another step")
+        bad = _malformed(got, int(meta["rows"]), meta.get("serial"), config)
+        if bad:
+            raise ValueError(f"the checkpoint's replay pool is malformed ({bad}); resume from "
+                             "another step")
         self.arrays = {f: _frozen(v) for f, v in got.items()}
         self.serial = int(meta["serial"])
+
+
+def _malformed(arrays: dict[str, np.ndarray], rows: int, serial, config: ReplayConfig) -> str:
+    """What is wrong with restored pool `arrays` ("" when nothing): more rows than the
+    capacity, token fields that are not 2-D integer (ids >= 0) or bool (masks), stored numbers
+    that are not finite, a weight <= 0 (only w > 0 rows enter), a serial that is not an int
+    above every stored one."""
+    if rows > config.capacity:
+        return f"{rows} rows for a capacity of {config.capacity}"
+    for f in _PROMPT_FIELDS + _RESPONSE_FIELDS:
+        v = arrays[f]
+        want = bool if f.endswith("mask") else (np.floating if f == "sampler_logprobs"
+                                                else np.integer)
+        if v.ndim != 2 or not (v.dtype == bool if want is bool else np.issubdtype(v.dtype, want)):
+            return f"{f} is {v.dtype} of shape {v.shape}"
+        if want is np.integer and v.size and v.min() < 0:
+            return f"{f} holds negative token ids"
+    for f in ("advantage", "weight", "target", "sampler_logprobs"):
+        v = arrays[f]
+        if not np.issubdtype(v.dtype, np.floating) or not np.all(np.isfinite(v)):
+            return f"{f} is not finite numbers"
+    if arrays["weight"].size and arrays["weight"].min() <= 0:
+        return "a stored weight <= 0"
+    if not isinstance(serial, int) or isinstance(serial, bool) or (
+            arrays["serial"].size and serial <= int(arrays["serial"].max())):
+        return f"serial {serial!r} is not an integer above every stored serial"
+    return ""
 
 
 def replay_draw(pool: ReplayPool, batch: SampleBatch, state, cfg) -> tuple[SampleBatch,

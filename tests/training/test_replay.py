@@ -5,6 +5,7 @@ the hooks, kl/whole_batch, and the pool through a checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -280,3 +281,33 @@ def test_rows_with_a_stored_pi_old_get_no_old_pass(setup, kl_coef):
         assert np.all(p_ref[stored][mask[stored]] < 0)
     else:
         assert np.all(p_ref == 0) and np.all(f_ref == 0)
+
+
+def test_a_restored_pool_with_impossible_contents_is_refused(setup):
+    cfg = train_config(replay=ON)
+    tr = Trainer(TINY, cfg)
+    tr.replay.absorb(_rows(4), np.array([1.0, -1.0, 0.5, 2.0] + [0] * 4, np.float32),
+                     np.array([0.5, 1.5, 0.2, 1.0] + [0] * 4, np.float32),
+                     np.zeros(8, np.float32), 0, cfg.replay)
+    host = tr.host_state()
+    again = Trainer(TINY, cfg)
+    again.set_host_state(host)   # as saved: accepted
+    assert again.replay.rows == 4
+
+    def tampered(field, fn, **meta):
+        arrays = dict(host["host_arrays"])
+        arrays[f"replay/{field}"] = fn(np.array(arrays[f"replay/{field}"]))
+        return {**host, "host_arrays": arrays, "replay": {**host["replay"], **meta}}
+
+    cases = [(tampered("advantage", lambda a: np.where(np.arange(a.size) == 1, np.nan, a)),
+              "advantage is not finite numbers"),
+             (tampered("response_ids", lambda a: a - 10 ** 6), "negative token ids"),
+             (tampered("prompt_ids", lambda a: a.astype(np.float32)), "prompt_ids is float32"),
+             (tampered("weight", lambda a: -a), "a stored weight <= 0"),
+             (tampered("serial", lambda a: a, serial=1.5), "serial 1.5 is not an integer")]
+    for state, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            Trainer(TINY, cfg).set_host_state(state)
+    small = train_config(replay=dataclasses.replace(ON, capacity=2))
+    with pytest.raises(ValueError, match="4 rows for a capacity of 2"):
+        Trainer(TINY, small).set_host_state(host)
