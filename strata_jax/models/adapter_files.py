@@ -201,15 +201,6 @@ def read_adapter_config(path: str) -> dict[str, Any]:
     return config
 
 
-def _file_metadata(model_file: str) -> dict[str, str]:
-    """The ``__metadata__`` block of a safetensors file's header ({} when absent)."""
-    with open(model_file, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    meta = header.get("__metadata__") or {}
-    return meta if isinstance(meta, dict) else {}
-
-
 def check_config(config: dict[str, Any], model_file: str) -> None:
     """Refuse an adapter config whose settings are not a LoRA's (peft_type LORA, an integer
     r >= 1, a finite lora_alpha > 0) or differ from the copy the checksummed
@@ -223,10 +214,17 @@ def check_config(config: dict[str, Any], model_file: str) -> None:
         raise AdapterError(f"{model_file}: {CONFIG_FILE} holds peft_type={config.get('peft_type')!r}"
                            f", r={r!r}, lora_alpha={alpha!r}; a LoRA adapter has an integer r >= 1 "
                            "and a finite lora_alpha > 0: restore the folder from a copy")
-    raw = _file_metadata(model_file).get("strata_jax")
-    if raw is None:
-        return
-    inside = json.loads(raw)
+    from strata_jax.models.loading import read_safetensors_metadata
+    try:
+        raw = read_safetensors_metadata(model_file).get("strata_jax")
+        inside = None if raw is None else json.loads(raw)
+    except ValueError as e:
+        raise AdapterError(f"{e}; re-run the training job that wrote it") from None
+    if not isinstance(inside, dict):   # written before the copy existed (None), or damaged
+        if raw is None:
+            return
+        raise AdapterError(f"{model_file}: its strata_jax header entry is not a JSON object; "
+                           "re-run the training job that wrote it")
     sj = config.get("strata_jax", {})
     given = dict(r=r, lora_alpha=alpha, targets=list(sj.get("targets", [])),
                  base=sj.get("base", {}))

@@ -67,16 +67,9 @@ class TensorRef:
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
-def read_safetensors_header(file: str) -> dict[str, TensorRef]:
-    """`TensorRef` of every tensor in one safetensors file (reads only the header).
-
-    Checks (safetensors format spec, huggingface/safetensors README "Format"): the 8-byte
-    little-endian header length lies in [2, min(100 MB, file size - 8)]; the header is a JSON
-    object; each tensor has a known dtype, a shape of non-negative ints and data_offsets
-    [begin, end] with end - begin == prod(shape) * itemsize, lying inside the data section;
-    tensor byte ranges do not overlap. Raises ValueError naming the file (and tensor) on
-    any violation: a truncated file, a header whose dtype / shape lies about the bytes.
-    """
+def _header_json(file: str) -> tuple[dict, int, int]:
+    """(header JSON object, its length n, the file size) of one safetensors file, after the
+    checks of `read_safetensors_header` on the 8-byte length and the JSON. Raises ValueError."""
     size = os.path.getsize(file)
     with open(file, "rb") as f:
         prefix = f.read(8)
@@ -93,6 +86,29 @@ def read_safetensors_header(file: str) -> dict[str, TensorRef]:
             raise ValueError(f"{file} is not a safetensors file (bad header: {e})") from e
     if not isinstance(header, dict):
         raise ValueError(f"{file}: safetensors header must be a JSON object, got {type(header).__name__}")
+    return header, n, size
+
+
+def read_safetensors_metadata(file: str) -> dict[str, str]:
+    """The ``__metadata__`` block (str -> str) of one safetensors file's header, {} when it
+    has none; the header checked as `read_safetensors_header` checks it (ValueError)."""
+    meta = _header_json(file)[0].get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file}: safetensors __metadata__ must be a JSON object")
+    return meta
+
+
+def read_safetensors_header(file: str) -> dict[str, TensorRef]:
+    """`TensorRef` of every tensor in one safetensors file (reads only the header).
+
+    Checks (safetensors format spec, huggingface/safetensors README "Format"): the 8-byte
+    little-endian header length lies in [2, min(100 MB, file size - 8)]; the header is a JSON
+    object; each tensor has a known dtype, a shape of non-negative ints and data_offsets
+    [begin, end] with end - begin == prod(shape) * itemsize, lying inside the data section;
+    tensor byte ranges do not overlap. Raises ValueError naming the file (and tensor) on
+    any violation: a truncated file, a header whose dtype / shape lies about the bytes.
+    """
+    header, n, size = _header_json(file)
     header.pop("__metadata__", None)
     data_size = size - 8 - n
     out = {}

@@ -128,12 +128,34 @@ KEEP = dict(sft=("sft_meta.json",), eval=("eval_*.json", "eval_*_trajectories.js
             train=("metrics.jsonl", "trajectories.jsonl", "batches/*.npz", "adapters/*/*"))
 
 
-def one_line_errors(main, argv=None) -> int:
-    """Run a study's `main(argv)`; a ValueError (a damaged record or result file the queue
-    refuses: `read_record`, a study's own readers) ends it with one line on stderr and
-    status 2 instead of a traceback."""
+def fill_placeholder(job: dict, placeholder: str, value) -> dict | None:
+    """`job` with `placeholder` replaced by `value` (a string: an earlier job's output, e.g. a
+    warm start's folder) in every argv entry; `job` itself when no entry holds it; None when
+    one does and `value` is None or empty (that earlier output is missing: the queue stops)."""
+    if not any(placeholder in x for x in job["argv"]):
+        return job
+    if not value:
+        return None
+    return {**job, "argv": [x.replace(placeholder, value) for x in job["argv"]]}
+
+
+def study_main(argv, registered_args, jobs, resolve, report, listed=None) -> int:
+    """A study queue's command line (`queue_parser`'s flags plus the study's own):
+    ``--list`` prints each job's state (and `listed(args)`'s line when given), ``--report``
+    only reports, otherwise the queue runs (`run_queue`) and then `report(args)` prints the
+    study's summary. A ValueError (a damaged record or result file the queue refuses:
+    `read_record`, a study's own readers) ends it with one line on stderr and status 2."""
     try:
-        return main(argv)
+        a = registered_args(argv)
+        if a.list:
+            list_jobs(a, jobs(a), resolve)
+            if listed is not None:
+                print(listed(a))
+            return 0
+        if not a.report:
+            run_queue(a, jobs(a), resolve)
+        report(a)
+        return 0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -136,29 +136,16 @@ def jobs(a) -> list[dict]:
 
 def resolve(a, job: dict) -> dict | None:
     """`job` with the warm start's export folder in place of `WARM` (None before it exists)."""
-    if not any(WARM in x for x in job["argv"]):
-        return job
-    export = mq.warm_start_export(a)
-    if export is None:
-        return None
-    return {**job, "argv": [x.replace(WARM, export) for x in job["argv"]]}
+    return mq.fill_placeholder(job, WARM, mq.warm_start_export(a))
+
+
+def _report(a) -> None:
+    from studies.memory_key_fair.report import report
+    print(json.dumps(report(a).get("summary", {}), indent=1))
 
 
 def main(argv=None) -> int:
-    return mq.one_line_errors(_main, argv)   # a damaged record or screen file: one line
-
-
-def _main(argv=None) -> int:
-    a = registered_args(argv)
-    if a.list:
-        mq.list_jobs(a, jobs(a), resolve)
-        return 0
-    if not a.report:
-        mq.run_queue(a, jobs(a), resolve)
-    from studies.memory_key_fair.report import report
-    res = report(a)
-    print(json.dumps(res.get("summary", {}), indent=1))
-    return 0
+    return mq.study_main(argv, registered_args, jobs, resolve, _report)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def common(a, workdir: str, families: str) -> list[str]:
             "log.dump_trajectories=1000"]
 
 
-def warm_start_tokens(a) -> list[str]:
+def warm_start_tokens() -> list[str]:
     """Behaviour cloning (LoRA rank 16) of 28 gold train episodes of the screen families,
     both prompt forms, the kept export named explicitly (no cache lookup)."""
     return ["sft.lora_rank=16", "sft.lora_alpha=64", "sft.episodes=28", "sft.steps=30",
@@ -80,9 +80,12 @@ def export_dir(a) -> str:
     return os.path.join(os.path.abspath(a.results), "bc_export")
 
 
-def _cfg(a, algo: str, wd: str, families: str, extra=()) -> str:
+def _cfg(a, algo: str, wd: str, families: str, extra=(), warm_start: str | None = None) -> str:
+    """The ``--config=`` argument of a job: `common`, `algo`, the warm start (default: the
+    kept export folder) and `extra` tokens."""
     cfg = os.path.join(REPO, "configs", "sciworld.py")
-    toks = common(a, wd, families) + [algo, f"model.warm_start={export_dir(a)}"] + list(extra)
+    ws = export_dir(a) if warm_start is None else warm_start
+    toks = common(a, wd, families) + [algo, f"model.warm_start={ws}"] + list(extra)
     return f"--config={cfg}:" + ",".join(toks)
 
 
@@ -106,8 +109,7 @@ def jobs(a) -> list[dict]:
     q = [dict(name="warm_start", done=os.path.join(export_dir(a), "sft_meta.json"),
               argv=[py, os.path.join(REPO, "sft.py"),
                     _cfg(a, "strata", os.path.join(out, "warm_start"), screen,
-                         warm_start_tokens(a)).replace(f"model.warm_start={export_dir(a)}",
-                                                       "model.warm_start=sft"),
+                         warm_start_tokens(), warm_start="sft"),
                     f"--out={export_dir(a)}"])]
 
     def evaluate(name, arm, split, families, per_family, extra=(), adapter=None):
@@ -193,31 +195,20 @@ def chosen_families(a) -> list[str] | None:
 
 def resolve(a, job: dict) -> dict | None:
     """`job` with the chosen families in place of `FAMILIES`; None before the screen ran or
-    when the rule chose too few (the queue stops: the write-up's step 6 then applies)."""
-    if not any(FAMILIES in x for x in job["argv"]):
-        return job
-    fams = chosen_families(a)
-    if not fams:
-        return None
-    return {**job, "argv": [x.replace(FAMILIES, "+".join(fams)) for x in job["argv"]]}
+    when the rule chose too few (the queue stops: the write-up's step 7 then applies)."""
+    fams = chosen_families(a) if any(FAMILIES in x for x in job["argv"]) else None
+    return mq.fill_placeholder(job, FAMILIES, "+".join(fams or []))
 
 
-def main(argv=None) -> int:
-    return mq.one_line_errors(_main, argv)   # a damaged record or screen file: one line
-
-
-def _main(argv=None) -> int:
-    a = registered_args(argv)
-    if a.list:
-        mq.list_jobs(a, jobs(a), resolve)
-        print("chosen families:", chosen_families(a))
-        return 0
-    if not a.report:
-        mq.run_queue(a, jobs(a), resolve)
+def _report(a) -> None:
     from studies.sciworld_learning.report import report
     res = report(a)
     print(json.dumps({k: v.get("overall") for k, v in res["policies"].items() if v}, indent=1))
-    return 0
+
+
+def main(argv=None) -> int:
+    return mq.study_main(argv, registered_args, jobs, resolve, _report,
+                         listed=lambda a: f"chosen families: {chosen_families(a)}")
 
 
 if __name__ == "__main__":

@@ -231,3 +231,16 @@ def test_read_safetensors_truncated_and_bad_lengths(tmp_path):
     open(f, "wb").write(struct.pack("<Q", 8) + b"[1, 2]  ")
     with pytest.raises(ValueError, match="header must be a JSON object, got list"):
         read_safetensors(str(f))
+
+
+def test_safetensors_metadata_reads_back_and_shares_the_header_checks(tmp_path):
+    import struct
+    from strata_jax.models.loading import read_safetensors_metadata, write_safetensors
+    f = str(tmp_path / "m.safetensors")
+    write_safetensors(f, {"x": np.zeros((2, 3), np.float32)}, metadata={"format": "pt", "k": "v"})
+    assert read_safetensors_metadata(f) == {"format": "pt", "k": "v"}
+    bad = str(tmp_path / "bad.safetensors")
+    with open(bad, "wb") as fh:      # a header length far past the file: refused, not read
+        fh.write(struct.pack("<Q", 10 ** 12) + b"{}")
+    with pytest.raises(ValueError, match="header length 1000000000000 is impossible"):
+        read_safetensors_metadata(bad)
