@@ -102,7 +102,7 @@ def analyse_batch(model: Qwen2Config, args) -> list[dict]:
     per path (rows as the update sees them: `trim_padding`, then `pad_rows`). One dict per
     (path, program, shape): temp / arg / out bytes and the program's shape in words."""
     from strata_jax.algos.batch import load_sample_batch, pad_rows
-    from strata_jax.training.batching import minibatch_plan, trim_padding
+    from strata_jax.training.batching import fit_to_bounds, minibatch_plan, trim_padding
     from strata_jax.training.per_row import gather_rows, score_batch
     from strata_jax.training.scoring import PackedInputs
     from strata_jax.training.steps import (accumulate_micro, apply_step, empty_carry,
@@ -116,9 +116,19 @@ def analyse_batch(model: Qwen2Config, args) -> list[dict]:
     cfg = TrainConfig.from_config(c, mini_batch_size=args.mini, micro_batch_rows=args.micro,
                                   remat=args.remat[0], compute_dtype=args.dtype,
                                   donate_state=True)
-    trainer = Trainer(model, cfg)
+    bounds = None
+    if args.bounds:   # the training job's fixed update shapes (assemble.py builds the same)
+        from strata_jax.jobs.cli import load_config
+        from strata_jax.training.bounds import ShapeBounds
+        bounds = ShapeBounds.from_config(load_config(args.bounds))
+        print(f"bounds {bounds}", flush=True)
+    trainer = Trainer(model, cfg, bounds=bounds)
     chunk = cfg.score_rows or cfg.micro_batch_rows
-    batch = pad_rows(trim_padding(load_sample_batch(args.batches)[0]), chunk)
+    batch = load_sample_batch(args.batches)[0]
+    if bounds is None:
+        batch = pad_rows(trim_padding(batch), chunk)
+    else:
+        batch = pad_rows(fit_to_bounds(batch, bounds, cfg.response_floor, chunk), chunk)
     sd = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)  # noqa: E731
     params_like = jax.eval_shape(lambda k: init_params(model, k, jnp.float32),
                                  jax.random.PRNGKey(0))
@@ -205,6 +215,9 @@ def main() -> None:
     ap.add_argument("--batches", default="", help="a dumped update batch (.npz): compile "
                     "what the update runs on it, per-row and packed")
     ap.add_argument("--mini", type=int, default=64, help="mini_batch_size (--batches)")
+    ap.add_argument("--bounds", default="", metavar="CONFIG", help="an experiment config "
+                    "(path[:variant], as train.py takes it): pad to its ShapeBounds as the "
+                    "training job does (--batches)")
     ap.add_argument("--kl", type=float, default=0.0, help="loss.kl_coef (--batches; != 0 adds "
                     "the reference pass)")
     args = ap.parse_args()

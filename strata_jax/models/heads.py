@@ -102,13 +102,19 @@ def token_logprobs_and_entropy(params: Params, config: Qwen2Config, hidden: jax.
         entropy = lse - jnp.sum(p * z, axis=-1)
         return z_t - lse, entropy
 
+    @jax.checkpoint
+    def maybe_chunk(w, temperature, h, tgt, on):
+        # the checkpoint wraps the cond, not only its branch: a checkpoint inside a branch
+        # does not survive the cond's partial evaluation, whose residuals are then the
+        # chunk's B x chunk_size x V logits, kept for every chunk of the scan
+        zeros = jnp.zeros(tgt.shape, jnp.float32)
+        return jax.lax.cond(on, lambda: chunk(w, temperature, h, tgt), lambda: (zeros, zeros))
+
     def body(carry, xs):
         h, tgt, on = xs
         if live is None:
             return carry, chunk(w, temperature, h, tgt)
-        zeros = jnp.zeros(tgt.shape, jnp.float32)
-        return carry, jax.lax.cond(on, lambda: chunk(w, temperature, h, tgt),
-                                   lambda: (zeros, zeros))
+        return carry, maybe_chunk(w, temperature, h, tgt, on)
 
     _, (lp, ent) = jax.lax.scan(body, None, (h_chunks, t_chunks, any_live))
     lp = lp.swapaxes(0, 1).reshape(b, n * c)[:, :t]

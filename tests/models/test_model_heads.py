@@ -79,3 +79,55 @@ def test_bf16_params_give_fp32_logits():
     assert logits.dtype == jnp.float32
     ref = hidden.astype(jnp.float32) @ params["lm_head"].astype(jnp.float32).T
     np.testing.assert_allclose(logits, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_live_chunks_same_values_and_gradients_zero_elsewhere():
+    """`live` skips the head on chunks with no live position: live positions get the full
+    values and gradients, skipped chunks 0 (and no gradient)."""
+    params, hidden, targets = _inputs()
+    live = jnp.zeros((3, 13), bool).at[:, :4].set(True)    # chunks of 5: only chunk 0 live
+    lp, ent = token_logprobs_and_entropy(params, CONFIG, hidden, targets, chunk_size=5,
+                                         live=live)
+    rlp, rent = _reference(params, hidden, targets, 1.0)
+    np.testing.assert_allclose(lp[:, :5], rlp[:, :5], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(ent[:, :5], rent[:, :5], atol=1e-5, rtol=1e-5)
+    assert float(jnp.abs(lp[:, 5:]).max()) == 0.0 and float(jnp.abs(ent[:, 5:]).max()) == 0.0
+
+    def f(fn):
+        return lambda p, h: jnp.sum(jnp.where(live, sum(fn(p, h)), 0.0))
+
+    g1 = jax.grad(f(lambda p, h: token_logprobs_and_entropy(p, CONFIG, h, targets,
+                                                            chunk_size=5, live=live)),
+                  argnums=(0, 1))(params, hidden)
+    g2 = jax.grad(f(lambda p, h: _reference(p, h, targets, 1.0)), argnums=(0, 1))(params,
+                                                                                   hidden)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+    assert float(jnp.abs(g1[1][:, 5:]).max()) == 0.0
+
+
+def test_live_chunks_backward_keeps_no_logits_per_position():
+    """The backward with `live` rematerialises each chunk as the one without does: its
+    temporaries stay about one chunk's logits, not one [T, V] f32 row per position (a
+    checkpoint inside the ``lax.cond`` branch alone kept every chunk's logits: ~V x 4 bytes
+    per position, tens of GB on a 152k vocabulary)."""
+    vocab, d, t = 8192, 16, 4096
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=d, intermediate_size=16, num_layers=1,
+                      num_heads=1, num_kv_heads=1, head_dim=16, tie_word_embeddings=True)
+    live = jnp.arange(t)[None] < t // 2
+
+    def temp(with_live):
+        def f(w, h):
+            lp, ent = token_logprobs_and_entropy({"embed": w}, cfg, h,
+                                                 jnp.zeros((1, t), jnp.int32), chunk_size=64,
+                                                 live=live if with_live else None)
+            return lp.sum() + ent.sum()
+        c = jax.jit(jax.grad(f, argnums=(0, 1))).lower(
+            jax.ShapeDtypeStruct((vocab, d), jnp.float32),
+            jax.ShapeDtypeStruct((1, t, d), jnp.float32)).compile()
+        return c.memory_analysis().temp_size_in_bytes
+
+    all_logits = t * vocab * 4
+    plain, skipping = temp(False), temp(True)
+    assert plain < all_logits / 8
+    assert skipping < 2 * plain, (skipping, plain)
