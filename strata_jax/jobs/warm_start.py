@@ -141,6 +141,43 @@ def stale_export_warning(out_dir: str) -> str | None:
             "dir>) to retrain it")
 
 
+# settings a cached export may hold other values of and still be this config's: where the
+# cache lives, and the prompt renderings (the fingerprint keys them by what they resolve to)
+_META_FREE = ("cache_dir", "strata_prompts", "flat_prompts")
+
+
+def read_export_meta(out_dir: str, cfg: SFTConfig) -> dict[str, Any]:
+    """The ``sft_meta.json`` of the cached export in `out_dir`, checked against the settings
+    `cfg` that looked it up: a JSON object whose ``sft`` object records, for every setting it
+    names (older exports lack the fields added since, at their defaults), the value of `cfg`
+    (but cache_dir and the prompt renderings, `_META_FREE`).
+
+    Why: the cache is found by folder name alone (`warm_start_dir`), and a finished export is
+    marked by this file, written last; a copied, truncated or hand-edited one would otherwise
+    make a run start from weights trained for other settings without a word.
+    Raises ValueError, saying which file and what to do (delete the folder to retrain)."""
+    path = os.path.join(out_dir, META_FILE)
+    fix = f"delete {out_dir} to train the warm start again"
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the cached warm start's {path} cannot be read ({e}); {fix}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("sft"), dict):
+        raise ValueError(f"{path} is not a warm-start record (a JSON object with an 'sft' "
+                         f"object of settings); {fix}")
+    want = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    differ = sorted(k for k, v in meta["sft"].items()
+                    if k in want and k not in _META_FREE and v != want[k])
+    unknown = sorted(k for k in meta["sft"] if k not in want)
+    if differ or unknown:
+        said = ", ".join([f"{k}={meta['sft'][k]!r} (this config: {want[k]!r})" for k in differ]
+                         + [f"{k} (no such setting)" for k in unknown])
+        raise ValueError(f"{path} records other warm-start settings than this config's: "
+                         f"{said}; the folder does not hold this config's warm start: {fix}")
+    return meta
+
+
 def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
     """A 12-hex id of everything the warm start depends on (data, prompts, model, init)."""
     # the two forms' renderings stand in the env entry below, as what they resolve to, so a
@@ -303,8 +340,8 @@ def export_warm_start(c: Any, out: str = "", force: bool = False,
         out = out or warm_start_dir(c, model_cfg, c.workdir)
         meta_file = os.path.join(out, META_FILE)
         if os.path.isfile(meta_file) and not force:
-            with open(meta_file) as f:
-                return {"out": out, "cached": True, "meta": json.load(f)}
+            return {"out": out, "cached": True,
+                    "meta": read_export_meta(out, SFTConfig.from_config(c))}
         _, meta = run_sft(c, model_cfg, params, tokenizer, out, log_fn=log_fn)
         return {"out": out, "cached": False, "meta": meta}
 
@@ -355,6 +392,7 @@ def maybe_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any
     cfg = SFTConfig.from_config(c)
     out = warm_start_dir(c, model_cfg, workdir)
     if os.path.isfile(os.path.join(out, META_FILE)):
+        read_export_meta(out, cfg)
         log.info("warm start: loading cached behaviour-cloning export %s", out)
         stale = stale_export_warning(out)
         if stale:
@@ -371,6 +409,7 @@ def maybe_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any
 
 
 __all__ = ["maybe_warm_start", "export_warm_start", "run_sft", "warm_start_dir", "export_name",
+           "read_export_meta",
            "fingerprint", "sft_base_identity", "export_sft_adapters", "holds_adapters",
            "merged_warm_start", "load_export",
            "source_fingerprint", "stale_export_warning",

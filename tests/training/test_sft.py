@@ -17,6 +17,7 @@ import collections
 import json
 import logging
 import os
+import re
 import dataclasses
 import math
 import random
@@ -425,6 +426,25 @@ def test_maybe_warm_start_caches(tmp_path, tok, monkeypatch, caplog):
         "those of a clean clone of this code; delete the folder (or pass "
         "--config.sft.cache_dir=<new dir>) to retrain it"]
     assert calls == [1]
+    # a record that is not this config's is refused, saying what to do; nothing retrains
+    good = json.dumps(meta)
+    for text, said in (("{not json", "cannot be read"), ("[1, 2]", "not a warm-start record"),
+                       (json.dumps({**meta, "sft": {**meta["sft"], "steps": 7}}),
+                        "steps=7 (this config: 2)"),
+                       (json.dumps({**meta, "sft": {**meta["sft"], "gone": 1}}),
+                        "gone (no such setting)")):
+        with open(meta_path, "w") as f:
+            f.write(text)
+        with pytest.raises(ValueError, match=re.escape(said)) as err:
+            warm_start.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
+        assert f"delete {d} to train the warm start again" in str(err.value)
+    assert calls == [1]
+    # where the cache lives is not part of what it holds: a moved cache still loads
+    with open(meta_path, "w") as f:
+        f.write(json.dumps({**meta, "sft": {**meta["sft"], "cache_dir": "elsewhere"}}))
+    warm_start.maybe_warm_start(c, cfg, params, tok, str(tmp_path))
+    with open(meta_path, "w") as f:
+        f.write(good)
     # A change to the env's data (memory_key code length) is another cache entry.
     d = warm_start.warm_start_dir(c, cfg, str(tmp_path))
     c.env.code_digits = 2
