@@ -77,7 +77,7 @@ def _train(c, workdir, compiles, r) -> dict:
                 task_sampler.set_state(meta["sampler_state"])
             except ValueError as e:   # another task list: continuing would draw other tasks
                 raise ex.ConfigError(f"cannot resume {workdir}: {e}") from None
-        trainer.set_host_state(meta.get("trainer_state"))
+        trainer.set_host_state(meta.get("trainer_state"), step=int(meta["step"]))
         log.info("resumed from step %d in %s", meta["step"], workdir)
     start = int(jax.device_get(state.step))
 

@@ -342,9 +342,13 @@ class ReplayPool:
         return {"replay": {"serial": self.serial, "rows": self.rows},
                 "host_arrays": {f"replay/{f}": v for f, v in self.arrays.items()}}
 
-    def set_host_state(self, host: dict | None, config: ReplayConfig) -> None:
-        """Restore from a trainer state `host` (`host_state`'s keys; none: an empty pool).
-        Raises ValueError when its arrays miss a field or disagree in rows."""
+    def set_host_state(self, host: dict | None, config: ReplayConfig,
+                       vocab_size: int | None = None, step: int | None = None) -> None:
+        """Restore from a trainer state `host` (`host_state`'s keys; none: an empty pool) of a
+        checkpoint at iteration `step` (None: unknown) for a model of `vocab_size` tokens
+        (None: unchecked).
+        Raises ValueError when its arrays miss a field, disagree in rows or hold what the pool
+        cannot hold (`_malformed`)."""
         meta = (host or {}).get("replay")
         arrays = (host or {}).get("host_arrays") or {}
         if not config.enabled or not meta:
@@ -357,7 +361,7 @@ class ReplayPool:
             raise ValueError(f"the checkpoint's replay pool is malformed (missing {missing}, "
                              f"row counts {sorted(rows)} for {meta['rows']} rows); resume "
                              "from another step")
-        bad = _malformed(got, int(meta["rows"]), meta.get("serial"), config)
+        bad = _malformed(got, int(meta["rows"]), meta.get("serial"), config, vocab_size, step)
         if bad:
             raise ValueError(f"the checkpoint's replay pool is malformed ({bad}); resume from "
                              "another step")
@@ -365,11 +369,13 @@ class ReplayPool:
         self.serial = int(meta["serial"])
 
 
-def _malformed(arrays: dict[str, np.ndarray], rows: int, serial, config: ReplayConfig) -> str:
+def _malformed(arrays: dict[str, np.ndarray], rows: int, serial, config: ReplayConfig,
+               vocab_size: int | None = None, step: int | None = None) -> str:
     """What is wrong with restored pool `arrays` ("" when nothing): more rows than the
-    capacity, token fields that are not 2-D integer (ids >= 0) or bool (masks), stored numbers
-    that are not finite, a weight <= 0 (only w > 0 rows enter), a serial that is not an int
-    above every stored one."""
+    capacity, token fields that are not 2-D integer (ids in [0, vocab_size)) or bool (masks),
+    stored numbers that are not finite, a weight <= 0 (only w > 0 rows enter), an iteration
+    below 0 or after the checkpoint's `step` (its age would be negative), a serial that is not
+    an int above every stored one."""
     if rows > config.capacity:
         return f"{rows} rows for a capacity of {config.capacity}"
     for f in _PROMPT_FIELDS + _RESPONSE_FIELDS:
@@ -380,12 +386,18 @@ def _malformed(arrays: dict[str, np.ndarray], rows: int, serial, config: ReplayC
             return f"{f} is {v.dtype} of shape {v.shape}"
         if want is np.integer and v.size and v.min() < 0:
             return f"{f} holds negative token ids"
+        if want is np.integer and v.size and vocab_size is not None and v.max() >= vocab_size:
+            return f"{f} holds token id {int(v.max())}, beyond the model's {vocab_size} tokens"
     for f in ("advantage", "weight", "target", "sampler_logprobs"):
         v = arrays[f]
         if not np.issubdtype(v.dtype, np.floating) or not np.all(np.isfinite(v)):
             return f"{f} is not finite numbers"
     if arrays["weight"].size and arrays["weight"].min() <= 0:
         return "a stored weight <= 0"
+    it = arrays["iteration"]
+    if it.size and (it.min() < 0 or (step is not None and it.max() > step)):
+        return (f"rows of iterations {int(it.min())}..{int(it.max())} in a checkpoint of "
+                f"iteration {step}")
     if not isinstance(serial, int) or isinstance(serial, bool) or (
             arrays["serial"].size and serial <= int(arrays["serial"].max())):
         return f"serial {serial!r} is not an integer above every stored serial"

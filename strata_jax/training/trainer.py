@@ -105,12 +105,16 @@ class Trainer:
                                                             key=lambda kv: str(kv[0]))]
         return {"shape_marks": marks, **self.replay.host_state(self.cfg.replay)}
 
-    def set_host_state(self, host: dict | None) -> None:
-        """Restore `host_state`'s dict (None, or a checkpoint from before it existed, leaves
-        the marks empty; a mark of an older checkpoint without N gets N = 0, raised by the
-        next micro-batch). Raises ValueError on a mark that is not [pass, P, W, m, wr, A, N]."""
+    def set_host_state(self, host: dict | None, step: int | None = None) -> None:
+        """Restore `host_state`'s dict of a checkpoint at iteration `step` (None: unknown;
+        None host, or a checkpoint from before it existed, leaves the marks empty; a mark of an
+        older checkpoint without N gets N = 0, raised by the next micro-batch). Raises
+        ValueError on a mark that is not [pass, P, W, m, wr, A, N] and on a replay pool the
+        pool refuses (`ReplayPool.set_host_state`: token ids beyond this model's vocabulary,
+        rows of later iterations than `step`, ...)."""
         self.shape_marks = parse_shape_marks((host or {}).get("shape_marks"))
-        self.replay.set_host_state(host, self.cfg.replay)   # the replay pool's
+        self.replay.set_host_state(host, self.cfg.replay, vocab_size=self.model.vocab_size,
+                                   step=step)
 
     # -- state -------------------------------------------------------------------------
 

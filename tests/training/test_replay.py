@@ -304,10 +304,16 @@ def test_a_restored_pool_with_impossible_contents_is_refused(setup):
              (tampered("response_ids", lambda a: a - 10 ** 6), "negative token ids"),
              (tampered("prompt_ids", lambda a: a.astype(np.float32)), "prompt_ids is float32"),
              (tampered("weight", lambda a: -a), "a stored weight <= 0"),
-             (tampered("serial", lambda a: a, serial=1.5), "serial 1.5 is not an integer")]
+             (tampered("serial", lambda a: a, serial=1.5), "serial 1.5 is not an integer"),
+             (tampered("response_ids", lambda a: a + TINY.vocab_size),
+              f"beyond the model's {TINY.vocab_size} tokens"),
+             (tampered("iteration", lambda a: a + 5), "rows of iterations 5..5 in a checkpoint "
+                                                      "of iteration 1"),
+             (tampered("iteration", lambda a: a - 1), "rows of iterations -1..-1")]
     for state, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
-            Trainer(TINY, cfg).set_host_state(state)
+            Trainer(TINY, cfg).set_host_state(state, step=1)
+    again.set_host_state(host, step=1)   # absorbed in iteration 0, saved after it: accepted
     small = train_config(replay=dataclasses.replace(ON, capacity=2))
     with pytest.raises(ValueError, match="4 rows for a capacity of 2"):
         Trainer(TINY, small).set_host_state(host)
