@@ -14,6 +14,34 @@ from studies.processes import lock_path, running_elsewhere, start_job, wait_unti
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+REMAT = ("none", "full", "dots")   # model.remat's values (configs/base.py)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a row count), else a usage error naming the value."""
+    import argparse
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return n
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0, else a usage error naming the value."""
+    import argparse
+    import math
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return x
+
+
 def queue_parser(doc: str, out: str, results: str):
     """The command line every study queue shares: --out (the jobs' workdirs), --results (kept
     outputs, committed), --keep-every (seconds between keeps of a running job's curve), --only
@@ -22,7 +50,8 @@ def queue_parser(doc: str, out: str, results: str):
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=out, help="the jobs' workdirs")
     ap.add_argument("--results", default=results, help="kept outputs (committed)")
-    ap.add_argument("--keep-every", type=float, default=120.0)
+    ap.add_argument("--keep-every", type=positive_seconds, default=120.0,
+                    help="seconds between copies of a running job's outputs to --results")
     ap.add_argument("--only", nargs="*", default=[], help="job name prefixes to run")
     ap.add_argument("--list", action="store_true")
     return ap

@@ -39,7 +39,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from studies.memory_key.queue import run_queue
+from studies.memory_key.queue import REMAT, positive_int, positive_seconds, run_queue
 from studies.memory_key.report import report
 
 ALGOS = ("strata", "grpo")
@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--updates-per-iteration", type=int, default=2)
-    ap.add_argument("--micro", type=int, default=8)
-    ap.add_argument("--remat", default="dots")
+    ap.add_argument("--micro", type=positive_int, default=8)
+    ap.add_argument("--remat", default="dots", choices=REMAT)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--sft-episodes", type=int, default=48)
     ap.add_argument("--sft-steps", type=int, default=40)
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--results", default="studies/memory_key/results/queue",
                     help="each finished job's outputs, committed: a later session's queue "
                     "skips the jobs kept here (same argv) and the report reads them")
-    ap.add_argument("--keep-every", type=float, default=120.0,
+    ap.add_argument("--keep-every", type=positive_seconds, default=120.0,
                     help="seconds between copies of a running job's outputs to --results")
     ap.add_argument("--report", action="store_true")
     return ap

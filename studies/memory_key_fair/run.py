@@ -60,8 +60,10 @@ def registered_args(argv=None) -> argparse.Namespace:
     """The command line; its defaults are the registered setting (the memory_key study's
     reported one: studies/memory_key/README.md, k50_t06_lr2e5_m4)."""
     ap = mq.queue_parser(__doc__, "runs/memory_key_fair", RESULTS)
-    ap.add_argument("--remat", default="full", help="a memory knob (not part of a job's key)")
-    ap.add_argument("--micro", type=int, default=4, help="a memory knob (rows per micro-batch)")
+    ap.add_argument("--remat", default="full", choices=mq.REMAT,
+                    help="a memory knob (not part of a job's key)")
+    ap.add_argument("--micro", type=mq.positive_int, default=4,
+                    help="a memory knob (rows per micro-batch)")
     ap.add_argument("--report", action="store_true")
     a = ap.parse_args(argv)
     # the setting (studies/memory_key/queue.py `variant` / `train_extra` read these names)

@@ -141,3 +141,23 @@ def test_a_damaged_kept_record_is_one_line_with_what_to_do(tmp_path, capsys):
     assert "restore it (git checkout -- " in err
     (res / "start_strata" / "job.json").write_text("[1]")   # valid JSON, not a record
     assert fair.main(["--list", "--out", str(tmp_path / "runs"), "--results", str(res)]) == 0
+
+
+@pytest.mark.parametrize("flag, value, said", [
+    ("--micro", "0", "expected an integer >= 1, got '0'"),
+    ("--micro", "four", "expected an integer >= 1, got 'four'"),
+    ("--remat", "some", "invalid choice: 'some'"),
+    ("--keep-every", "-5", "expected a number of seconds > 0, got '-5'"),
+    ("--keep-every", "nan", "expected a number of seconds > 0, got 'nan'"),
+])
+def test_a_bad_memory_knob_is_a_usage_error_before_any_job(tmp_path, capsys, flag, value, said):
+    with pytest.raises(SystemExit) as stop:
+        fair.main([flag, value, "--list", "--out", str(tmp_path / "runs")])
+    assert stop.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_memory_knobs_parse_to_their_values(tmp_path):
+    a = fair.registered_args(["--micro", "2", "--remat", "dots", "--keep-every", "30.5",
+                              "--out", str(tmp_path)])
+    assert (a.micro, a.remat, a.keep_every) == (2, "dots", 30.5)
