@@ -36,7 +36,7 @@ def _imported(path: str) -> set[str]:
 
 def test_every_study_has_its_entry_point_write_up_and_command():
     assert STUDIES == ["learning", "learning_real", "memory_key", "memory_key_fair", "options",
-                       "sciworld_learning", "test_time_scaling", "zero_shot"]
+                       "sciworld_learning", "stapo_efficiency", "test_time_scaling", "zero_shot"]
     for name in STUDIES:
         folder = os.path.join(ROOT, "studies", name)
         assert os.path.exists(os.path.join(folder, "README.md")), name
