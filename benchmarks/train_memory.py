@@ -163,7 +163,7 @@ def analyse_batch(model: Qwen2Config, args) -> list[dict]:
     # packed: the trainer's own plans (scoring: every row; training: the first mini-batch)
     ids = host_ids(batch)
     # the accumulator's shapes (`zero_carry` builds it eagerly, on devices)
-    carry = jax.eval_shape(lambda p, q: empty_carry(p, q, metric_keys(cfg, on_policy)),
+    carry = jax.eval_shape(lambda p, q: empty_carry(p, q, metric_keys(cfg)),
                            state.params, state.critic_params)
     seen = set()
     for program, rows_idx, rows_real, mark in (
@@ -196,7 +196,7 @@ def analyse_batch(model: Qwen2Config, args) -> list[dict]:
                     basep, packed, model=model, cfg=cfg, on_policy=on_policy).compile()
             add("packed", program, shape, compiled)
     add("packed", "apply_step", "AdamW on the accumulated gradients",
-        apply_step(cfg).lower(state, carry, cfg=cfg, on_policy=on_policy).compile())
+        apply_step(cfg).lower(state, carry, cfg=cfg).compile())
     return out
 
 

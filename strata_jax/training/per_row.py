@@ -91,7 +91,7 @@ def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, b
     norms, n_values = minibatch_loss_counts(mb)
     split = lambda x: x.reshape((rows // m, m) + x.shape[1:])  # noqa: E731
     micro = jax.tree.map(split, (mb, adv, w, targets))
-    keys = metric_keys(cfg, on_policy)
+    keys = metric_keys(cfg)
 
     def body(carry, xs):
         b, a, ww, tt = xs
@@ -103,12 +103,13 @@ def _accumulate_grads(params, critic_params, mb: SampleBatch, adv, w, targets, b
     return finish_carry(carry, keys)
 
 
-accumulate_grads = jax.jit(_accumulate_grads, static_argnames=("model", "cfg", "on_policy"))
+accumulate_grads = jax.jit(_accumulate_grads, static_argnames=("model", "cfg"))
 accumulate_grads.__doc__ = """Mini-batch loss and gradients summed over micro-batches.
 
 Args: params, critic_params; mb: SampleBatch (rows a multiple of cfg.micro_batch_rows); adv,
 w, targets [rows] f32; base: the frozen base params when LoRA is on (params = adapters;
-gradients are the adapters'), else None; static model, cfg, on_policy (see `micro_loss`).
+gradients are the adapters'), else None; on_policy: bool (traced, see `micro_loss`); static
+model, cfg.
 Every micro-batch loss is normalised by the WHOLE mini-batch's per-level counts
 (`loss_normalizers`), so the result does not depend on micro_batch_rows. Returns (loss f32,
 grads of params, grads of critic_params, metrics). Raises ValueError when the rows are not a
@@ -124,16 +125,17 @@ def _train_minibatch(state: TrainState, mb: SampleBatch, adv, w, targets, base=N
     return apply_grads(state, loss, gp, gc, metrics, cfg=cfg)
 
 
-train_minibatch = jax.jit(_train_minibatch, static_argnames=("model", "cfg", "on_policy"))
-_train_minibatch_donated = jax.jit(_train_minibatch, static_argnames=("model", "cfg", "on_policy"),
+train_minibatch = jax.jit(_train_minibatch, static_argnames=("model", "cfg"))
+_train_minibatch_donated = jax.jit(_train_minibatch, static_argnames=("model", "cfg"),
                                    donate_argnames=("state",))
 train_minibatch.__doc__ = """One optimizer step on one mini-batch (see the module docstring).
 
 Args: state; mb: SampleBatch of the mini-batch rows (old/ref logprobs and values filled;
 rows a multiple of cfg.micro_batch_rows); adv, w, targets: [rows] f32 advantages, sample
 weights, value targets; base: frozen base params when LoRA is on (state.params = adapters, the
-only leaves that change), else None; static: model, cfg, on_policy (the only step of an
-exactly on-policy update: pi_old = stop_gradient of the current logprobs, see `micro_loss`).
+only leaves that change), else None; on_policy: bool, traced (the only step of an exactly
+on-policy update: pi_old = stop_gradient of the current logprobs, see `micro_loss`); static:
+model, cfg.
 Returns (new state, metrics: loss, grad_norm, critic_grad_norm, skipped (1.0 when the
 non-finite step was skipped), tokens, and the token-mean loss metrics of `ppo_loss` /
 `value_loss`). The step counter `state.step` is NOT advanced here (it counts iterations).

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -96,21 +97,35 @@ def _logprobs(params, model: Qwen2Config, h, ri, rm, packed: PackedInputs | None
                              slots=None if packed is None else packed.response_slot)
 
 
+def _when(flag, fn, otherwise):
+    """fn() when `flag`, else `otherwise`: a Python branch for a Python bool, ``lax.cond`` for
+    a traced one (one program for both values; only the taken branch runs)."""
+    if isinstance(flag, (bool, np.bool_)):
+        return fn() if flag else otherwise
+    return jax.lax.cond(flag, fn, lambda: otherwise)
+
+
 def score_chunk(params, critic_params, ref_params, pi, pm, ri, rm, key, *, model: Qwen2Config,
                 cfg: TrainConfig, use_ref: bool, use_old: bool,
                 packed: PackedInputs | None = None):
     """(old [B, Tr], ref [B, Tr], values [B], value_std [B]) f32 of one chunk of rows (params
-    already effective: `scoring_params`); packed: the rows' packed layout (`_states`)."""
+    already effective: `scoring_params`); packed: the rows' packed layout (`_states`).
+    use_old: bool, or a traced bool (`score_rows`): whether the old-logprob pass runs (old 0
+    without it)."""
     kind = cfg.critic_kind
     run = dict(compute_dtype=cfg.compute_dtype)
-    old = jnp.zeros(ri.shape, jnp.float32)
+    zeros = jnp.zeros(ri.shape, jnp.float32)
+    # replayed rows' pi_old is stored: their slots are not in old_slot
+    own = packed if packed is None or packed.old_slot is None else \
+        dataclasses.replace(packed, response_slot=packed.old_slot)
     last = None
-    if use_old or kind == "head":
+    if kind == "head":   # the value head reads the policy trunk's states either way
         h, last = _states(params, model, pi, pm, ri, rm, packed, **run)
-        if use_old:   # replayed rows' pi_old is stored: their slots are not in old_slot
-            own = packed if packed is None or packed.old_slot is None else \
-                dataclasses.replace(packed, response_slot=packed.old_slot)
-            old, _ = _logprobs(params, model, h, ri, rm, own, cfg)
+        old = _when(use_old, lambda: _logprobs(params, model, h, ri, rm, own, cfg)[0], zeros)
+    else:
+        old = _when(use_old, lambda: _logprobs(
+            params, model, _states(params, model, pi, pm, ri, rm, packed, **run)[0], ri, rm,
+            own, cfg)[0], zeros)
     ref = jnp.zeros_like(old)
     if use_ref:
         hr, _ = _states(ref_params, model, pi, pm, ri, rm, packed, **run)
@@ -163,14 +178,16 @@ gather_chunk.__doc__ = """The rows idx [m] int32 of a SampleBatch, trimmed to st
 &= real [m] bool (False = padding entry). A cheap program per batch shape; the programs that
 run the model (`score_rows`, `accumulate_micro`) then see only [m, widths] shapes."""
 
-score_rows = jax.jit(_score_rows, static_argnames=("model", "cfg", "use_ref", "use_old"))
+# use_old is traced, not static: whether an iteration's update is on-policy (no old pass) is
+# up to its rollout, and a static flag compiled the scoring pass again when it first changed
+score_rows = jax.jit(_score_rows, static_argnames=("model", "cfg", "use_ref"))
 score_rows.__doc__ = """`score_batch`'s passes on one chunk of rows at its own width.
 
 Args: params, critic_params, ref_params as `score_batch`; b: the chunk (`gather_chunk`: [m, wp]
 prompt, [m, wr] response); key: the dropout PRNGKey of this chunk; packed: None, or the
 chunk's `PackedInputs` (the forward runs over the prefix-tree packed row instead of the rows'
-prompts: same scores; b's prompt columns are then not read); static model, cfg, use_ref,
-use_old. Returns `Scores` (old [m, wr], ref [m, wr], values [m], value_std [m]) f32: what the
+prompts: same scores; b's prompt columns are then not read); use_old: bool (traced: one
+program for both; the old pass runs only when True); static model, cfg, use_ref. Returns `Scores` (old [m, wr], ref [m, wr], values [m], value_std [m]) f32: what the
 per-row `score_batch` computes for these rows (values / value_std 0 on invalid rows); `scatter_scores` puts them back.
 One compiled program per (m, wp, wr) (packed: per (m, w, wr)).
 """
@@ -205,10 +222,13 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
     over valid step samples with targets and weights w, divided by n_values (the mini-batch's
     count); for the STAPO head the trunk state h_t enters with gradient scale value_trunk_coef.
     LoRA: params (and a separate critic's trunk) are adapters over `base` (`effective_params`).
-    on_policy (static): the update is exactly on-policy (one epoch, one mini-batch), so pi_old is
-    the current logprob itself: ``stop_gradient(lp)`` replaces mb.old_logprobs (what the
-    skipped old-logprob pass would have computed, same params and dtype; ratio 1), and the
-    metric "sampler_abs" (token mean of |sampler - pi_old| logprob) is added.
+    on_policy: bool, may be traced: the update is exactly on-policy (one epoch, one
+    mini-batch), so pi_old is the current logprob itself: ``stop_gradient(lp)`` replaces
+    mb.old_logprobs (what the skipped old-logprob pass would have computed, same params and
+    dtype; ratio 1), and the metric "sampler_abs" (token mean of |sampler - pi_old| logprob)
+    is measured (0 when off-policy). A traced value, not a static one, so one compiled program
+    serves both: whether an iteration's rows fit one mini-batch is up to its rollout, and a
+    static flag compiled the gradient step again the first time that changed, late in a run.
     packed: None, or mb's `PackedInputs`: the policy (and a separate critic's trunk) run over
     the rows' prefix-tree packed layout (`_states`; same values and gradients, each shared
     prefix computed once; mb's prompt columns are then not read).
@@ -220,7 +240,7 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
                       mb.response_mask, packed, **run)
     lp, ent = _logprobs(params, model, h, mb.response_ids, mb.response_mask, packed, cfg)
     mask = loss_mask(mb)
-    old = jax.lax.stop_gradient(lp) if on_policy else mb.old_logprobs
+    old = jnp.where(on_policy, jax.lax.stop_gradient(lp), mb.old_logprobs)
     loss, metrics = ppo_loss(
         lp, old, adv, mask, mb.kind, config=cfg.loss, sample_weights=w,
         ref_logprobs=mb.ref_logprobs if cfg.loss.kl_coef else None,
@@ -240,15 +260,15 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
                             num_samples=n_values)
         loss = loss + vl
         metrics = {**metrics, **vm}
-    if on_policy:
-        gap = jnp.where(mask, jnp.abs(mb.sampler_logprobs - jax.lax.stop_gradient(lp)), 0.0)
-        metrics = {**metrics, "sampler_abs": jnp.sum(gap) / jnp.maximum(jnp.sum(mask), 1)}
+    gap = jnp.where(mask, jnp.abs(mb.sampler_logprobs - jax.lax.stop_gradient(lp)), 0.0)
+    sampler_abs = jnp.sum(gap) / jnp.maximum(jnp.sum(mask), 1)
+    metrics = {**metrics, "sampler_abs": jnp.where(on_policy, sampler_abs, 0.0)}
     return loss, metrics
 
 
-def metric_keys(cfg: TrainConfig, on_policy: bool = False) -> tuple[str, ...]:
+def metric_keys(cfg: TrainConfig) -> tuple[str, ...]:
     """The metric names a mini-batch step reports for cfg (KL, entropy and the value metrics
-    only when their terms are on; "sampler_abs" only on-policy)."""
+    only when their terms are on; "sampler_abs" always, 0 off-policy: `micro_loss`)."""
     keys = ["loss/action", "loss/strategy", "pg_loss", "clip_frac", "dual_clip_frac",
             "approx_kl_old", "ratio_mean"]
     if cfg.loss.kl_coef:
@@ -257,8 +277,7 @@ def metric_keys(cfg: TrainConfig, on_policy: bool = False) -> tuple[str, ...]:
         keys.append("entropy")
     if cfg.critic_kind != "none":
         keys += ["vf_loss", *_VALUE_METRICS]
-    if on_policy:
-        keys.append("sampler_abs")
+    keys.append("sampler_abs")
     return tuple(keys)
 
 
@@ -404,19 +423,19 @@ def _micro_step(carry, params, critic_params, b: SampleBatch, a, ww, tt, norms, 
     a, ww, tt = masked_targets(b.valid, a, ww, tt)
     return add_micro_batch(carry, params, critic_params, b, a, ww, tt, norms, n_values, base,
                            model=model, cfg=cfg, on_policy=on_policy,
-                           keys=metric_keys(cfg, on_policy), packed=packed)
+                           keys=metric_keys(cfg), packed=packed)
 
 
-accumulate_micro = jax.jit(_micro_step, static_argnames=("model", "cfg", "on_policy"),
+accumulate_micro = jax.jit(_micro_step, static_argnames=("model", "cfg"),
                            donate_argnames=("carry",))
 accumulate_micro.__doc__ = """carry + one micro-batch's loss, gradients and metric sums.
 
-Args: carry (`zero_carry(params, critic_params, cfg=, on_policy=)` or a previous result;
+Args: carry (`zero_carry(params, critic_params, cfg=)` or a previous result;
 donated); params, critic_params; b: the micro-batch (`gather_micro`: [m, wp] prompt, [m, wr]
 response, its own widths); a, ww, tt [m] f32 advantages, sample weights, value targets; norms,
 n_values: the WHOLE mini-batch's counts (`minibatch_counts`); base: the frozen LoRA base or
 None; packed: None, or b's `PackedInputs` (the prefix-tree packed forward, `micro_loss`);
-static model, cfg, on_policy (see `micro_loss`). Summing every micro-batch of a
+on_policy: bool (traced, see `micro_loss`); static model, cfg. Summing every micro-batch of a
 mini-batch gives the `accumulate_grads` result up to float summation order. One compiled
 program per micro-batch shape (m, wp, wr).
 """
@@ -433,30 +452,30 @@ False = padding entry), trimmed to static widths = (prompt columns, response col
 (`batching.trim_columns`; every row must fit). Returns (micro-batch, adv, w, targets [m])."""
 
 
-def zero_carry(params, critic_params, *, cfg: TrainConfig, on_policy: bool = False):
+def zero_carry(params, critic_params, *, cfg: TrainConfig):
     """The empty accumulator `accumulate_micro` adds to: zero gradients like params and
     critic_params (created eagerly, so each keeps its param's sharding on a mesh; under jit they
-    would come out replicated), zero loss / metric sums / counts (the metrics of cfg,
-    on_policy), committed to the params' devices (replicated).
+    would come out replicated), zero loss / metric sums / counts (the metrics of cfg),
+    committed to the params' devices (replicated).
 
     Why committed: jit keys its compiled programs on whether each argument is committed to a
     device, and `accumulate_micro`'s own outputs are; eager ``jnp.zeros`` scalars are not. A
     micro-batch shape met first as a mini-batch's first micro-batch (a fresh carry) and later
     as a following one (a previous result) would otherwise compile the gradient step twice:
     minutes on CPU for a real model."""
-    gp, gc, *rest = empty_carry(params, critic_params, metric_keys(cfg, on_policy))
+    gp, gc, *rest = empty_carry(params, critic_params, metric_keys(cfg))
     sharding = jax.tree.leaves(params)[0].sharding
     if isinstance(sharding, NamedSharding):
         sharding = NamedSharding(sharding.mesh, PartitionSpec())
     return GradCarry(gp, gc, *jax.device_put(rest, sharding))
 
 
-def _apply_carry(state: TrainState, carry, *, cfg: TrainConfig, on_policy: bool = False):
-    loss, gp, gc, metrics = finish_carry(carry, metric_keys(cfg, on_policy))
+def _apply_carry(state: TrainState, carry, *, cfg: TrainConfig):
+    loss, gp, gc, metrics = finish_carry(carry, metric_keys(cfg))
     return apply_grads(state, loss, gp, gc, metrics, cfg=cfg)
 
 
-_apply_static = ("cfg", "on_policy")
+_apply_static = ("cfg",)
 _apply_accumulated = jax.jit(_apply_carry, static_argnames=_apply_static,
                              donate_argnames=("carry",))
 # the state's buffers take the new state; the carry's would be left over (a warning), so only
@@ -467,7 +486,7 @@ _apply_accumulated_donated = jax.jit(_apply_carry, static_argnames=_apply_static
 
 def apply_step(cfg: TrainConfig):
     """The jitted optimizer step on accumulated micro-batches (`accumulate_micro`):
-    (state, carry, *, cfg, on_policy) -> (new state, metrics as `train_minibatch` returns them);
+    (state, carry, *, cfg) -> (new state, metrics as `train_minibatch` returns them);
     the state is donated when cfg.donate_state, else the carry is."""
     return _apply_accumulated_donated if cfg.donate_state else _apply_accumulated
 

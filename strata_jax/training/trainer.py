@@ -435,14 +435,14 @@ class Trainer:
         packed row with the rows it carries, then `apply_step`."""
         cfg, model = self.cfg, self.model
         norms, n_values = minibatch_counts(batch, jnp.asarray(idx), jnp.asarray(real))
-        carry = zero_carry(state.params, state.critic_params, cfg=cfg, on_policy=on_policy)
+        carry = zero_carry(state.params, state.critic_params, cfg=cfg)
         for mb in packed:
             b, a, w, t = gather_micro(batch, adv, weights, targets, jnp.asarray(mb.idx),
                                       jnp.asarray(mb.real), widths=(1, mb.response_width))
             carry = accumulate_micro(carry, state.params, state.critic_params, b, a, w, t, norms,
                                      n_values, base, self._packed_inputs(mb), model=model,
                                      cfg=cfg, on_policy=on_policy)
-        return apply_step(cfg)(state, carry, cfg=cfg, on_policy=on_policy)
+        return apply_step(cfg)(state, carry, cfg=cfg)
 
     def update(self, state: TrainState, batch: SampleBatch, ref_params: Params | None = None
                ) -> tuple[TrainState, dict[str, float]]:

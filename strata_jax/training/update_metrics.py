@@ -24,10 +24,12 @@ def update_metrics(steps: list[dict], adv_metrics: dict, est: SampleBatch,
     est: the scored batch the estimator saw; on_policy: the update ran without the old pass."""
     empty = sum(1 for s in steps if s.get("empty"))
     steps = [dict(s) for s in steps if not s.get("empty")]
+    # every step reports it (0 off-policy: one compiled step serves both, `micro_loss`)
+    own = [s.pop("sampler_abs", None) for s in steps]
     if on_policy and not steps:   # the one mini-batch was empty: no step measured it
         mism = None
     elif on_policy:  # measured inside the one step, against the same pi_old
-        mism = steps[0].pop("sampler_abs")
+        mism = own[0]
     else:
         mask = loss_mask(est)
         mism = jnp.sum(jnp.where(mask, jnp.abs(est.sampler_logprobs - est.old_logprobs), 0.0)
