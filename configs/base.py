@@ -338,7 +338,7 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
             # tokenizer, zero-shot (no behaviour-cloning warm start). Put it after `tiny`.
             c.model.path, c.model.preset = "qwen2.5-coder-0.5b-instruct", ""
             c.model.warm_start, c.model.tokenizer = "", ""
-            _set_dotted(c, "model.remat", "full")   # without remat a 0.5B update holds ~70 GB of temporaries
+            _set_dotted(c, "model.remat", "full")   # without remat a 0.5B update's temporaries outgrow a host
         elif "=" in token:
             key, value = token.split("=", 1)
             _set_dotted(c, key, value)

@@ -226,7 +226,7 @@ def micro_loss(params, critic_params, mb: SampleBatch, adv, w, targets, normaliz
     mini-batch), so pi_old is the current logprob itself: ``stop_gradient(lp)`` replaces
     mb.old_logprobs (what the skipped old-logprob pass would have computed, same params and
     dtype; ratio 1), and the metric "sampler_abs" (token mean of |sampler - pi_old| logprob)
-    is measured (0 when off-policy). A traced value, not a static one, so one compiled program
+    is reported (0 when off-policy). A traced value, not a static one, so one compiled program
     serves both: whether an iteration's rows fit one mini-batch is up to its rollout, and a
     static flag compiled the gradient step again the first time that changed, late in a run.
     packed: None, or mb's `PackedInputs`: the policy (and a separate critic's trunk) run over
