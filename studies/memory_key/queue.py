@@ -278,6 +278,29 @@ def finished_here(job: dict) -> bool:
     return same_setting(read_record(marker(job)), job_key(job))
 
 
+def finished_output(args, job: dict, queue: list[dict]) -> str | None:
+    """The path of `job`'s done file (its result, e.g. an eval's metrics JSON) when the job
+    finished here (`finished_here`) or is kept under --results (`is_kept`), else None: a file
+    that no finished job of this setting wrote is never read as its result."""
+    for done, ok in ((job["done"], finished_here(job)),
+                     (os.path.join(kept_dir(args, job), os.path.basename(job["done"])),
+                      is_kept(args, job, queue))):
+        if ok and os.path.exists(done):
+            return done
+    return None
+
+
+def study_args(doc: str, out: str, results: str, argv, **setting):
+    """A study's parsed command line: `queue_parser`'s flags plus --report, with the
+    registered `setting` (name -> value, read by the study's job builders) set on it."""
+    ap = queue_parser(doc, out, results)
+    ap.add_argument("--report", action="store_true")
+    a = ap.parse_args(argv)
+    for k, v in setting.items():
+        setattr(a, k, v)
+    return a
+
+
 def is_kept(args, job: dict, queue: list[dict]) -> bool:
     """Whether --results holds this job's outputs from the same argv (`job_key`), and, for a
     train run, its final eval's too (`jobs`: kept_with); never for a `local` job."""

@@ -47,12 +47,9 @@ MIN_FAMILIES, MAX_FAMILIES = 2, 3
 
 def registered_args(argv=None) -> argparse.Namespace:
     """The command line; its defaults are the registered setting."""
-    ap = mq.queue_parser(__doc__, "runs/sciworld_learning", RESULTS)
-    ap.add_argument("--report", action="store_true")
-    a = ap.parse_args(argv)
-    a.model, a.iterations, a.eval_per_family, a.screen_per_family = (
-        "qwen2.5-coder-0.5b-instruct", 15, 24, 16)
-    return a
+    return mq.study_args(__doc__, "runs/sciworld_learning", RESULTS, argv,
+                         model="qwen2.5-coder-0.5b-instruct", iterations=15,
+                         eval_per_family=24, screen_per_family=16)
 
 
 def common(a, workdir: str, families: str) -> list[str]:
@@ -183,14 +180,11 @@ def chosen_families(a) -> list[str] | None:
     marker) or is kept under --results, in SCREEN_FAMILIES order; None before it ran. A screen
     file no finished screen job wrote is not read. Raises ValueError for a damaged one."""
     q = jobs(a)
-    screen = next(j for j in q if j["name"] == "screen")
-    for done, ok in ((screen["done"], mq.finished_here(screen)),
-                     (os.path.join(mq.kept_dir(a, screen), os.path.basename(screen["done"])),
-                      mq.is_kept(a, screen, q))):
-        if ok and os.path.exists(done):
-            chosen = choose_families(read_screen(done))
-            return [f for f in SCREEN_FAMILIES if f in chosen]
-    return None
+    done = mq.finished_output(a, next(j for j in q if j["name"] == "screen"), q)
+    if done is None:
+        return None
+    chosen = choose_families(read_screen(done))
+    return [f for f in SCREEN_FAMILIES if f in chosen]
 
 
 def resolve(a, job: dict) -> dict | None:

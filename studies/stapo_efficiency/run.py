@@ -36,12 +36,9 @@ WARM = "{warm_start}"        # replaced by the chosen warm start's folder once i
 
 def registered_args(argv=None) -> argparse.Namespace:
     """The command line; its defaults are the registered setting."""
-    ap = mq.queue_parser(__doc__, "runs/stapo_efficiency", RESULTS)
-    ap.add_argument("--report", action="store_true")
-    a = ap.parse_args(argv)
-    a.model, a.iterations, a.test_episodes, a.dev_episodes = (
-        "qwen2.5-coder-0.5b-instruct", 12, 48, 48)
-    return a
+    return mq.study_args(__doc__, "runs/stapo_efficiency", RESULTS, argv,
+                         model="qwen2.5-coder-0.5b-instruct", iterations=12, test_episodes=48,
+                         dev_episodes=48)
 
 
 def common(a, workdir: str) -> list[str]:
@@ -154,13 +151,8 @@ def read_success(path: str) -> float:
 def dev_success(a, q: list[dict], name: str) -> float | None:
     """The dev success of check job `name` of queue `q` when it finished here (its argv
     marker) or is kept under --results; None before. A file no finished job wrote is not read."""
-    job = next(j for j in q if j["name"] == name)
-    for done, ok in ((job["done"], mq.finished_here(job)),
-                     (os.path.join(mq.kept_dir(a, job), os.path.basename(job["done"])),
-                      mq.is_kept(a, job, q))):
-        if ok and os.path.exists(done):
-            return read_success(done)
-    return None
+    done = mq.finished_output(a, next(j for j in q if j["name"] == name), q)
+    return None if done is None else read_success(done)
 
 
 def chosen_warm_start(a) -> str | None:

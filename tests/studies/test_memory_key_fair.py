@@ -9,20 +9,15 @@ import os
 
 import pytest
 
-from configs import builtin
 from strata_jax.jobs import warm_start
 from strata_jax.models import Qwen2Config
 from strata_jax.training import sft
 from studies.memory_key import stats
 from studies.memory_key_fair import run as fair
+from tests.fixtures.study_jobs import job_config
 
 MODEL = Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_layers=1,
                     num_heads=2, num_kv_heads=1, head_dim=8, tie_word_embeddings=True)
-
-
-def _config(job):
-    arg = [x for x in job["argv"] if x.startswith("--config=")][0]
-    return builtin.get_config(arg.split(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +49,13 @@ def test_every_arm_starts_from_the_one_warm_start(queue):
     by = {j["name"]: j for j in q}
 
     def fp(name):
-        c = _config(by[name])
+        c = job_config(by[name])
         return warm_start.fingerprint(c, MODEL, sft.SFTConfig.from_config(c))
     ws = fp("warm_start")
     assert {fp(n) for n in ("start_strata", "start_flat", "run_grpo_full_s0",
                             "run_strata_traj_s1", "run_strata_s4", "final_grpo_full_s2_test",
                             "final_strata_s3_test")} == {ws}
-    c = _config(by["warm_start"])
+    c = job_config(by["warm_start"])
     assert (c.sft.flat_prompts, c.sft.strata_prompts, c.rollout.cumulative_prompts) == (
         "full", "run", False)
 
@@ -68,7 +63,7 @@ def test_every_arm_starts_from_the_one_warm_start(queue):
 def test_each_arms_config_is_the_registered_one(queue):
     a, q = queue
     by = {j["name"]: j for j in q}
-    g, t, s = (_config(by[n]) for n in ("run_grpo_full_s1", "run_strata_traj_s0",
+    g, t, s = (job_config(by[n]) for n in ("run_grpo_full_s1", "run_strata_traj_s0",
                                         "run_strata_s3"))
     assert (g.algo, t.algo, s.algo) == ("grpo", "strata_traj", "strata")
     assert (g.rollout.cumulative_prompts, t.rollout.cumulative_prompts,
@@ -84,8 +79,8 @@ def test_each_arms_config_is_the_registered_one(queue):
 def test_final_evals_run_the_runs_config_from_its_adapters_at_the_start_seed(queue):
     a, q = queue
     by = {j["name"]: j for j in q}
-    run, ev = _config(by["run_strata_traj_s2"]), _config(by["final_strata_traj_s2_test"])
-    assert ev.seed == 0 == _config(by["start_strata"]).seed
+    run, ev = job_config(by["run_strata_traj_s2"]), job_config(by["final_strata_traj_s2_test"])
+    assert ev.seed == 0 == job_config(by["start_strata"]).seed
     for key in ("algo", "lora.rank", "rollout.cumulative_prompts", "env.code_digits",
                 "model.warm_start"):
         sec, _, field = key.rpartition(".")
@@ -93,7 +88,7 @@ def test_final_evals_run_the_runs_config_from_its_adapters_at_the_start_seed(que
     assert by["final_strata_traj_s2_test"]["argv"][-1] == (
         "--adapter=" + os.path.join(os.path.abspath(a.out), "run_strata_traj_s2", "adapters",
                                     "step10"))
-    d2, long = _config(by["final_strata_traj_s2_d2"]), _config(by["final_strata_traj_s2_long"])
+    d2, long = job_config(by["final_strata_traj_s2_d2"]), job_config(by["final_strata_traj_s2_long"])
     assert (d2.env.code_digits, long.env.corridor_rooms, long.env.code_digits) == (2, "6-7", 1)
     assert d2.model.warm_start == fair.WARM
     assert fair.resolve(a, by["final_strata_traj_s2_d2"]) is None   # no warm start yet
@@ -101,7 +96,7 @@ def test_final_evals_run_the_runs_config_from_its_adapters_at_the_start_seed(que
     with open(os.path.join(a.out, "warm_start.log"), "w") as f:
         f.write("step 10 ...\ntrained: runs/warm_start/0123456789ab  (episodes 32, ...)\n")
     job = fair.resolve(a, by["final_strata_traj_s2_d2"])
-    assert _config(job).model.warm_start == "runs/warm_start/0123456789ab"
+    assert job_config(job).model.warm_start == "runs/warm_start/0123456789ab"
     assert fair.resolve(a, by["run_strata_s2"]) is by["run_strata_s2"]
 
 
@@ -113,7 +108,7 @@ def test_resolve_falls_back_to_the_kept_export_record(queue, tmp_path):
     os.makedirs(tmp_path / "warm_start")
     (tmp_path / "warm_start" / "export.json").write_text(
         '{"dir": "runs/warm_start/feedfacecafe", "model_safetensors_sha256": "00"}')
-    assert _config(fair.resolve(b, job)).model.warm_start == "runs/warm_start/feedfacecafe"
+    assert job_config(fair.resolve(b, job)).model.warm_start == "runs/warm_start/feedfacecafe"
 
 
 def test_seed_level_statistics_on_hand_values():

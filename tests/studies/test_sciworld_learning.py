@@ -10,13 +10,8 @@ import re
 
 import pytest
 
-from configs import sciworld
 from studies.sciworld_learning import run as sw
-
-
-def _config(job):
-    arg = [x for x in job["argv"] if x.startswith("--config=")][0]
-    return sciworld.get_config(arg.split(":", 1)[1])
+from tests.fixtures.study_jobs import job_config
 
 
 @pytest.fixture()
@@ -36,7 +31,7 @@ def test_the_registered_jobs_in_order(queue):
 def test_the_warm_start_is_lora_cloning_of_the_screen_families_kept_under_results(queue):
     a, q = queue
     ws = q[0]
-    c = _config(ws)
+    c = job_config(ws)
     assert ws["argv"][-1] == "--out=" + sw.export_dir(a)
     assert sw.export_dir(a).startswith(os.path.abspath(a.results))
     assert ws["done"] == os.path.join(sw.export_dir(a), "sft_meta.json")
@@ -46,21 +41,21 @@ def test_the_warm_start_is_lora_cloning_of_the_screen_families_kept_under_result
     assert c.model.path == "qwen2.5-coder-0.5b-instruct" and c.model.dtype == "float32"
     # every later job loads that export by its folder, never a cache lookup
     for job in q[1:]:
-        assert _config(job).model.warm_start == sw.export_dir(a), job["name"]
+        assert job_config(job).model.warm_start == sw.export_dir(a), job["name"]
 
 
 def test_each_arms_config_is_the_registered_one(queue):
     a, q = queue
     by = {j["name"]: j for j in q}
-    g, s = _config(by["run_grpo_s1"]), _config(by["run_strata_s0"])
+    g, s = job_config(by["run_grpo_s1"]), job_config(by["run_strata_s0"])
     assert (g.algo, s.algo, g.seed, s.seed) == ("grpo", "strata", 1, 0)
     assert g.rollout.group_size == 8 == s.rollout.num_strategies * s.rollout.episodes_per_strategy
     for c in (g, s):
         assert (c.iterations, c.lora.rank, c.optim.lr, c.rollout.temperature, c.loss.kl_coef,
                 c.loss.entropy_coef, c.rollout.tasks_per_batch, c.env.max_steps) == (
             15, 16, 2e-5, 0.6, 0, 0, 1, 15)
-    ev = _config(by["final_strata_s0"])
-    assert ev.seed == 0 == _config(by["start_strata"]).seed
+    ev = job_config(by["final_strata_s0"])
+    assert ev.seed == 0 == job_config(by["start_strata"]).seed
     assert by["final_strata_s0"]["argv"][-1] == "--adapter=" + os.path.join(
         os.path.abspath(a.out), "run_strata_s0", "adapters", "step15")
     assert "--split=dev" in by["screen"]["argv"] and "--split=test" in by["final_grpo_s0"]["argv"]
@@ -102,7 +97,7 @@ def test_the_chosen_families_fill_every_later_job(queue, tmp_path):
     with open(mq.marker(by["screen"]), "w") as fh:
         json.dump(mq.job_key(by["screen"]), fh)
     job = sw.resolve(a, by["run_strata_s0"])
-    assert tuple(_config(job).env.tasks) == (f[1], f[4])   # in the screen's order
+    assert tuple(job_config(job).env.tasks) == (f[1], f[4])   # in the screen's order
     assert sw.chosen_families(a) == [f[1], f[4]]
 
 

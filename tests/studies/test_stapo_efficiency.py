@@ -11,14 +11,9 @@ import re
 
 import pytest
 
-from configs import builtin
 from studies.memory_key import queue as mq
 from studies.stapo_efficiency import run as st
-
-
-def _config(job):
-    arg = [x for x in job["argv"] if x.startswith("--config=")][0]
-    return builtin.get_config(arg.split(":", 1)[1])
+from tests.fixtures.study_jobs import job_config
 
 
 @pytest.fixture()
@@ -46,7 +41,7 @@ def test_the_arms_differ_only_in_weighting_and_replay(queue):
     a, q = queue
     by = {j["name"]: j for j in q}
     # the warm start is only known after its dev check: fill it in by hand here
-    cfgs = {arm: _config(mq.fill_placeholder(by[f"run_{arm}_s1"], st.WARM, "/ws"))
+    cfgs = {arm: job_config(mq.fill_placeholder(by[f"run_{arm}_s1"], st.WARM, "/ws"))
             for arm in st.ARMS}
     p, s, r = cfgs["ppo"], cfgs["stapo"], cfgs["stapo_replay"]
     assert (p.algo, s.algo, r.algo) == ("ppo", "stapo", "stapo")
@@ -64,12 +59,12 @@ def test_the_arms_differ_only_in_weighting_and_replay(queue):
 
 def test_the_warm_start_is_lora_cloning_kept_under_results(queue):
     a, q = queue
-    ws = _config(q[0])
+    ws = job_config(q[0])
     assert q[0]["argv"][-1] == "--out=" + st.export_dir(a)
     assert st.export_dir(a).startswith(os.path.abspath(a.results))
     assert (ws.model.warm_start, ws.sft.lora_rank, ws.sft.episodes, ws.sft.steps, ws.sft.noise,
             ws.sft.strategy_mode) == ("sft", 16, 32, 30, 0.3, "flat")
-    check = _config(q[1])
+    check = job_config(q[1])
     assert check.model.warm_start == st.export_dir(a) and "--split=dev" in q[1]["argv"]
 
 
@@ -86,7 +81,7 @@ def test_the_warm_start_rule_on_hand_made_dev_checks(queue):
     _finish(a, by["dev_check"], 0.40)   # inside [0.15, 0.70]: the first build
     assert st.chosen_warm_start(a) == st.export_dir(a)
     assert [j["name"] for j in st.jobs(a)][:3] == ["bc_export", "dev_check", "start"]
-    assert _config(st.resolve(a, by["start"])).model.warm_start == st.export_dir(a)
+    assert job_config(st.resolve(a, by["start"])).model.warm_start == st.export_dir(a)
     for success, tokens in ((0.9, ["sft.noise=0.6"]), (0.05, ["sft.steps=60"])):
         _finish(a, by["dev_check"], success)
         q2 = st.jobs(a)
@@ -94,7 +89,7 @@ def test_the_warm_start_rule_on_hand_made_dev_checks(queue):
         assert names[:5] == ["bc_export", "dev_check", "bc_rebuild", "dev_check_rebuild",
                              "start"]
         assert st.rebuild_tokens(success) == tokens
-        rebuilt = _config(q2[2])
+        rebuilt = job_config(q2[2])
         assert (rebuilt.sft.noise, rebuilt.sft.steps) == ((0.6, 30) if success > 0.7
                                                           else (0.3, 60))
         assert st.chosen_warm_start(a) is None   # the rebuild's check has not run
