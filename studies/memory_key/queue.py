@@ -290,6 +290,30 @@ def finished_output(args, job: dict, queue: list[dict]) -> str | None:
     return None
 
 
+def read_eval_numbers(path: str, ranges: dict[str, tuple[float, float]]) -> dict:
+    """An eval job's metrics file (eval.py's ``eval_<split>_step<k>.json``) as a dict, checked:
+    a JSON object whose every key of `ranges` holds a finite number (not a bool) in its
+    [lo, hi]. Raises ValueError naming the file, the entry and what to do (delete the file and
+    let the queue run that eval again): a damaged or foreign file decides nothing."""
+    import math
+    fix = "delete it and let the queue run that eval again"
+    try:
+        with open(path) as f:
+            got = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not an eval file ({type(e).__name__}: {e}); {fix}") \
+            from None
+    if not isinstance(got, dict):
+        raise ValueError(f"{path} holds a {type(got).__name__}, not an eval file's metrics; "
+                         f"{fix}")
+    for key, (lo, hi) in ranges.items():
+        v = got.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or not lo <= v <= hi:
+            raise ValueError(f"{path}: {key} is {v!r}, not a number in [{lo:g}, {hi:g}]; {fix}")
+    return got
+
+
 def study_args(doc: str, out: str, results: str, argv, **setting):
     """A study's parsed command line: `queue_parser`'s flags plus --report, with the
     registered `setting` (name -> value, read by the study's job builders) set on it."""

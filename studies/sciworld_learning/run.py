@@ -152,27 +152,14 @@ def choose_families(screen: dict) -> list[str]:
 
 
 def read_screen(path: str) -> dict:
-    """The screen eval's metrics file, checked: a JSON object whose ``eval/family/<f>/success``
-    is a finite number in [0, 1] and ``.../score`` a finite number in [-100, 100] for every
-    SCREEN_FAMILIES family. Raises ValueError naming the file and the entry (a damaged or
-    foreign file chooses no families)."""
-    import math
-    try:
-        with open(path) as f:
-            screen = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not the screen's eval file ({type(e).__name__}: {e}); "
-                         "delete it and let the queue run the screen again") from None
-    if not isinstance(screen, dict):
-        raise ValueError(f"{path} holds a {type(screen).__name__}, not the screen's metrics")
-    for fam in SCREEN_FAMILIES:
-        for key, lo, hi in (("success", 0.0, 1.0), ("score", -100.0, 100.0)):
-            v = screen.get(f"eval/family/{fam}/{key}")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or not lo <= v <= hi:
-                raise ValueError(f"{path}: eval/family/{fam}/{key} is {v!r}, not a number in "
-                                 f"[{lo:g}, {hi:g}]; delete the file and run the screen again")
-    return screen
+    """The screen eval's metrics file, checked (`mq.read_eval_numbers`): a JSON object whose
+    ``eval/family/<f>/success`` is a finite number in [0, 1] and ``.../score`` a finite number
+    in [-100, 100] for every SCREEN_FAMILIES family. Raises ValueError naming the file and the
+    entry (a damaged or foreign file chooses no families)."""
+    return mq.read_eval_numbers(path, {f"eval/family/{fam}/{key}": rng
+                                       for fam in SCREEN_FAMILIES
+                                       for key, rng in (("success", (0.0, 1.0)),
+                                                        ("score", (-100.0, 100.0)))})
 
 
 def chosen_families(a) -> list[str] | None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -132,20 +131,9 @@ def jobs(a) -> list[dict]:
 
 
 def read_success(path: str) -> float:
-    """``eval/success`` of an eval file, checked: a JSON object holding a finite number in
-    [0, 1]. Raises ValueError naming the file and what to do."""
-    try:
-        with open(path) as f:
-            got = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not an eval file ({type(e).__name__}: {e}); delete it "
-                         "and let the queue run that eval again") from None
-    v = got.get("eval/success") if isinstance(got, dict) else None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-            or not 0.0 <= v <= 1.0:
-        raise ValueError(f"{path}: eval/success is {v!r}, not a number in [0, 1]; delete the "
-                         "file and run that eval again")
-    return float(v)
+    """``eval/success`` of an eval file, a finite number in [0, 1] (`mq.read_eval_numbers`).
+    Raises ValueError naming the file and what to do."""
+    return float(mq.read_eval_numbers(path, {"eval/success": (0.0, 1.0)})["eval/success"])
 
 
 def dev_success(a, q: list[dict], name: str) -> float | None:

@@ -137,7 +137,7 @@ def test_a_trained_policy_against_its_start_on_the_same_variations():
 
 def test_a_damaged_screen_file_is_refused_with_what_to_do(tmp_path):
     good = _screen([(0.25, 30.0)] * 7)
-    for bad, message in (("garbage{", "is not the screen's eval file"), ("[1, 2]", "holds a list"),
+    for bad, message in (("garbage{", "is not an eval file"), ("[1, 2]", "holds a list"),
                          ("{}", "eval/family/find-non-living-thing/success is None"),
                          (json.dumps({**good, "eval/family/find-plant/success": float("nan")}),
                           "find-plant/success is nan"),

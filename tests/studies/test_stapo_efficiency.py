@@ -99,7 +99,7 @@ def test_the_warm_start_rule_on_hand_made_dev_checks(queue):
 
 def test_a_damaged_eval_file_is_refused_with_what_to_do(tmp_path):
     path = tmp_path / "eval.json"
-    for bad, message in (("{oops", "is not an eval file"), ("[1]", "eval/success is None"),
+    for bad, message in (("{oops", "is not an eval file"), ("[1]", "holds a list"), ("{}", "eval/success is None"),
                          ('{"eval/success": 1.5}', "is 1.5, not a number in [0, 1]"),
                          ('{"eval/success": NaN}', "is nan"),
                          ('{"eval/success": true}', "is True")):
