@@ -61,16 +61,15 @@ def _score_batch(params, critic_params, ref_params, batch: SampleBatch, key, *,
                          value_std=jnp.where(valid, merge(s), 0.0))
 
 
-score_batch = jax.jit(_score_batch, static_argnames=("model", "cfg", "use_ref", "chunk_rows",
-                                                     "use_old"))
+score_batch = jax.jit(_score_batch, static_argnames=("model", "cfg", "use_ref", "chunk_rows"))
 score_batch.__doc__ = """Fill old_logprobs, ref_logprobs, values, value_std of a SampleBatch.
 
 Args: params (policy; LoRA: the adapters), critic_params (`init_critic` tree), ref_params
 (frozen initial policy; ignored unless use_ref or LoRA, where it is the base), batch (R rows,
 R a multiple of chunk_rows), key (dropout PRNGKey);
-static: model, cfg, use_ref, chunk_rows (rows per lax.map step: peak activation memory),
-use_old (False: no old-logprob pass, old_logprobs left 0; the on-policy update does not read
-them). Returns the batch with old/ref logprobs [R, Tr] f32 (0 off response_mask; ref 0 without
+static: model, cfg, use_ref, chunk_rows (rows per lax.map step: peak activation memory);
+use_old: bool, traced (False: no old-logprob pass, old_logprobs left 0; the on-policy update
+does not read them; one program for both, as `score_rows`). Returns the batch with old/ref logprobs [R, Tr] f32 (0 off response_mask; ref 0 without
 use_ref), values [R] f32 = V(h_t) without dropout, value_std [R] f32 = std over
 cfg.dropout_passes dropout passes (0 with no critic / dropout 0; 0 on invalid rows).
 """

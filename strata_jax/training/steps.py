@@ -33,7 +33,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -97,21 +96,13 @@ def _logprobs(params, model: Qwen2Config, h, ri, rm, packed: PackedInputs | None
                              slots=None if packed is None else packed.response_slot)
 
 
-def _when(flag, fn, otherwise):
-    """fn() when `flag`, else `otherwise`: a Python branch for a Python bool, ``lax.cond`` for
-    a traced one (one program for both values; only the taken branch runs)."""
-    if isinstance(flag, (bool, np.bool_)):
-        return fn() if flag else otherwise
-    return jax.lax.cond(flag, fn, lambda: otherwise)
-
-
 def score_chunk(params, critic_params, ref_params, pi, pm, ri, rm, key, *, model: Qwen2Config,
                 cfg: TrainConfig, use_ref: bool, use_old: bool,
                 packed: PackedInputs | None = None):
     """(old [B, Tr], ref [B, Tr], values [B], value_std [B]) f32 of one chunk of rows (params
     already effective: `scoring_params`); packed: the rows' packed layout (`_states`).
-    use_old: bool, or a traced bool (`score_rows`): whether the old-logprob pass runs (old 0
-    without it)."""
+    use_old: bool scalar, traced (`score_rows`, `score_batch`): whether the old-logprob pass
+    runs (``lax.cond``: one program for both; old 0 without it)."""
     kind = cfg.critic_kind
     run = dict(compute_dtype=cfg.compute_dtype)
     zeros = jnp.zeros(ri.shape, jnp.float32)
@@ -121,11 +112,12 @@ def score_chunk(params, critic_params, ref_params, pi, pm, ri, rm, key, *, model
     last = None
     if kind == "head":   # the value head reads the policy trunk's states either way
         h, last = _states(params, model, pi, pm, ri, rm, packed, **run)
-        old = _when(use_old, lambda: _logprobs(params, model, h, ri, rm, own, cfg)[0], zeros)
+        old = jax.lax.cond(use_old, lambda: _logprobs(params, model, h, ri, rm, own, cfg)[0],
+                           lambda: zeros)
     else:
-        old = _when(use_old, lambda: _logprobs(
+        old = jax.lax.cond(use_old, lambda: _logprobs(
             params, model, _states(params, model, pi, pm, ri, rm, packed, **run)[0], ri, rm,
-            own, cfg)[0], zeros)
+            own, cfg)[0], lambda: zeros)
     ref = jnp.zeros_like(old)
     if use_ref:
         hr, _ = _states(ref_params, model, pi, pm, ri, rm, packed, **run)
