@@ -6,9 +6,11 @@ Usage:
     python -m benchmarks.train_memory --modes lora --remat none full dots
     python -m benchmarks.train_memory --batches benchmarks/results/prefix_tree/batches/sciworld_strata_iter0.npz \
         --micro 4 --mini 64 --rank 16 --kl 0.01 --algo strata --dtype float32
+    python -m benchmarks.train_memory --model <0.5B dir or .gguf> --batches <run>/batches/iter_0000.npz \
+        --bounds "configs/builtin.py:<the run's variant>" --rank 16 --algo strata --dtype float32
 
 With --batches (a dumped update batch, `load_sample_batch`) it compiles, on that batch's
-shapes, what `Trainer.update` runs for each path: per-row, the scoring pass (`score_batch`)
+shapes (with --bounds: padded to that config's `ShapeBounds`, as the training job pads it), what `Trainer.update` runs for each path: per-row, the scoring pass (`score_batch`)
 and the optimizer step (`minibatch_step`); packed, the scoring pass and the gradient
 accumulation (`score_rows`, `accumulate_micro`) once per distinct micro-batch shape of the
 trainer's own plan of the batch (first mini-batch), and the AdamW step (`apply_step`). The
@@ -113,15 +115,18 @@ def analyse_batch(model: Qwen2Config, args) -> list[dict]:
     c.algo = args.algo
     c.lora.rank = args.rank
     c.loss.kl_coef = args.kl
-    cfg = TrainConfig.from_config(c, mini_batch_size=args.mini, micro_batch_rows=args.micro,
-                                  remat=args.remat[0], compute_dtype=args.dtype,
-                                  donate_state=True)
     bounds = None
     if args.bounds:   # the training job's fixed update shapes (assemble.py builds the same)
         from strata_jax.jobs.cli import load_config
         from strata_jax.training.bounds import ShapeBounds
-        bounds = ShapeBounds.from_config(load_config(args.bounds))
-        print(f"bounds {bounds}", flush=True)
+        run = load_config(args.bounds)
+        bounds = ShapeBounds.from_config(run)
+        # the bounds' mini-batch rows follow the run's optimizer settings: so must the plan's
+        args.mini, args.micro = run.optim.mini_batch_size, run.optim.micro_batch_rows
+        print(f"bounds {bounds}; mini {args.mini}, micro {args.micro} (the config's)", flush=True)
+    cfg = TrainConfig.from_config(c, mini_batch_size=args.mini, micro_batch_rows=args.micro,
+                                  remat=args.remat[0], compute_dtype=args.dtype,
+                                  donate_state=True)
     trainer = Trainer(model, cfg, bounds=bounds)
     chunk = cfg.score_rows or cfg.micro_batch_rows
     batch = load_sample_batch(args.batches)[0]
@@ -217,7 +222,8 @@ def main() -> None:
     ap.add_argument("--mini", type=int, default=64, help="mini_batch_size (--batches)")
     ap.add_argument("--bounds", default="", metavar="CONFIG", help="an experiment config "
                     "(path[:variant], as train.py takes it): pad to its ShapeBounds as the "
-                    "training job does (--batches)")
+                    "training job does, with its optim.mini_batch_size / micro_batch_rows "
+                    "in place of --mini / --micro (--batches)")
     ap.add_argument("--kl", type=float, default=0.0, help="loss.kl_coef (--batches; != 0 adds "
                     "the reference pass)")
     args = ap.parse_args()
