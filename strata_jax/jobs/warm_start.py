@@ -123,15 +123,20 @@ def source_fingerprint() -> str:
     return h.hexdigest()[:12]
 
 
-def stale_export_warning(out_dir: str) -> str | None:
+def stale_export_warning(out_dir: str, meta: dict | None = None) -> str | None:
     """The warning for a cached export in `out_dir` trained by other code than this checkout
     (its ``sft_meta.json`` ``code`` differs from `source_fingerprint`, or was not recorded),
-    else None."""
-    try:
-        with open(os.path.join(out_dir, META_FILE)) as f:
-            code = json.load(f).get("code")
-    except (OSError, ValueError, AttributeError):
+    else None. `meta`: that file's contents when the caller has read them (`read_export_meta`),
+    else the file is read here (an unreadable one: None)."""
+    if meta is None:
+        try:
+            with open(os.path.join(out_dir, META_FILE)) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            return None
+    if not isinstance(meta, dict):
         return None
+    code = meta.get("code")
     if code == source_fingerprint():
         return None
     trained = f"code {code}" if code else "code that did not record its version"
@@ -392,9 +397,9 @@ def maybe_warm_start(c: Any, model_cfg: Qwen2Config, params: Any, tokenizer: Any
     cfg = SFTConfig.from_config(c)
     out = warm_start_dir(c, model_cfg, workdir)
     if os.path.isfile(os.path.join(out, META_FILE)):
-        read_export_meta(out, cfg)
+        meta = read_export_meta(out, cfg)
         log.info("warm start: loading cached behaviour-cloning export %s", out)
-        stale = stale_export_warning(out)
+        stale = stale_export_warning(out, meta)
         if stale:
             log.warning("%s", stale)
         return load_export(c, model_cfg, params, out, cfg.lora, mesh)
