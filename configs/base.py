@@ -125,10 +125,11 @@ def get_base_config() -> ml_collections.ConfigDict:
                                    # prefilled once per iteration, not every step; same tokens
                                    # to float rounding), at most this many MB
                                    # (strata_jax/sampling/prefix_cache.py)
-    c.rollout.sampler_fixed_shapes = False  # True: every decode call at the rollout's largest
-                                   # row count and the whole prompt budget, so the sampler
-                                   # compiles nothing after the first iteration, at the cost of
-                                   # prefilling padding (strata_jax/training/bounds.py)
+    c.rollout.sampler_fixed_shapes = False  # True: every decode call's rows at one of its
+                                   # stages' rung counts and its prompt bucket the whole
+                                   # budget, so the sampler compiles nothing after the first
+                                   # iteration, at the cost of decoding over the budget's
+                                   # slots (strata_jax/training/bounds.py)
     c.rollout.invalid_tail_chars = 30  # chars of a format-invalid output shown in the history
     # SampleBatch padding: rows / prompt / response widths round up to the smallest listed
     # bucket (None: rows to a multiple of row_multiple, widths to a multiple of 8)

@@ -6,10 +6,17 @@ pads, buckets and places the rows these programs take.
 * ``prefill`` allocates the ``KVCache`` (``T + N`` slots, N = bucketed max_new_tokens), runs
   the model over the left-padded prompts and keeps only the last column's hidden state: logits
   are computed for that position alone, never ``B x T x V``. ``prefill_prefixed`` runs the P
-  shared prefixes once into their own cache, gathers them into the rows' caches, and runs the
-  suffixes on top with positions continuing each row's prefix; ``prefill_prefix_kv`` and
-  ``prefill_on_prefixes`` are its two halves, for prefix KV kept across calls
-  (`strata_jax.sampling.prefix_cache`).
+  shared prefixes once into their own cache, gathers them into the rows' caches, runs the
+  suffixes on top with positions continuing each row's prefix, and packs each row's slots
+  into a cache of ``R + N`` slots (R = the bucketed longest row, `compact_rows`), so decoding
+  attends over the rows' bucket and not over the prefix bucket plus the suffix bucket;
+  ``prefill_prefix_kv`` and ``prefill_on_prefixes`` are its two halves, for prefix KV kept
+  across calls (`strata_jax.sampling.prefix_cache`).
+* Every prefill runs a width longer than ``chunk`` as a loop over chunks of ``chunk`` columns
+  that starts at the first chunk holding a real token (`prefill_chunks`): the all-padding
+  chunks of a wide bucket are never computed, so a fixed, budget-wide prompt bucket (the
+  bounded shapes of ``rollout.sampler_fixed_shapes``) costs the prompts' tokens rounded up to
+  one chunk, not the bucket.
 * ``decode`` (cache donated): token 0 is chosen from the prefill state; then a
   ``lax.while_loop`` feeds the previous token through the model (cache slot ``T + step - 1``,
   written in place by ``dynamic_update_slice``), computes the logits of that one position and
@@ -78,17 +85,86 @@ def _cache_dtype(params: Params, cache_dtype: str | None) -> Any:
     return jnp.dtype(cache_dtype) if cache_dtype else params["embed"].dtype
 
 
-@functools.partial(jax.jit, static_argnames=("config", "cache_len", "cache_dtype"))
+def prefill_chunks(params: Params, config: Qwen2Config, tokens: jax.Array,
+                   positions: jax.Array, mask: jax.Array, cache: KVCache, base: int,
+                   chunk: int) -> tuple[KVCache, jax.Array]:
+    """`forward` of left-padded rows into ``cache`` slots ``[base, base + T)``, skipping the
+    leading chunks that hold no real token of any row (traced inside jit).
+
+    Args:
+      tokens / positions / mask: [B, T] int32, int32, bool (`packing.pack_left`: each row's
+        real tokens end at column T - 1).
+      cache: the rows' `KVCache` (S >= base + T slots). base: static first slot.
+      chunk: static column count per step; with T <= chunk, or T not a multiple of it, one
+        `forward` over all T columns (the static causal bound of its attention kept).
+    Returns:
+      (the cache with the real columns' keys / values written and valid, the hidden state
+      after column T - 1 [B, D] in the params' dtype). Same values as one `forward` over the
+      T columns to float summation order: a skipped chunk's slots stay invalid, which is
+      what its padding would have written, and a query attends the same valid keys.
+    """
+    b, t = tokens.shape
+    if t <= chunk or t % chunk:
+        hidden, cache = forward(params, config, tokens, positions, mask, cache, base)
+        return cache, hidden[:, -1]
+    live = jnp.any(mask, axis=0)
+    first = jnp.where(jnp.any(live), jnp.argmax(live), t - 1).astype(jnp.int32)
+
+    def body(k, carry):
+        cache, _ = carry
+        start = k * chunk
+        cols = [lax.dynamic_slice_in_dim(a, start, chunk, axis=1)
+                for a in (tokens, positions, mask)]
+        hidden, cache = forward(params, config, *cols, cache, base + start)
+        return cache, hidden[:, -1]
+
+    last = jnp.zeros((b, config.hidden_size), params["embed"].dtype)
+    return lax.fori_loop(first // chunk, t // chunk, body, (cache, last))
+
+
+def compact_rows(cache: KVCache, width: int, extra: int) -> KVCache:
+    """Each row's valid slots, in slot order, right-aligned in a cache of ``width + extra``
+    slots (the last ``extra`` free for decoding).
+
+    Attention depends on slot order only through the causal rule (key slot <= query slot),
+    and every later query sits after all of them, so decoding on the packed cache gives the
+    same values; RoPE positions are stored in the keys, not implied by the slots.
+
+    Args:
+      cache: KVCache [L, B, S, K, Dh] / valid [B, S]. width: static, >= every row's valid
+        count (a filler row with more keeps its last ``width``). extra: static free slots.
+    Returns:
+      KVCache [L, B, width + extra, K, Dh], valid: the last n_b of the first ``width`` slots.
+    """
+    s = cache.valid.shape[1]
+    n_valid = jnp.sum(cache.valid, axis=1, dtype=jnp.int32)                   # [B]
+    order = jnp.argsort(~cache.valid, axis=1, stable=True).astype(jnp.int32)  # valid first
+    rank = jnp.arange(width, dtype=jnp.int32)[None, :] - (width - n_valid[:, None])
+    keep = rank >= 0
+    src = jnp.take_along_axis(order, jnp.clip(rank, 0, s - 1), axis=1)        # [B, width]
+
+    def gather(x):                                         # [L, B, S, K, Dh] -> width slots
+        rows = jax.vmap(lambda xb, sb: jnp.take(xb, sb, axis=1), in_axes=(1, 0),
+                        out_axes=1)(x, src)
+        rows = jnp.where(keep[None, :, :, None, None], rows, jnp.zeros((), x.dtype))
+        return jnp.pad(rows, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
+
+    return KVCache(k=gather(cache.k), v=gather(cache.v),
+                   valid=jnp.pad(keep, ((0, 0), (0, extra))))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "cache_len", "cache_dtype", "chunk"))
 def prefill(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.Array, *,
-            config: Qwen2Config, cache_len: int,
-            cache_dtype: str | None) -> tuple[KVCache, jax.Array]:
+            config: Qwen2Config, cache_len: int, cache_dtype: str | None,
+            chunk: int) -> tuple[KVCache, jax.Array]:
     """Run the left-padded prompts into a fresh KV cache (design.md §6.1).
 
     Args:
       params: model params (float32 or bfloat16). tokens / positions: [B, T] int32 ids and RoPE
         positions (`packing.pack_left`); mask: [B, T] bool, True for real tokens.
       config: static model config. cache_len: static slot count S = T + N (N = the bucketed
-        max_new_tokens). cache_dtype: static, None = the params' dtype.
+        max_new_tokens). cache_dtype: static, None = the params' dtype. chunk: static prefill
+        chunk (`prefill_chunks`).
     Returns:
       (KVCache [L, B, S, K, Dh] with slots [0, T) written, the hidden state after each row's
       last prompt token [B, D] in the params' dtype). No logits: `decode` makes them for one
@@ -96,80 +172,94 @@ def prefill(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.A
     """
     b, _ = tokens.shape
     cache = _constrain_cache(init_cache(config, b, cache_len, _cache_dtype(params, cache_dtype)))
-    hidden, cache = forward(params, config, tokens, positions, mask, cache, 0)
-    return _constrain_cache(cache), hidden[:, -1]
+    cache, last = prefill_chunks(params, config, tokens, positions, mask, cache, 0, chunk)
+    return _constrain_cache(cache), last
 
 
 def _prefix_kv(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
-               config: Qwen2Config, dtype: Any) -> KVCache:
+               config: Qwen2Config, dtype: Any, chunk: int) -> KVCache:
     """The prefixes' own KV cache, [L, P, Lp, K, Dh] (their hidden states are unused: XLA
     drops the last layer's MLP and final norm)."""
     n_prefix, prefix_len = tokens.shape
     pcache = init_cache(config, n_prefix, prefix_len, dtype)
-    _, pcache = forward(params, config, tokens, positions, mask, pcache, 0)
+    pcache, _ = prefill_chunks(params, config, tokens, positions, mask, pcache, 0, chunk)
     return pcache
 
 
 def _on_prefixes(params: Params, pcache: KVCache, row_prefix: jax.Array, s_tokens: jax.Array,
                  s_positions: jax.Array, s_mask: jax.Array, config: Qwen2Config,
-                 cache_len: int) -> tuple[KVCache, jax.Array]:
-    """Gather each row's prefix KV into a cache of cache_len slots, run the suffixes on top."""
-    prefix_len = pcache.k.shape[2]
-    pad = cache_len - prefix_len
+                 rows_len: int, n_out: int, chunk: int) -> tuple[KVCache, jax.Array]:
+    """Gather each row's prefix KV, run the suffixes on top, and leave the rows in a cache of
+    rows_len + n_out slots (packed by `compact_rows` when rows_len < Lp + Ts)."""
+    prefix_len, suffix_len = pcache.k.shape[2], s_tokens.shape[1]
+    if rows_len > prefix_len + suffix_len:
+        raise ValueError(f"rows_len {rows_len} exceeds prefix + suffix width "
+                         f"{prefix_len + suffix_len}")
+    packed = rows_len < prefix_len + suffix_len
+    pad = suffix_len + (0 if packed else n_out)
     kv_pad = ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))
     cache = KVCache(k=jnp.pad(jnp.take(pcache.k, row_prefix, axis=1), kv_pad),
                     v=jnp.pad(jnp.take(pcache.v, row_prefix, axis=1), kv_pad),
                     valid=jnp.pad(jnp.take(pcache.valid, row_prefix, axis=0), ((0, 0), (0, pad))))
     cache = _constrain_cache(cache)
-    hidden, cache = forward(params, config, s_tokens, s_positions, s_mask, cache, prefix_len)
-    return _constrain_cache(cache), hidden[:, -1]
+    cache, last = prefill_chunks(params, config, s_tokens, s_positions, s_mask, cache,
+                                 prefix_len, chunk)
+    if packed:
+        cache = compact_rows(cache, rows_len, n_out)
+    return _constrain_cache(cache), last
 
 
-@functools.partial(jax.jit, static_argnames=("config", "cache_len", "cache_dtype"))
+@functools.partial(jax.jit,
+                   static_argnames=("config", "rows_len", "n_out", "cache_dtype", "chunk"))
 def prefill_prefixed(params: Params, p_tokens: jax.Array, p_positions: jax.Array,
                      p_mask: jax.Array, row_prefix: jax.Array, s_tokens: jax.Array,
                      s_positions: jax.Array, s_mask: jax.Array, *, config: Qwen2Config,
-                     cache_len: int, cache_dtype: str | None) -> tuple[KVCache, jax.Array]:
+                     rows_len: int, n_out: int, cache_dtype: str | None,
+                     chunk: int) -> tuple[KVCache, jax.Array]:
     """Shared prefixes once, gathered per row, then the rows' suffixes on top (design.md §6.1).
 
     Args:
       p_tokens / p_positions / p_mask: [P, Lp] the P distinct prefixes (left padded; int32,
         int32, bool). row_prefix: [B] int32 index of each row's prefix.
       s_tokens / s_positions / s_mask: [B, Ts] the rows' suffixes, positions continuing the
-        row's prefix. config / cache_len / cache_dtype: as for `prefill` (S = Lp + Ts + N).
+        row's prefix. config / cache_dtype / chunk: as for `prefill`. rows_len: static R,
+        at least every row's prefix + suffix length and at most Lp + Ts. n_out: static N.
     Returns:
-      (KVCache [L, B, S, K, Dh] with slots [0, Lp + Ts) written, the hidden state after each
-      row's last suffix token [B, D]). Same values as `prefill` over prefix + suffix; the
-      prefixes' compute is done P times instead of B.
+      (KVCache [L, B, R + N, K, Dh], each row's prefix and suffix slots right-aligned in the
+      first R, the hidden state after each row's last suffix token [B, D]). Same values as
+      `prefill` over prefix + suffix; the prefixes' compute is done P times instead of B.
+    Raises:
+      ValueError: rows_len > Lp + Ts.
     """
     pcache = _prefix_kv(params, p_tokens, p_positions, p_mask, config,
-                        _cache_dtype(params, cache_dtype))
+                        _cache_dtype(params, cache_dtype), chunk)
     return _on_prefixes(params, pcache, row_prefix, s_tokens, s_positions, s_mask, config,
-                        cache_len)
+                        rows_len, n_out, chunk)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "cache_dtype"))
+@functools.partial(jax.jit, static_argnames=("config", "cache_dtype", "chunk"))
 def prefill_prefix_kv(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
-                      *, config: Qwen2Config, cache_dtype: str | None) -> KVCache:
+                      *, config: Qwen2Config, cache_dtype: str | None, chunk: int) -> KVCache:
     """The KV cache of left-padded prefixes alone (the first half of `prefill_prefixed`), for
     `strata_jax.sampling.prefix_cache.PrefixKVCache` to keep across decode calls.
 
-    Args: tokens / positions / mask [P, Lp] (`packing.pack_left`); config, cache_dtype as for
-    `prefill`. Returns KVCache [L, P, Lp, K, Dh] (valid [P, Lp]: the real tokens' slots)."""
+    Args: tokens / positions / mask [P, Lp] (`packing.pack_left`); config, cache_dtype, chunk
+    as for `prefill`. Returns KVCache [L, P, Lp, K, Dh] (valid [P, Lp]: the real tokens' slots)."""
     return _constrain_cache(_prefix_kv(params, tokens, positions, mask, config,
-                                       _cache_dtype(params, cache_dtype)))
+                                       _cache_dtype(params, cache_dtype), chunk))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "cache_len"))
+@functools.partial(jax.jit, static_argnames=("config", "rows_len", "n_out", "chunk"))
 def prefill_on_prefixes(params: Params, pcache: KVCache, row_prefix: jax.Array,
                         s_tokens: jax.Array, s_positions: jax.Array, s_mask: jax.Array, *,
-                        config: Qwen2Config, cache_len: int) -> tuple[KVCache, jax.Array]:
+                        config: Qwen2Config, rows_len: int, n_out: int,
+                        chunk: int) -> tuple[KVCache, jax.Array]:
     """The second half of `prefill_prefixed` on given prefix KV (`prefill_prefix_kv`'s, kept
     across calls): pcache [L, P, Lp, K, Dh] right-aligned prefixes, row_prefix [B] int32,
-    suffixes [B, Ts] with positions continuing their prefix. Returns what `prefill_prefixed`
-    returns (the cache in pcache's dtype)."""
+    suffixes [B, Ts] with positions continuing their prefix; rows_len, n_out, chunk as for
+    `prefill_prefixed`. Returns what `prefill_prefixed` returns (the cache in pcache's dtype)."""
     return _on_prefixes(params, pcache, row_prefix, s_tokens, s_positions, s_mask, config,
-                        cache_len)
+                        rows_len, n_out, chunk)
 
 
 @functools.partial(
@@ -290,4 +380,5 @@ def score(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.Arr
 
 def compiled_program_count() -> int:
     """Number of programs compiled so far by the sampler's jitted functions (all instances)."""
-    return sum(f._cache_size() for f in (prefill, prefill_prefixed, decode, score))
+    return sum(f._cache_size() for f in (prefill, prefill_prefixed, prefill_prefix_kv,
+                                         prefill_on_prefixes, decode, score))

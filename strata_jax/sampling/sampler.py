@@ -9,7 +9,9 @@ Flow of `Sampler.generate` (and of `Sampler.generate_with_prefixes`):
    one PRNG key per row, the stop ids and the stop-string table, and place the rows on the
    mesh.
 2. ``programs.prefill`` / ``programs.prefill_prefixed`` (jit): the prompts into a KV cache of
-   ``T + N`` slots and the last column's hidden state.
+   ``T + N`` slots (T the bucketed longest row) and the last column's hidden state; a bucket
+   wider than ``prefill_chunk`` runs chunk by chunk from the first chunk holding a real
+   token, so the padding of a wide bucket is not computed (`programs.prefill_chunks`).
 3. ``programs.decode`` (jit, cache donated): one ``lax.while_loop`` over the new tokens; one
    device->host copy at the end, no host round trip per token.
 
@@ -58,14 +60,30 @@ class Sampler:
         ``config.max_position_embeddings``).
       batch_floor, length_floor, new_tokens_floor: smallest bucket for the batch, prompt /
         prefix / suffix lengths, and max_new_tokens (powers of two above them).
+      batch_rungs: optional row counts a call's batch rounds up to (the smallest that holds
+        it, each rounded up to a multiple of the mesh's batch shards); a call with more rows
+        than the largest falls back to the powers of two. Bounds the compiled programs to the
+        rungs a rollout's stages need (`strata_jax.training.bounds.sampler_floors`) without
+        padding every stage to the largest.
       cache_dtype: KV cache dtype name (default: the params' dtype).
+      prefill_chunk: columns per prefill step when a bucket is wider (`programs.prefill_chunks`);
+        a multiple of the attention's query block. Smaller skips padding more finely; larger
+        runs fewer loop steps. Changes values only to float summation order.
+    Raises:
+      ValueError: prefill_chunk < 1, or a batch rung < 1.
     """
 
     def __init__(self, config: Qwen2Config, *, mesh: jax.sharding.Mesh | None = None,
                  max_cache_len: int | None = None, batch_floor: int = 1,
                  length_floor: int = 16, new_tokens_floor: int = 16,
-                 cache_dtype: str | None = None) -> None:
+                 cache_dtype: str | None = None, prefill_chunk: int = 256,
+                 batch_rungs: Sequence[int] | None = None) -> None:
+        if int(prefill_chunk) < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if batch_rungs is not None and any(int(r) < 1 for r in batch_rungs):
+            raise ValueError(f"batch_rungs must all be >= 1, got {list(batch_rungs)}")
         self.config = config
+        self.prefill_chunk = int(prefill_chunk)
         self.mesh = mesh
         self.max_cache_len = int(max_cache_len or config.max_position_embeddings)
         self.batch_floor = batch_floor
@@ -77,6 +95,10 @@ class Sampler:
         if mesh is not None:
             self._batch_multiple = math.prod(
                 mesh.shape[a] for a in (shd.LOGICAL_RULES["batch"] or ()) if a in mesh.shape)
+        m = self._batch_multiple
+        self.batch_rungs = (None if batch_rungs is None else
+                            tuple(sorted({-(-max(int(r), batch_floor) // m) * m
+                                          for r in batch_rungs})))
 
     # ----------------------------------------------------------------- helpers
 
@@ -95,6 +117,9 @@ class Sampler:
         return out
 
     def _batch_bucket(self, n: int) -> int:
+        for rung in self.batch_rungs or ():
+            if rung >= n:
+                return rung
         return bucket(n, self.batch_floor, self._batch_multiple)
 
     def _check_keys(self, keys: Any, n: int) -> tuple[np.ndarray, str | None]:
@@ -212,7 +237,8 @@ class Sampler:
         tokens, positions, mask = self._put_rows(packed.tokens, packed.positions, packed.mask)
         with self._mesh_context():
             cache, last_hidden = programs.prefill(params, tokens, positions, mask, config=self.config,
-                                          cache_len=t + n_out, cache_dtype=self.cache_dtype)
+                                          cache_len=t + n_out, cache_dtype=self.cache_dtype,
+                                          chunk=self.prefill_chunk)
         return self._run_decode(params, cache, last_hidden, keys, packed.lengths, len(rows), b,
                                 n_out, sampling)
 
@@ -260,6 +286,8 @@ class Sampler:
         lp = bucket(int(prefix_lens.max()), self.length_floor)
         ts = bucket(max(len(s) for s in suf), self.length_floor)
         n_out = bucket(sampling.max_new_tokens, self.new_tokens_floor)
+        # the rows' own bucket: decoding attends over it, not over the prefix + suffix buckets
+        rows_len = min(bucket(int(row_lens.max()), self.length_floor), lp + ts)
         row_prefix = np.zeros((b,), np.int32)
         row_prefix[: len(suf)] = idx
         s_start = prefix_lens[row_prefix]
@@ -269,14 +297,15 @@ class Sampler:
             pcache = self._kept_prefixes(params, pre, prefix_cache, p_b, lp)
             with self._mesh_context():
                 cache, last_hidden = programs.prefill_on_prefixes(
-                    params, pcache, *s_args, config=self.config, cache_len=lp + ts + n_out)
+                    params, pcache, *s_args, config=self.config, rows_len=rows_len,
+                    n_out=n_out, chunk=self.prefill_chunk)
         else:
             p_packed = pack_left(pre, lp, p_b)
             p_args = self._put_rows(p_packed.tokens, p_packed.positions, p_packed.mask)
             with self._mesh_context():
                 cache, last_hidden = programs.prefill_prefixed(
-                    params, *p_args, *s_args, config=self.config, cache_len=lp + ts + n_out,
-                    cache_dtype=self.cache_dtype)
+                    params, *p_args, *s_args, config=self.config, rows_len=rows_len,
+                    n_out=n_out, cache_dtype=self.cache_dtype, chunk=self.prefill_chunk)
         next_position = np.ones((b,), np.int32)
         next_position[: len(suf)] = row_lens
         return self._run_decode(params, cache, last_hidden, keys, next_position, len(suf), b,
@@ -297,7 +326,8 @@ class Sampler:
                 args = self._put_rows(packed.tokens, packed.positions, packed.mask)
                 with self._mesh_context():
                     full = programs.prefill_prefix_kv(params, *args, config=self.config,
-                                                      cache_dtype=self.cache_dtype)
+                                                      cache_dtype=self.cache_dtype,
+                                                      chunk=self.prefill_chunk)
                 entry = KVCache(k=full.k[:, :1], v=full.v[:, :1], valid=full.valid[:1])
                 kept.insert(ids, entry)
             entries.append(entry)

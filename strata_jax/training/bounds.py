@@ -99,28 +99,39 @@ def replay_rows(c: Any, fresh: int) -> int:
     return min(rc.capacity, draw_size(fresh, rc)) if rc.enabled else 0
 
 
-def sampler_floors(c: Any) -> dict[str, int]:
-    """The `Sampler` bucket floors of experiment config `c`: with rollout.sampler_fixed_shapes,
-    batch_floor = the rows of the rollout's largest decode call (tasks_per_batch x the larger
-    of StraTA's strategy candidates, num_strategies x oversample, and its episodes; the flat
-    algorithms: group_size episodes) and length_floor = the prompt budget env.max_prompt_tokens,
-    each rounded up to a power of two, so that every call's rows, prefixes and prompt lengths
-    land in one bucket each (the decode budget, max_new_tokens, is bucketed per stage as
-    always); without it, {} (the sampler's own floors: each call's shapes follow its rows).
+def sampler_floors(c: Any) -> dict[str, Any]:
+    """The `Sampler` bucket settings of experiment config `c`: with rollout.sampler_fixed_shapes,
+    batch_rungs = the row counts of the rollout's decode calls, each rounded up to a power of
+    two (StraTA's strategy candidates, tasks_per_batch x num_strategies x oversample; the
+    most episodes one cohort holds, min(tasks_per_batch x group, ceil(env.num_workers /
+    cohorts)), which bounds the revisions' calls too; the judge's call, every episode at
+    once), and length_floor = the prompt budget
+    env.max_prompt_tokens rounded up to a power of two, so every call's rows, prefixes and
+    prompt lengths land on buckets met in the first iteration (the decode budget,
+    max_new_tokens, is bucketed per stage as always); without it, {} (the sampler's own
+    floors: each call's shapes follow its rows).
 
-    Why a switch and not the default: a fixed prompt bucket prefills and attends over the
-    whole budget at every call, which for a budget of thousands of tokens and prompts of a few
-    hundred costs more per iteration than the few compiles the drifting buckets meet
-    (docs/performance.md, "Compiled shapes over a run")."""
+    What the fixed shapes cost: the prefill skips all-padding chunks of the wide prompt
+    bucket (`strata_jax.sampling.programs.prefill_chunks`), so prompts cost their own tokens;
+    decoding attends over the whole budget's cache slots, and a call with fewer live rows
+    than its rung computes the filler rows (docs/performance.md, "Compiled shapes over a
+    run")."""
     from strata_jax.algos.table import get_algorithm
+    from strata_jax.rollout.episodes import resolve_cohorts
     r = c.rollout
     if not r.get("sampler_fixed_shapes", False):
         return {}
+    tasks = int(r.tasks_per_batch)
+    rungs = set()
     if get_algorithm(c.algo).rollout == "strata":
-        rows = max(r.num_strategies * r.oversample, r.num_strategies * r.episodes_per_strategy)
+        rungs.add(bucket(tasks * int(r.num_strategies) * int(r.oversample)))
+        episodes = tasks * int(r.num_strategies) * int(r.episodes_per_strategy)
     else:
-        rows = r.group_size
-    return dict(batch_floor=bucket(int(r.tasks_per_batch) * int(rows)),
+        episodes = tasks * int(r.group_size)
+    per_cohort = -(-int(c.env.num_workers) // resolve_cohorts(r.cohorts, c.env.name))
+    rungs.add(bucket(min(episodes, per_cohort)))   # the episode loop's admission cap
+    rungs.add(bucket(episodes))                    # the judge's one call over every episode
+    return dict(batch_rungs=tuple(sorted(rungs)),
                 length_floor=bucket(int(c.env.max_prompt_tokens)))
 
 

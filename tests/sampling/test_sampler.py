@@ -314,3 +314,113 @@ def test_bad_input(setup):
     empty = sampler.generate(params, [[1, 2], [3]], SamplingParams(max_new_tokens=0), _keys(2))
     assert [g.token_ids.tolist() for g in empty] == [[], []]
     assert empty.lengths.tolist() == [0, 0]
+
+
+def test_wide_bucket_prefilled_by_chunks_equals_transformers(setup, greedy_reference):
+    """A 64-column prompt bucket run in 16-column chunks (the fixed-shape setting: the bucket is
+    the whole budget, the prompts are short): HF's greedy tokens, the one-pass logprobs; and a
+    row set whose padding fills whole chunks is not computed there (the padding token's
+    embedding set to NaN poisons the one-pass prefill, not the chunked one)."""
+    _, config, params, sampler = setup
+    ps, stop, hf = greedy_reference
+    wide = Sampler(config, max_cache_len=128, length_floor=64, prefill_chunk=16)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=N_NEW, stop_token_ids=[stop])
+    out = wide.generate(params, ps, sp, _keys(len(ps)))
+    assert [g.token_ids.tolist() for g in out] == hf
+    ref = sampler.generate(params, ps, sp, _keys(len(ps)))
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
+    # 8 rows of 16 tokens in a 64 bucket: columns 0-47 are padding in every row
+    # (an untied head keeps the output matrix clean)
+    rows = prompts([16] * 8, config.vocab_size, seed=11)
+    untied = dataclasses.replace(config, tie_word_embeddings=False)
+    head = params.get("lm_head", params["embed"])
+    poisoned = dict(params, lm_head=head, embed=params["embed"].at[0].set(np.nan))
+    sp = SamplingParams(greedy=True, max_new_tokens=8)
+    chunked = Sampler(untied, max_cache_len=128, length_floor=64, prefill_chunk=16)
+    got = chunked.generate(poisoned, rows, sp, _keys(8))
+    want = sampler.generate(params, rows, sp, _keys(8))
+    np.testing.assert_array_equal(got.token_ids, want.token_ids)
+    assert np.isfinite(got.logprobs).all()
+    one_pass = Sampler(untied, max_cache_len=128, length_floor=64, prefill_chunk=64)
+    assert not np.isfinite(one_pass.generate(poisoned, rows, sp, _keys(8)).logprobs).all()
+
+
+def test_prefixed_rows_packed_into_their_own_bucket(setup):
+    """With a 64-wide prefix bucket and a 64-wide suffix bucket, rows of at most 30 tokens
+    decode from a cache of 64 + N slots (each row's slots packed by `compact_rows`), not
+    128 + N; tokens equal `generate` on the full prompts, with and without kept prefix KV."""
+    from strata_jax.sampling import PrefixKVCache, programs
+    _, config, params, sampler = setup
+    wide = Sampler(config, max_cache_len=256, length_floor=64, prefill_chunk=16)
+    prefixes = prompts([10, 4, 20], config.vocab_size, seed=12)
+    index = [0, 2, 1, 0, 2, 1, 0]
+    suffixes = prompts([3, 6, 1, 8, 10, 5, 4], config.vocab_size, seed=13)
+    full = [prefixes[i] + s for i, s in zip(index, suffixes)]
+    keys = _keys(len(full), seed=14)
+    seen = []
+    real_decode = programs.decode
+
+    def spy(params, cache, *args, **kw):
+        seen.append(cache.max_len)
+        return real_decode(params, cache, *args, **kw)
+
+    programs.decode = spy
+    try:
+        for sp in (SamplingParams(greedy=True, max_new_tokens=16),
+                   SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=16)):
+            ref = sampler.generate(params, full, sp, keys)
+            for kept in (None, PrefixKVCache(2 ** 30)):
+                got = wide.generate_with_prefixes(params, prefixes, index, suffixes, sp, keys,
+                                                  kept)
+                np.testing.assert_array_equal(got.token_ids, ref.token_ids)
+                np.testing.assert_array_equal(got.lengths, ref.lengths)
+                np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5)
+    finally:
+        programs.decode = real_decode
+    # generate: bucket 32 + 16 new; the wide sampler's prefixed calls: 64 + 16, not 128 + 16
+    assert seen == [48, 80, 80, 48, 80, 80]
+
+
+def test_compact_rows_hand_values():
+    """Valid slots keep their order and move to the right of `width`; `extra` free slots."""
+    import jax.numpy as jnp
+    from strata_jax.models import KVCache
+    from strata_jax.sampling.programs import compact_rows
+    valid = np.array([[0, 1, 1, 0, 0, 1], [1, 0, 0, 0, 0, 0]], bool)
+    k = np.arange(12, dtype=np.float32).reshape(1, 2, 6, 1, 1) + 1   # slot values 1..12
+    cache = KVCache(k=jnp.asarray(k), v=jnp.asarray(-k), valid=jnp.asarray(valid))
+    out = compact_rows(cache, width=4, extra=2)
+    assert out.k.shape == (1, 2, 6, 1, 1)
+    np.testing.assert_array_equal(out.k[0, :, :, 0, 0], [[0, 2, 3, 6, 0, 0], [0, 0, 0, 7, 0, 0]])
+    np.testing.assert_array_equal(out.v[0, :, :, 0, 0], -np.asarray(out.k[0, :, :, 0, 0]))
+    np.testing.assert_array_equal(out.valid, [[0, 1, 1, 1, 0, 0], [0, 0, 0, 1, 0, 0]])
+
+
+def test_prefill_chunk_must_be_positive(setup):
+    _, config, _, _ = setup
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 1, got 0"):
+        Sampler(config, prefill_chunk=0)
+
+
+def test_batch_rungs_bound_the_programs_to_the_rungs(setup):
+    """Rows round up to the smallest rung that holds them (on a mesh, a multiple of its batch
+    shards), past the largest to the powers of two; calls of 1..8 rows on rungs (3, 8) compile
+    two prefill + decode pairs, and a row's tokens do not depend on its rung."""
+    _, config, params, sampler = setup
+    ruled = Sampler(config, max_cache_len=128, batch_rungs=(8, 3))
+    assert [ruled._batch_bucket(n) for n in (1, 3, 4, 8, 9, 17)] == [3, 3, 8, 8, 16, 32]
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    assert Sampler(config, mesh=mesh, batch_rungs=(3, 8)).batch_rungs == (4, 8)
+    sp = SamplingParams(greedy=True, max_new_tokens=8)
+    rows = prompts([5, 9, 3, 12, 7, 4, 10, 6], config.vocab_size, seed=15)
+    ruled.generate(params, rows[:1], sp, _keys(1))          # warm-up: rung 3
+    ruled.generate(params, rows, sp, _keys(8))              # rung 8
+    want = [sampler.generate(params, rows[:n], sp, _keys(8)[:n]) for n in range(1, 9)]
+    counter = compile_counter()
+    before = counter.count
+    got = [ruled.generate(params, rows[:n], sp, _keys(8)[:n]) for n in range(1, 9)]
+    assert counter.count == before
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.token_ids, w.token_ids)
+    with pytest.raises(ValueError, match=r"batch_rungs must all be >= 1, got \[4, 0\]"):
+        Sampler(config, batch_rungs=(4, 0))

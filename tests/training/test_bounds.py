@@ -23,3 +23,18 @@ def test_a_replay_draw_raises_the_row_bound_by_what_it_can_append():
     assert ShapeBounds.from_config(c).rows == 344
     c.replay.capacity = 40   # the pool never holds more than its capacity
     assert replay_rows(c, 256) == 40 and ShapeBounds.from_config(c).rows == 296
+
+
+def test_sampler_rungs_of_the_tiny_configs_and_of_a_cohort_split():
+    from strata_jax.training.bounds import sampler_floors
+    c = builtin.get_config("tiny")
+    assert sampler_floors(c) == {}            # off: the sampler's own floors
+    c.rollout.sampler_fixed_shapes = True
+    # strategies 4 tasks x 2 x oversample 2 = 16; one cohort (memory_key steps instantly)
+    # holds at most num_workers = 8 of the 32 episodes; the judge sees all 32; budget 512
+    assert sampler_floors(c) == dict(batch_rungs=(8, 16, 32), length_floor=512)
+    c.rollout.cohorts, c.env.num_workers, c.env.max_prompt_tokens = 2, 40, 600
+    assert sampler_floors(c) == dict(batch_rungs=(16, 32), length_floor=1024)  # 20 -> 32
+    g = builtin.get_config("tiny,grpo")
+    g.rollout.sampler_fixed_shapes = True
+    assert sampler_floors(g) == dict(batch_rungs=(8, 32), length_floor=512)
