@@ -25,7 +25,10 @@ from strata_jax.rollout.policy import Policy
 from strata_jax.rollout.prompts import HistoryEntry, PromptBuilder, invalid_history_action
 from strata_jax.sampling import SamplingParams
 
-_BLOCK_RE = re.compile(r"<bad_steps>(.*?)</bad_steps>", re.IGNORECASE | re.DOTALL)
+# Two plain searches, not one lazy pattern: "<bad_steps>(.*?)</bad_steps>" retries the lazy
+# scan from every unclosed opening tag, quadratic in a verdict of many of them.
+_OPEN_RE = re.compile(r"<bad_steps>", re.IGNORECASE)
+_CLOSE_RE = re.compile(r"</bad_steps>", re.IGNORECASE)
 # Step indices are 1..T with T = env.max_steps; nine digits is far above any horizon.
 MAX_STEP_DIGITS = 9
 
@@ -42,10 +45,12 @@ def parse_bad_steps(verdict: str, num_steps: int) -> tuple[int, ...]:
     """
     if contains_cjk(verdict):
         return ()
-    m = _BLOCK_RE.search(verdict)
-    if m is None:
+    # the first opening tag with a closing tag after it: the first one, if any closes
+    opened = _OPEN_RE.search(verdict)
+    closed = None if opened is None else _CLOSE_RE.search(verdict, opened.end())
+    if closed is None:
         return ()
-    body = m.group(1).strip()
+    body = verdict[opened.end():closed.start()].strip()
     if not body or body.lower() == "none":
         return ()
     parts = [p for p in re.split(r"[,\s]+", body) if p]
