@@ -148,22 +148,5 @@ def host_ids(batch: SampleBatch) -> tuple[np.ndarray, ...]:
                  ("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
 
 
-def inert_rows(adv, weights, cfg) -> np.ndarray | None:
-    """[R] bool on the host: rows whose every loss term is exactly 0, so they cannot change the
-    gradient: advantage x sample weight 0 (the clipped policy term), and with a critic a sample
-    weight of 0 (the value loss is weighted by it too). None when ``cfg.skip_empty_steps`` is
-    off or a KL or entropy term is on (every row counts then).
-
-    adv, weights: [R] float32 (device or host); cfg: a `TrainConfig`. The packed update
-    computes no inert row and takes no optimizer step on a mini-batch of only inert rows; the
-    loss normalisers still count them, so the update is the same up to float summation order.
-    Source: docs/method.md §9.3.
-    """
-    if not cfg.skip_empty_steps or cfg.loss.kl_coef or cfg.loss.entropy_coef:
-        return None
-    if cfg.critic_kind != "none":
-        return host_values(weights) == 0
-    return host_values(adv) * host_values(weights) == 0
-
-__all__ = ["host_ids", "inert_rows", "trim_padding", "fit_to_bounds", "trim_columns", "row_widths",
+__all__ = ["host_ids", "trim_padding", "fit_to_bounds", "trim_columns", "row_widths",
            "num_minibatches", "minibatch_plan"]

@@ -197,6 +197,7 @@ def _advantages(batch: SampleBatch, step, *, algo: str, est):
 advantages = jax.jit(_advantages, static_argnames=("algo", "est"))
 
 
+
 def gather_targets(batch, adv, w, targets, idx, real):
     """The rows idx [m] int32 of `batch` (real [m] bool, False = padding entry, whose row comes
     out invalid) and their adv, w, targets [m] f32 (gathered from the batch's [R])."""

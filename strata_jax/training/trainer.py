@@ -44,8 +44,9 @@ from strata_jax.distributed import host_values
 from strata_jax.models import Qwen2Config, init_params, param_shardings
 from strata_jax.models.lora import apply_lora, init_lora, lora_shardings
 from strata_jax.sharding import logical_to_spec
-from strata_jax.training.batching import (fit_to_bounds, host_ids, inert_rows,
-                                         minibatch_plan, num_minibatches)
+from strata_jax.training.batching import (fit_to_bounds, host_ids, minibatch_plan,
+                                         num_minibatches)
+from strata_jax.training.inert import inert_rows, unread_rows
 from strata_jax.training.bounds import ShapeBounds
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.critic import init_critic
@@ -383,7 +384,7 @@ class Trainer:
         Returns (state, per-step metric dicts of device scalars, each with host ints
         "computed_tokens" (the slots the forward ran over: packed rows x W, or rows x columns)
         and "real_tokens" (prompt + response tokens of its real rows); a mini-batch of only
-        `batching.inert_rows` is not run and gives ``{"empty": True}``; the packed path computes
+        `inert.inert_rows` is not run and gives ``{"empty": True}``; the packed path computes
         no inert row). Does not advance state.step.
         """
         cfg = self.cfg
@@ -450,17 +451,19 @@ class Trainer:
 
         Redundant work is skipped (same result): all-padding columns are dropped
         (`trim_padding`, cfg.trim_padding), the old-logprob pass is not run when the update is
-        exactly on-policy (`on_policy`; pi_old = the step's own logprobs under stop_gradient),
-        the reference pass only runs when loss.kl_coef != 0.
+        exactly on-policy (`on_policy`; pi_old = the step's own logprobs under stop_gradient)
+        and leaves out the rows no loss term reads (`inert.unread_rows`), the reference pass
+        only runs when loss.kl_coef != 0.
 
         Args: state; batch: the iteration's SampleBatch (numpy or jax; any row count);
         ref_params: frozen initial policy params (needed when loss.kl_coef != 0, and always with
         LoRA, where they are the base the adapters ride on).
         Returns (new state, metrics: host floats — means over optimizer steps of the loss
         metrics, `skipped_steps` (non-finite steps not applied), `optimizer_steps`,
-        `empty_steps` (mini-batches with no gradient, not run: `batching.inert_rows`),
-        `perf/inert_tokens` (tokens of the rows the packed update did not compute), advantage
-        metrics of the estimator, `mismatch/sampler_abs` = mean |sampler - trainer| logprob
+        `empty_steps` (mini-batches with no gradient, not run: `inert.inert_rows`),
+        `perf/inert_tokens` (tokens of the rows the packed update did not compute),
+        `perf/unscored_inert_rows` (rows the old-logprob pass left out, `inert.unread_rows`),
+        advantage metrics of the estimator, `mismatch/sampler_abs` = mean |sampler - trainer| logprob
         over loss tokens, `kl/whole_batch` and `replay/*` (`replay_metrics`; the replay pool:
         docs/method.md §7.5)). Raises ValueError when kl_coef != 0 and ref_params is None."""
         rng, k_score, k_plan = jax.random.split(jnp.asarray(state.rng, jnp.uint32), 3)
@@ -468,9 +471,15 @@ class Trainer:
         batch = fit_to_bounds(batch, None if self.per_row else self.bounds,   # packed path only
                               self.cfg.response_floor, self.score_chunk, self.cfg.trim_padding)
         on_policy = self.on_policy(batch) and not draw.rows   # replayed: pi_old is stored
+        stored = draw.stored_old(batch.num_rows, self.cfg.replay.enabled)
+        unread = None
+        if not (on_policy or self.per_row):
+            with self._ctx():
+                unread = unread_rows(draw.split_scored(batch)[1], state.step, self.cfg)
+        if unread is not None:      # rows whose pi_old no loss term reads: not scored
+            stored = unread if stored is None else stored | unread
         scored, est = draw.split_scored(self.score(   # est: the iteration's own rows
-            state, batch, ref_params, k_score, use_old=not on_policy, stored_old=draw.stored_old(
-                batch.num_rows, self.cfg.replay.enabled)))
+            state, batch, ref_params, k_score, use_old=not on_policy, stored_old=stored))
         with self._ctx():
             adv, w, adv_m = advantages(est, state.step, algo=self.cfg.estimator_name,
                                        est=self.cfg.estimator)
@@ -478,7 +487,7 @@ class Trainer:
         state, steps = self.train_on_batch(state, scored, adv, w, targets, k_plan, ref_params,
                                            on_policy=on_policy)
         state = state.replace(step=state.step + 1, rng=rng)
-        metrics = update_metrics(steps, adv_m, est, on_policy)
+        metrics = update_metrics(steps, adv_m, est, on_policy, unread)
         metrics.update(replay_metrics(self.replay, draw, scored, est, on_policy, metrics, self.cfg))
         if metrics["skipped_steps"]:
             log.warning("iteration %d: skipped %d of %d optimizer steps with a non-finite loss or "

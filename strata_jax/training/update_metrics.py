@@ -11,17 +11,19 @@ from strata_jax.algos import SampleBatch, loss_mask
 
 
 def update_metrics(steps: list[dict], adv_metrics: dict, est: SampleBatch,
-                   on_policy: bool) -> dict[str, float]:
+                   on_policy: bool, unscored: np.ndarray | None = None) -> dict[str, float]:
     """The update's metrics: means over optimizer steps of the loss metrics (``train/<k>``),
-    `skipped_steps`, `optimizer_steps`, `empty_steps`, ``perf/inert_tokens`` and
+    `skipped_steps`, `optimizer_steps`, `empty_steps`, ``perf/inert_tokens``,
+    ``perf/unscored_inert_rows`` (the rows of `unscored`) and
     ``perf/update_token_fill`` (real / computed token slots), the estimator's metrics
     (``row/`` entries left out) and ``mismatch/sampler_abs`` (mean |sampler - trainer| pi_old
-    logprob over loss tokens; on-policy, the one step's own measure; absent when that step
-    was empty).
+    logprob over loss tokens; on-policy, the one step's own measure; off-policy, over the rows
+    the old pass scored; absent when no step or no scored row measured it).
 
     Args: steps: `Trainer.train_on_batch`'s per-step dicts (device scalars and host ints;
     ``{"empty": True}`` for a mini-batch not run); adv_metrics: the estimator's metrics;
-    est: the scored batch the estimator saw; on_policy: the update ran without the old pass."""
+    est: the scored batch the estimator saw; on_policy: the update ran without the old pass;
+    unscored: [R] bool or None, rows the old pass left out (their pi_old is not computed)."""
     empty = sum(1 for s in steps if s.get("empty"))
     steps = [dict(s) for s in steps if not s.get("empty")]
     # every step reports it (0 off-policy: one compiled step serves both, `micro_loss`)
@@ -32,14 +34,19 @@ def update_metrics(steps: list[dict], adv_metrics: dict, est: SampleBatch,
         mism = own[0]
     else:
         mask = loss_mask(est)
+        if unscored is not None:
+            mask = mask & ~jnp.asarray(np.pad(unscored, (0, est.num_rows - len(unscored))))[:, None]
         mism = jnp.sum(jnp.where(mask, jnp.abs(est.sampler_logprobs - est.old_logprobs), 0.0)
                        ) / jnp.maximum(jnp.sum(mask), 1)
+        if unscored is not None and not bool(jax.device_get(jnp.any(mask))):
+            mism = None
     host_steps, host_adv, mism = jax.device_get(
         (steps, {k: v for k, v in adv_metrics.items() if not k.startswith("row/")}, mism))
     metrics: dict[str, float] = {k: float(v) for k, v in host_adv.items()}
     computed = sum(s.pop("computed_tokens") for s in host_steps)
     real_tokens = sum(s.pop("real_tokens") for s in host_steps)
     metrics["perf/inert_tokens"] = float(sum(s.pop("inert_tokens") for s in host_steps))
+    metrics["perf/unscored_inert_rows"] = 0.0 if unscored is None else float(np.sum(unscored))
     metrics["perf/update_token_fill"] = real_tokens / max(computed, 1)
     for k in (host_steps[0] if host_steps else {}):
         metrics[f"train/{k}"] = float(np.mean([float(s[k]) for s in host_steps]))

@@ -10,7 +10,7 @@ import pytest
 
 from strata_jax.models import init_params
 from strata_jax.training import Trainer, TrainConfig
-from strata_jax.training.batching import inert_rows
+from strata_jax.training.inert import inert_rows
 from tests.fixtures.trainer import TINY, grpo_records, make_batch
 
 
@@ -143,3 +143,34 @@ def test_inert_rows_are_not_computed_and_the_update_is_the_same(algo):
     assert sum(m["inert_tokens"] for m in ma) == want > 0
     assert sum(m["inert_tokens"] for m in mb) == 0
     assert sum(m["real_tokens"] for m in ma) + want == sum(m["real_tokens"] for m in mb)
+
+
+def test_the_old_pass_leaves_out_the_rows_no_loss_term_reads(moved, monkeypatch):
+    """Off-policy (two mini-batches), a critic-free estimator: the rows of a constant group are
+    inert by the advantages computed before scoring, so the old-logprob pass leaves them out;
+    the update equals the one that scores them (up to float summation order). A batch of only
+    constant groups runs no scoring forward at all and moves nothing."""
+    import strata_jax.training.trainer as trainer_module
+    params, state = moved
+    on = Trainer(TINY, dataclasses.replace(_config(), mini_batch_size=4))
+    half = make_batch(grpo_records(scores=[1.0] * 4 + [1.0, 0.0, 0.0, 1.0]))
+    assert not on.on_policy(half)
+    a, ma = on.update(state, half)
+    with monkeypatch.context() as m:
+        m.setattr(trainer_module, "unread_rows", lambda *args: None)
+        b, mb = on.update(state, half)
+    assert ma["perf/unscored_inert_rows"] == 4 and mb["perf/unscored_inert_rows"] == 0
+    assert ma["optimizer_steps"] == mb["optimizer_steps"]
+    _same_step(a, b, ma, mb)
+    calls = []
+    real = trainer_module.score_rows
+    monkeypatch.setattr(trainer_module, "score_rows",
+                        lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    constant = make_batch(grpo_records(scores=[1.0] * 4 + [0.0] * 4))
+    new, mc = on.update(state, constant)
+    assert calls == [] and mc["perf/unscored_inert_rows"] == 8
+    assert mc["optimizer_steps"] == 0 and "mismatch/sampler_abs" not in mc
+    for x, y in zip(_leaves(new), _leaves(state)):
+        np.testing.assert_array_equal(x, y)
+    on.update(state, half)
+    assert calls, "a batch with signal is scored"
