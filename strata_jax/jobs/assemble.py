@@ -80,7 +80,7 @@ def assemble(c: Any, *, train: bool, mesh: Any, initial: bool = True) -> Run:
     from strata_jax.rollout import SamplerPolicy, build_judge_model, make_prompt_builder
     from strata_jax.sampling import Sampler, SamplerCopy
     from strata_jax.training import Trainer, TrainConfig
-    from strata_jax.training.bounds import ShapeBounds, sampler_floors
+    from strata_jax.training.bounds import ShapeBounds, embed_floors, sampler_floors
 
     tokenizer = ex.build_tokenizer(c)
     if initial:
@@ -102,7 +102,8 @@ def assemble(c: Any, *, train: bool, mesh: Any, initial: bool = True) -> Run:
     builder = make_prompt_builder(tokenizer, c)
     judge = build_judge_model(c, sampler_mesh) if train or _judge_chooses(c) else None
     task_sampler = ex.TaskSampler(ex.task_list(c), seed=c.seed) if train else None
-    policy = SamplerPolicy(sampler, None, prefix_cache_mb=c.rollout.prefix_cache_mb)
+    policy = SamplerPolicy(sampler, None, prefix_cache_mb=c.rollout.prefix_cache_mb,
+                           embed_floors=embed_floors(c))
     return Run(model=model_cfg, mesh=mesh, sampler_mesh=sampler_mesh, tokenizer=tokenizer,
                init_params=params, sampler=sampler, copy=copy, policy=policy, builder=builder,
                pool=ex.build_pool(c), task_sampler=task_sampler, judge=judge, trainer=trainer)

@@ -51,6 +51,11 @@ class SamplerPolicy:
       params: the policy params (placed for the sampler's mesh); replace with `set_params`
         after each update.
       embed_batch: rows per embedding forward (bounds memory; lengths are bucketed).
+      embed_floors: (rows, width) floors of the embedding forward's buckets (powers of two
+        above them): the strategy candidates of a call and their longest generation bound
+        them, so floors at those bounds give one program for every call
+        (`strata_jax.training.bounds.embed_floors`). Independent of the sampler's prompt
+        buckets: strategies are a few dozen tokens, prompts up to the whole budget.
       prefix_cache_mb: > 0: keep the prompt prefixes' KV across `generate` calls, up to this
         many MB (`strata_jax.sampling.PrefixKVCache`): each distinct prefix (header, role,
         task, strategy) is prefilled once per params instead of at every step; `set_params`
@@ -61,10 +66,11 @@ class SamplerPolicy:
     """
 
     def __init__(self, sampler: Sampler, params: Any, embed_batch: int = 64,
-                 prefix_cache_mb: float = 0.0) -> None:
+                 prefix_cache_mb: float = 0.0, embed_floors: tuple[int, int] = (1, 16)) -> None:
         self.sampler = sampler
         self.params = params
         self.embed_batch = int(embed_batch)
+        self.embed_floors = (int(embed_floors[0]), int(embed_floors[1]))
         self.prefix_cache = (PrefixKVCache(int(prefix_cache_mb * 2 ** 20))
                              if prefix_cache_mb > 0 else None)
         self._prefill = dict(prompt_tokens=0, prefill_tokens=0)
@@ -117,8 +123,8 @@ class SamplerPolicy:
                      if len(r)]
             if not chunk:
                 continue
-            t = bucket(max(len(r) for _, r in chunk), self.sampler.length_floor)
-            b = bucket(len(chunk), 1)
+            t = bucket(max(len(r) for _, r in chunk), self.embed_floors[1])
+            b = bucket(len(chunk), self.embed_floors[0])
             packed = pack_left([r for _, r in chunk], t, b)
             emb = _mean_hidden(self.params, jnp.asarray(packed.tokens),
                                jnp.asarray(packed.positions), jnp.asarray(packed.mask), config=cfg)

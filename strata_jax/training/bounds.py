@@ -135,4 +135,17 @@ def sampler_floors(c: Any) -> dict[str, Any]:
                 length_floor=bucket(int(c.env.max_prompt_tokens)))
 
 
-__all__ = ["ShapeBounds", "replay_rows", "sampler_floors"]
+def embed_floors(c: Any) -> tuple[int, int]:
+    """The (rows, width) floors of `SamplerPolicy`'s strategy-embedding forward: with
+    rollout.sampler_fixed_shapes, the candidates of one rollout (tasks_per_batch x
+    num_strategies x oversample) and the strategy budget (rollout.max_strategy_tokens), each
+    rounded up to a power of two, so every call's shape is the first one; without it (1, 16)
+    (each call's shape follows its strategies)."""
+    r = c.rollout
+    if not r.get("sampler_fixed_shapes", False):
+        return (1, 16)
+    rows = int(r.tasks_per_batch) * int(r.num_strategies) * int(r.oversample)
+    return (bucket(rows), bucket(int(r.max_strategy_tokens)))
+
+
+__all__ = ["ShapeBounds", "embed_floors", "replay_rows", "sampler_floors"]

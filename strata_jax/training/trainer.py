@@ -3,8 +3,9 @@
 Flow of `Trainer.update(state, batch, ref_params)` (docs/method.md §9): replayed rows appended
 (STAPO's pool, off by default: replay.py) and the batch padded to the config's shape bounds
 (bounds.py: one program per shape from the first iteration on), then
-1. `score_batch` (steps.py; no grad): pi_old logprobs (§9.1), reference logprobs (kl_coef !=
-   0), critic values and their dropout std, filled in BEFORE the estimator runs.
+1. `score_batch` (steps.py; no grad): pi_old logprobs (§9.1; not of the rows no loss term
+   reads, `inert.unread_rows`), reference logprobs (kl_coef != 0), critic values and their
+   dropout std, filled in BEFORE the estimator runs.
 2. `advantages` (steps.py): the estimator registry; value targets from ``row/value_targets``.
 3. `ppo_epochs` passes; each shuffles the valid rows into mini-batches of `mini_batch_size`
    step samples (evenly split), with the strategy samples spread evenly over the mini-batches
@@ -14,8 +15,7 @@ Flow of `Trainer.update(state, batch, ref_params)` (docs/method.md §9): replaye
 
 The scoring passes and the micro-batches run over prefix-tree packed rows (prefix_tree/,
 docs/design.md §12.1): each shared prompt prefix is computed once, exactly the per-row
-objective (§9). The per-row forward (`Trainer(per_row=True)`) is kept only as the reference the
-tests hold the packed update to.
+objective (§9); the per-row forward (`Trainer(per_row=True)`) is the tests' reference.
 
 Everything jitted is a pure function of (state, arrays), the configs static (steps.py);
 `Trainer` holds the static pieces and the mesh, places batches and states, runs the host plan.
@@ -472,10 +472,10 @@ class Trainer:
                               self.cfg.response_floor, self.score_chunk, self.cfg.trim_padding)
         on_policy = self.on_policy(batch) and not draw.rows   # replayed: pi_old is stored
         stored = draw.stored_old(batch.num_rows, self.cfg.replay.enabled)
-        unread = None
-        if not (on_policy or self.per_row):
-            with self._ctx():
-                unread = unread_rows(draw.split_scored(batch)[1], state.step, self.cfg)
+        with self._ctx():   # on-policy too (no old pass then): one program set either way
+            unread = None if self.per_row else unread_rows(draw.split_scored(batch)[1],
+                                                           state.step, self.cfg)
+        unread = None if on_policy else unread
         if unread is not None:      # rows whose pi_old no loss term reads: not scored
             stored = unread if stored is None else stored | unread
         scored, est = draw.split_scored(self.score(   # est: the iteration's own rows

@@ -45,6 +45,20 @@ def test_sampler_policy_embed_is_mean_of_final_hidden():
         h = ref(params, jnp.asarray([rows[i]], jnp.int32))
         np.testing.assert_allclose(emb[i], np.asarray(h[0]).mean(0), rtol=2e-5, atol=2e-5)
     assert not np.allclose(emb[0], emb[3])
+    # floors at the rollout's bounds: one shape for every call, the same embeddings; the
+    # sampler's prompt floor (here the whole budget) does not widen them
+    from tests.fixtures.sampler import compile_counter
+    wide = Sampler(cfg, max_cache_len=128, length_floor=128)
+    floored = SamplerPolicy(wide, params, embed_floors=(4, 32))
+    parts = (rows, rows[:1], rows[1:2] + rows[3:])
+    want = [pol.embed(part) for part in parts]
+    counter = compile_counter()
+    got = [floored.embed(parts[0])]
+    before = counter.count                      # the [4, 32] forward compiled once
+    got += [floored.embed(part) for part in parts[1:]]
+    assert counter.count == before
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 
 
 def test_forced_model_through_sampler(tok, forced):

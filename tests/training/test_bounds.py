@@ -38,3 +38,11 @@ def test_sampler_rungs_of_the_tiny_configs_and_of_a_cohort_split():
     g = builtin.get_config("tiny,grpo")
     g.rollout.sampler_fixed_shapes = True
     assert sampler_floors(g) == dict(batch_rungs=(8, 32), length_floor=512)
+
+
+def test_embed_floors_follow_the_strategy_candidates_and_budget():
+    from strata_jax.training.bounds import embed_floors
+    c = builtin.get_config("tiny")
+    assert embed_floors(c) == (1, 16)
+    c.rollout.sampler_fixed_shapes = True
+    assert embed_floors(c) == (16, 64)     # 4 x 2 x 2 candidates; 48 strategy tokens
