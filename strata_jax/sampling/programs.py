@@ -153,26 +153,38 @@ def compact_rows(cache: KVCache, width: int, extra: int) -> KVCache:
                    valid=jnp.pad(keep, ((0, 0), (0, extra))))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "cache_len", "cache_dtype", "chunk"))
+@functools.partial(jax.jit,
+                   static_argnames=("config", "rows_len", "n_out", "cache_dtype", "chunk"))
 def prefill(params: Params, tokens: jax.Array, positions: jax.Array, mask: jax.Array, *,
-            config: Qwen2Config, cache_len: int, cache_dtype: str | None,
+            config: Qwen2Config, rows_len: int, n_out: int, cache_dtype: str | None,
             chunk: int) -> tuple[KVCache, jax.Array]:
-    """Run the left-padded prompts into a fresh KV cache (design.md §6.1).
+    """Run the left-padded prompts into a fresh KV cache of rows_len + n_out slots
+    (design.md §6.1).
 
     Args:
       params: model params (float32 or bfloat16). tokens / positions: [B, T] int32 ids and RoPE
         positions (`packing.pack_left`); mask: [B, T] bool, True for real tokens.
-      config: static model config. cache_len: static slot count S = T + N (N = the bucketed
-        max_new_tokens). cache_dtype: static, None = the params' dtype. chunk: static prefill
-        chunk (`prefill_chunks`).
+      config: static model config. rows_len: static, <= T and >= every row's token count:
+        the prompt slots decoding attends over (rows_len < T packs the rows' slots with
+        `compact_rows`, so a wide prompt bucket is not paid for at every decoded token).
+        n_out: static free slots (the bucketed max_new_tokens). cache_dtype: static, None =
+        the params' dtype. chunk: static prefill chunk (`prefill_chunks`).
     Returns:
-      (KVCache [L, B, S, K, Dh] with slots [0, T) written, the hidden state after each row's
-      last prompt token [B, D] in the params' dtype). No logits: `decode` makes them for one
-      position per row.
+      (KVCache [L, B, rows_len + n_out, K, Dh], each row's prompt in the last of the first
+      rows_len slots, the hidden state after each row's last prompt token [B, D] in the
+      params' dtype). No logits: `decode` makes them for one position per row.
+    Raises:
+      ValueError: rows_len > T.
     """
-    b, _ = tokens.shape
-    cache = _constrain_cache(init_cache(config, b, cache_len, _cache_dtype(params, cache_dtype)))
+    b, t = tokens.shape
+    if rows_len > t:
+        raise ValueError(f"rows_len {rows_len} exceeds the prompt width {t}")
+    packed = rows_len < t
+    cache = _constrain_cache(init_cache(config, b, t + (0 if packed else n_out),
+                                        _cache_dtype(params, cache_dtype)))
     cache, last = prefill_chunks(params, config, tokens, positions, mask, cache, 0, chunk)
+    if packed:
+        cache = compact_rows(cache, rows_len, n_out)
     return _constrain_cache(cache), last
 
 

@@ -9,9 +9,11 @@ Flow of `Sampler.generate` (and of `Sampler.generate_with_prefixes`):
    one PRNG key per row, the stop ids and the stop-string table, and place the rows on the
    mesh.
 2. ``programs.prefill`` / ``programs.prefill_prefixed`` (jit): the prompts into a KV cache of
-   ``T + N`` slots (T the bucketed longest row) and the last column's hidden state; a bucket
-   wider than ``prefill_chunk`` runs chunk by chunk from the first chunk holding a real
-   token, so the padding of a wide bucket is not computed (`programs.prefill_chunks`).
+   ``R + N`` slots (R the longest row's bucket above ``rows_floor``, the rows' slots packed
+   by `programs.compact_rows` when the prompt bucket T is wider) and the last column's hidden
+   state; a bucket wider than ``prefill_chunk`` runs chunk by chunk from the first chunk
+   holding a real token, so the padding of a wide bucket is not computed
+   (`programs.prefill_chunks`).
 3. ``programs.decode`` (jit, cache donated): one ``lax.while_loop`` over the new tokens; one
    device->host copy at the end, no host round trip per token.
 
@@ -29,6 +31,8 @@ the number of batch shards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import math
 from typing import Any, Sequence
 
@@ -47,6 +51,7 @@ from strata_jax.sampling.params import SamplingParams, check_temperature
 from strata_jax.sampling.prefix_cache import PrefixKVCache
 
 Params = dict[str, Any]
+log = logging.getLogger(__name__)
 
 
 class Sampler:
@@ -65,19 +70,30 @@ class Sampler:
         than the largest falls back to the powers of two. Bounds the compiled programs to the
         rungs a rollout's stages need (`strata_jax.training.bounds.sampler_floors`) without
         padding every stage to the largest.
+      rows_floor: smallest bucket of the rows' cache after the prefill (default
+        length_floor): decoding attends over bucket(longest row, rows_floor) + N slots, not
+        over the prompt bucket, so a wide length_floor (every call's prompts at one width)
+        does not widen every decoded token's attention.
+      warm_ladder: when a call's shapes are first met, also compile its programs at every
+        other rows' bucket it can meet (the powers of two from rows_floor to its prompt
+        width), with a one-token decode: a run whose prompt widths, batch rungs and decode
+        budgets are fixed then compiles nothing new once each of its stages has run once.
       cache_dtype: KV cache dtype name (default: the params' dtype).
       prefill_chunk: columns per prefill step when a bucket is wider (`programs.prefill_chunks`);
         a multiple of the attention's query block. Smaller skips padding more finely; larger
         runs fewer loop steps. Changes values only to float summation order.
     Raises:
-      ValueError: prefill_chunk < 1, or a batch rung < 1.
+      ValueError: prefill_chunk < 1, a batch rung < 1, or rows_floor < 1.
     """
 
     def __init__(self, config: Qwen2Config, *, mesh: jax.sharding.Mesh | None = None,
                  max_cache_len: int | None = None, batch_floor: int = 1,
                  length_floor: int = 16, new_tokens_floor: int = 16,
                  cache_dtype: str | None = None, prefill_chunk: int = 256,
-                 batch_rungs: Sequence[int] | None = None) -> None:
+                 batch_rungs: Sequence[int] | None = None, rows_floor: int | None = None,
+                 warm_ladder: bool = False) -> None:
+        if rows_floor is not None and int(rows_floor) < 1:
+            raise ValueError(f"rows_floor must be >= 1, got {rows_floor}")
         if int(prefill_chunk) < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if batch_rungs is not None and any(int(r) < 1 for r in batch_rungs):
@@ -88,6 +104,9 @@ class Sampler:
         self.max_cache_len = int(max_cache_len or config.max_position_embeddings)
         self.batch_floor = batch_floor
         self.length_floor = length_floor
+        self.rows_floor = int(rows_floor or length_floor)
+        self.warm_ladder = bool(warm_ladder)
+        self._warmed: set[tuple] = set()   # the call shapes whose ladder is compiled
         self.new_tokens_floor = new_tokens_floor
         self.cache_dtype = None if cache_dtype is None else jnp.dtype(cache_dtype).name
         self._batch_multiple = 1
@@ -171,6 +190,46 @@ class Sampler:
                                logprobs=np.zeros((n, 0), np.float32),
                                lengths=np.zeros((n,), np.int32), stopped=np.zeros((n,), bool))
 
+    def rows_ladder(self, width: int, max_new: int) -> list[int]:
+        """The rows' buckets a call of prompt width `width` (its packed columns, prefix +
+        suffix for `generate_with_prefixes`) and `max_new` new tokens can meet:
+        min(bucket(n, rows_floor), width) over the row lengths n it accepts (n + max_new <=
+        max_cache_len)."""
+        top = min(width, bucket(max(self.max_cache_len - max_new, 1), self.rows_floor))
+        out, n = [], self.rows_floor
+        while n < top:
+            out.append(n)
+            n *= 2
+        return out + [top]
+
+    def _prefill_and_decode(self, params: Params, prefill_at: Any, path: tuple, width: int,
+                            longest: int, keys: tuple[np.ndarray, str | None],
+                            next_position: np.ndarray, n_rows: int, b: int, n_out: int,
+                            sampling: SamplingParams) -> GenerationBatch:
+        """Prefill at the rows' own bucket (`prefill_at(rows_len)`), then decode; with
+        warm_ladder, first compile this call shape's other rows' buckets (`rows_ladder`), a
+        one-token decode each on the same rows."""
+        rows_len = min(bucket(longest, self.rows_floor), width)
+        if self.warm_ladder:
+            # what keys the programs: shapes and the decode's static switches
+            shape = path + (n_out, sampling.is_greedy, 0 < sampling.top_k < self.config.vocab_size,
+                            sampling.top_p < 1.0, self._stop_table(sampling.stop_text).shape,
+                            keys[1])
+            if shape not in self._warmed:
+                self._warmed.add(shape)
+                # max_new = 1: the widest ladder, whatever budget later calls of this shape ask
+                others = [n for n in self.rows_ladder(width, 1) if n != rows_len]
+                one = dataclasses.replace(sampling, max_new_tokens=1)
+                for i, n in enumerate(others):
+                    log.info("compiling the rows' cache ladder of %d rows x %d columns + %d "
+                             "new: %d/%d (%d slots)", b, width, n_out, i + 1, len(others), n)
+                    cache, last_hidden = prefill_at(n)
+                    self._run_decode(params, cache, last_hidden, keys, next_position, n_rows, b,
+                                     n_out, one)
+        cache, last_hidden = prefill_at(rows_len)
+        return self._run_decode(params, cache, last_hidden, keys, next_position, n_rows, b,
+                                n_out, sampling)
+
     def _run_decode(self, params: Params, cache: KVCache, last_hidden: jax.Array,
                     keys: tuple[np.ndarray, str | None], next_position: np.ndarray,
                     n_rows: int, b: int, n_out: int, sampling: SamplingParams) -> GenerationBatch:
@@ -235,12 +294,16 @@ class Sampler:
         n_out = bucket(sampling.max_new_tokens, self.new_tokens_floor)
         packed = pack_left(rows, t, b)
         tokens, positions, mask = self._put_rows(packed.tokens, packed.positions, packed.mask)
-        with self._mesh_context():
-            cache, last_hidden = programs.prefill(params, tokens, positions, mask, config=self.config,
-                                          cache_len=t + n_out, cache_dtype=self.cache_dtype,
-                                          chunk=self.prefill_chunk)
-        return self._run_decode(params, cache, last_hidden, keys, packed.lengths, len(rows), b,
-                                n_out, sampling)
+
+        def prefill_at(rows_len: int) -> tuple[KVCache, jax.Array]:
+            with self._mesh_context():
+                return programs.prefill(params, tokens, positions, mask, config=self.config,
+                                        rows_len=rows_len, n_out=n_out,
+                                        cache_dtype=self.cache_dtype, chunk=self.prefill_chunk)
+
+        return self._prefill_and_decode(params, prefill_at, ("plain", b, t), t,
+                                        int(packed.lengths.max()), keys, packed.lengths,
+                                        len(rows), b, n_out, sampling)
 
     def generate_with_prefixes(self, params: Params, prefixes: Sequence[Sequence[int]],
                                prefix_index: Sequence[int], suffixes: Sequence[Sequence[int]],
@@ -286,8 +349,6 @@ class Sampler:
         lp = bucket(int(prefix_lens.max()), self.length_floor)
         ts = bucket(max(len(s) for s in suf), self.length_floor)
         n_out = bucket(sampling.max_new_tokens, self.new_tokens_floor)
-        # the rows' own bucket: decoding attends over it, not over the prefix + suffix buckets
-        rows_len = min(bucket(int(row_lens.max()), self.length_floor), lp + ts)
         row_prefix = np.zeros((b,), np.int32)
         row_prefix[: len(suf)] = idx
         s_start = prefix_lens[row_prefix]
@@ -295,21 +356,26 @@ class Sampler:
         s_args = self._put_rows(row_prefix, s_packed.tokens, s_packed.positions, s_packed.mask)
         if prefix_cache is not None:
             pcache = self._kept_prefixes(params, pre, prefix_cache, p_b, lp)
-            with self._mesh_context():
-                cache, last_hidden = programs.prefill_on_prefixes(
-                    params, pcache, *s_args, config=self.config, rows_len=rows_len,
-                    n_out=n_out, chunk=self.prefill_chunk)
+
+            def prefill_at(rows_len: int) -> tuple[KVCache, jax.Array]:
+                with self._mesh_context():
+                    return programs.prefill_on_prefixes(
+                        params, pcache, *s_args, config=self.config, rows_len=rows_len,
+                        n_out=n_out, chunk=self.prefill_chunk)
         else:
             p_packed = pack_left(pre, lp, p_b)
             p_args = self._put_rows(p_packed.tokens, p_packed.positions, p_packed.mask)
-            with self._mesh_context():
-                cache, last_hidden = programs.prefill_prefixed(
-                    params, *p_args, *s_args, config=self.config, rows_len=rows_len,
-                    n_out=n_out, cache_dtype=self.cache_dtype, chunk=self.prefill_chunk)
+
+            def prefill_at(rows_len: int) -> tuple[KVCache, jax.Array]:
+                with self._mesh_context():
+                    return programs.prefill_prefixed(
+                        params, *p_args, *s_args, config=self.config, rows_len=rows_len,
+                        n_out=n_out, cache_dtype=self.cache_dtype, chunk=self.prefill_chunk)
         next_position = np.ones((b,), np.int32)
         next_position[: len(suf)] = row_lens
-        return self._run_decode(params, cache, last_hidden, keys, next_position, len(suf), b,
-                                n_out, sampling)
+        path = ("kept" if prefix_cache is not None else "prefixed", b, p_b, lp, ts)
+        return self._prefill_and_decode(params, prefill_at, path, lp + ts, int(row_lens.max()),
+                                        keys, next_position, len(suf), b, n_out, sampling)
 
     def _kept_prefixes(self, params: Params, prefixes: list[np.ndarray], kept: PrefixKVCache,
                        p_b: int, lp: int) -> KVCache:

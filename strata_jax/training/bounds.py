@@ -99,22 +99,30 @@ def replay_rows(c: Any, fresh: int) -> int:
     return min(rc.capacity, draw_size(fresh, rc)) if rc.enabled else 0
 
 
+# the rows' cache buckets a fixed-shape sampler call decodes over: the prompt budget's bucket
+# and its halvings down to 1 / ROWS_LADDER of it (4 rungs), so a short call's attention is not
+# the whole budget's, for 3 more compiled shapes per call shape
+ROWS_LADDER = 8
+
+
 def sampler_floors(c: Any) -> dict[str, Any]:
     """The `Sampler` bucket settings of experiment config `c`: with rollout.sampler_fixed_shapes,
     batch_rungs = the row counts of the rollout's decode calls, each rounded up to a power of
     two (StraTA's strategy candidates, tasks_per_batch x num_strategies x oversample; the
     most episodes one cohort holds, min(tasks_per_batch x group, ceil(env.num_workers /
     cohorts)), which bounds the revisions' calls too; the judge's call, every episode at
-    once), and length_floor = the prompt budget
-    env.max_prompt_tokens rounded up to a power of two, so every call's rows, prefixes and
-    prompt lengths land on buckets met in the first iteration (the decode budget,
-    max_new_tokens, is bucketed per stage as always); without it, {} (the sampler's own
-    floors: each call's shapes follow its rows).
+    once), length_floor = the prompt budget env.max_prompt_tokens rounded up to a power of
+    two, so every call's rows, prefixes and prompt lengths land on buckets met in the first
+    iteration (the decode budget, max_new_tokens, is bucketed per stage as always), and the
+    rows' cache ladder (rows_floor = that bucket / `ROWS_LADDER`, at least 16; warm_ladder:
+    the whole ladder compiled the first time a call shape is met); without it, {} (the
+    sampler's own floors: each call's shapes follow its rows).
 
     What the fixed shapes cost: the prefill skips all-padding chunks of the wide prompt
     bucket (`strata_jax.sampling.programs.prefill_chunks`), so prompts cost their own tokens;
-    decoding attends over the whole budget's cache slots, and a call with fewer live rows
-    than its rung computes the filler rows (docs/performance.md, "Compiled shapes over a
+    decoding attends over the rows' ladder bucket (at most twice the longest row, or
+    rows_floor), a call with fewer live rows than its rung computes the filler rows, and the
+    first iteration compiles the ladder (docs/performance.md, "Compiled shapes over a
     run")."""
     from strata_jax.algos.table import get_algorithm
     from strata_jax.rollout.episodes import resolve_cohorts
@@ -131,8 +139,9 @@ def sampler_floors(c: Any) -> dict[str, Any]:
     per_cohort = -(-int(c.env.num_workers) // resolve_cohorts(r.cohorts, c.env.name))
     rungs.add(bucket(min(episodes, per_cohort)))   # the episode loop's admission cap
     rungs.add(bucket(episodes))                    # the judge's one call over every episode
-    return dict(batch_rungs=tuple(sorted(rungs)),
-                length_floor=bucket(int(c.env.max_prompt_tokens)))
+    width = bucket(int(c.env.max_prompt_tokens))
+    return dict(batch_rungs=tuple(sorted(rungs)), length_floor=width,
+                rows_floor=max(16, width // ROWS_LADDER), warm_ladder=True)
 
 
 def embed_floors(c: Any) -> tuple[int, int]:
@@ -148,4 +157,4 @@ def embed_floors(c: Any) -> tuple[int, int]:
     return (bucket(rows), bucket(int(r.max_strategy_tokens)))
 
 
-__all__ = ["ShapeBounds", "embed_floors", "replay_rows", "sampler_floors"]
+__all__ = ["ROWS_LADDER", "ShapeBounds", "embed_floors", "replay_rows", "sampler_floors"]

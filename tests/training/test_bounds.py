@@ -31,13 +31,19 @@ def test_sampler_rungs_of_the_tiny_configs_and_of_a_cohort_split():
     assert sampler_floors(c) == {}            # off: the sampler's own floors
     c.rollout.sampler_fixed_shapes = True
     # strategies 4 tasks x 2 x oversample 2 = 16; one cohort (memory_key steps instantly)
-    # holds at most num_workers = 8 of the 32 episodes; the judge sees all 32; budget 512
-    assert sampler_floors(c) == dict(batch_rungs=(8, 16, 32), length_floor=512)
+    # holds at most num_workers = 8 of the 32 episodes; the judge sees all 32; budget 512,
+    # the rows' ladder from 512 / 8 = 64
+    assert sampler_floors(c) == dict(batch_rungs=(8, 16, 32), length_floor=512, rows_floor=64,
+                                     warm_ladder=True)
     c.rollout.cohorts, c.env.num_workers, c.env.max_prompt_tokens = 2, 40, 600
-    assert sampler_floors(c) == dict(batch_rungs=(16, 32), length_floor=1024)  # 20 -> 32
+    assert sampler_floors(c) == dict(batch_rungs=(16, 32), length_floor=1024,  # 20 -> 32
+                                     rows_floor=128, warm_ladder=True)
+    c.env.max_prompt_tokens = 100                                   # 128 / 8 -> the floor 16
+    assert sampler_floors(c)["rows_floor"] == 16
     g = builtin.get_config("tiny,grpo")
     g.rollout.sampler_fixed_shapes = True
-    assert sampler_floors(g) == dict(batch_rungs=(8, 32), length_floor=512)
+    assert sampler_floors(g) == dict(batch_rungs=(8, 32), length_floor=512, rows_floor=64,
+                                     warm_ladder=True)
 
 
 def test_embed_floors_follow_the_strategy_candidates_and_budget():
