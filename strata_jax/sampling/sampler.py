@@ -387,8 +387,10 @@ class Sampler:
             ids = tuple(int(t) for t in p)
             entry = kept.lookup(ids)
             if entry is None:
+                # one row, not the smallest batch rung: a rung of filler rows would be
+                # prefilled with it at every new prefix
                 width = bucket(len(p), self.length_floor)
-                packed = pack_left([p], width, self._batch_bucket(1))
+                packed = pack_left([p], width, bucket(1, self.batch_floor, self._batch_multiple))
                 args = self._put_rows(packed.tokens, packed.positions, packed.mask)
                 with self._mesh_context():
                     full = programs.prefill_prefix_kv(params, *args, config=self.config,

@@ -395,6 +395,10 @@ def test_compact_rows_hand_values():
     np.testing.assert_array_equal(out.k[0, :, :, 0, 0], [[0, 2, 3, 6, 0, 0], [0, 0, 0, 7, 0, 0]])
     np.testing.assert_array_equal(out.v[0, :, :, 0, 0], -np.asarray(out.k[0, :, :, 0, 0]))
     np.testing.assert_array_equal(out.valid, [[0, 1, 1, 1, 0, 0], [0, 0, 0, 1, 0, 0]])
+    # a filler row with more valid slots than `width` keeps its last `width` of them
+    out = compact_rows(cache, width=2, extra=1)
+    np.testing.assert_array_equal(out.k[0, :, :, 0, 0], [[3, 6, 0], [0, 7, 0]])
+    np.testing.assert_array_equal(out.valid, [[1, 1, 0], [0, 1, 0]])
 
 
 def test_prefill_chunk_must_be_positive(setup):
@@ -425,6 +429,24 @@ def test_batch_rungs_bound_the_programs_to_the_rungs(setup):
         np.testing.assert_array_equal(g.token_ids, w.token_ids)
     with pytest.raises(ValueError, match=r"batch_rungs must all be >= 1, got \[4, 0\]"):
         Sampler(config, batch_rungs=(4, 0))
+    # a prefix missing from the kept KV is prefilled alone: one row, not the rung's 3
+    from strata_jax.sampling import PrefixKVCache, programs
+    rows_seen, real = [], programs.prefill_prefix_kv
+
+    def spy(params, tokens, *args, **kw):
+        rows_seen.append(tokens.shape[0])
+        return real(params, tokens, *args, **kw)
+
+    programs.prefill_prefix_kv = spy
+    try:
+        got = ruled.generate_with_prefixes(params, rows[:2], [0, 1, 1], rows[2:5], sp, _keys(3),
+                                           PrefixKVCache(2 ** 30))
+    finally:
+        programs.prefill_prefix_kv = real
+    assert rows_seen == [1, 1]
+    full = [rows[i] + s for i, s in zip([0, 1, 1], rows[2:5])]
+    np.testing.assert_array_equal(got.token_ids,
+                                  sampler.generate(params, full, sp, _keys(3)).token_ids)
 
 
 def _spy_decode():
