@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -190,35 +190,52 @@ class Sampler:
                                logprobs=np.zeros((n, 0), np.float32),
                                lengths=np.zeros((n,), np.int32), stopped=np.zeros((n,), bool))
 
-    def rows_ladder(self, width: int, max_new: int) -> list[int]:
+    def _decode_switches(self, sampling: SamplingParams) -> tuple[bool, bool, bool]:
+        """`programs.decode`'s static (use_top_k, use_top_p, use_stop_text) for `sampling`."""
+        sampled = not sampling.is_greedy
+        return (sampled and 0 < sampling.top_k < self.config.vocab_size,
+                sampled and sampling.top_p < 1.0, sampling.stop_text is not None)
+
+    def rows_ladder(self, width: int) -> list[int]:
         """The rows' buckets a call of prompt width `width` (its packed columns, prefix +
-        suffix for `generate_with_prefixes`) and `max_new` new tokens can meet:
-        min(bucket(n, rows_floor), width) over the row lengths n it accepts (n + max_new <=
-        max_cache_len)."""
-        top = min(width, bucket(max(self.max_cache_len - max_new, 1), self.rows_floor))
+        suffix for `generate_with_prefixes`) can meet: min(bucket(n, rows_floor), width) over
+        the row lengths n a call admits with one new token (n < max_cache_len), so a call of
+        any decode budget meets a subset. Ascending ints."""
+        top = min(width, bucket(max(self.max_cache_len - 1, 1), self.rows_floor))
         out, n = [], self.rows_floor
         while n < top:
             out.append(n)
             n *= 2
         return out + [top]
 
-    def _prefill_and_decode(self, params: Params, prefill_at: Any, path: tuple, width: int,
+    def _prefill_and_decode(self, params: Params, prefill_at: Callable, path: tuple, width: int,
                             longest: int, keys: tuple[np.ndarray, str | None],
                             next_position: np.ndarray, n_rows: int, b: int, n_out: int,
                             sampling: SamplingParams) -> GenerationBatch:
-        """Prefill at the rows' own bucket (`prefill_at(rows_len)`), then decode; with
-        warm_ladder, first compile this call shape's other rows' buckets (`rows_ladder`), a
-        one-token decode each on the same rows."""
+        """Prefill at the rows' own bucket, then decode; with warm_ladder, first compile this
+        call shape's other rows' buckets (`rows_ladder`), a one-token decode each on the same
+        rows (their outputs dropped).
+
+        Args:
+          prefill_at: rows_len -> (KVCache [L, b, rows_len + n_out, K, Dh], last hidden
+            [b, D]), the call's prefill program at that static rows' bucket.
+          path: what names the call's prefill program apart from rows_len (its kind and
+            static widths). width: its packed columns (the ladder's top). longest: the
+            longest row's token count. keys, next_position [b], n_rows, b, n_out, sampling:
+            as `_run_decode` takes them.
+        Returns:
+          the call's `GenerationBatch` (n_rows rows).
+        """
         rows_len = min(bucket(longest, self.rows_floor), width)
         if self.warm_ladder:
-            # what keys the programs: shapes and the decode's static switches
-            shape = path + (n_out, sampling.is_greedy, 0 < sampling.top_k < self.config.vocab_size,
-                            sampling.top_p < 1.0, self._stop_table(sampling.stop_text).shape,
-                            keys[1])
+            # what keys the programs besides rows_len: the shapes and the decode's static
+            # switches (`_run_decode`)
+            shape = path + (n_out, sampling.is_greedy, self._decode_switches(sampling),
+                            bucket(len(set(sampling.stop_token_ids)), 8),
+                            self._stop_table(sampling.stop_text).shape, keys[1])
             if shape not in self._warmed:
                 self._warmed.add(shape)
-                # max_new = 1: the widest ladder, whatever budget later calls of this shape ask
-                others = [n for n in self.rows_ladder(width, 1) if n != rows_len]
+                others = [n for n in self.rows_ladder(width) if n != rows_len]
                 one = dataclasses.replace(sampling, max_new_tokens=1)
                 for i, n in enumerate(others):
                     log.info("compiling the rows' cache ladder of %d rows x %d columns + %d "
@@ -240,10 +257,7 @@ class Sampler:
         stop = sorted(set(sampling.stop_token_ids))
         stop_ids = np.full((bucket(len(stop), 8),), -1, np.int32)
         stop_ids[: len(stop)] = stop
-        vocab = self.config.vocab_size
-        use_top_k = (not sampling.is_greedy) and 0 < sampling.top_k < vocab
-        use_top_p = (not sampling.is_greedy) and sampling.top_p < 1.0
-        use_stop_text = sampling.stop_text is not None
+        use_top_k, use_top_p, use_stop_text = self._decode_switches(sampling)
         stop_table = self._stop_table(sampling.stop_text)
         stop_accept = sampling.stop_text.accept if use_stop_text else -1
         key_data, next_position, active = self._put_rows(key_data, next_position, active)

@@ -468,9 +468,10 @@ def test_rows_ladder_decodes_over_the_rows_bucket_not_the_prompt_bucket(setup):
     and logprobs of the plain sampler; the ladder a call width can meet, by hand."""
     _, config, params, sampler = setup
     wide = Sampler(config, max_cache_len=128, length_floor=64, rows_floor=16, prefill_chunk=16)
-    assert wide.rows_ladder(64, 32) == [16, 32, 64]
-    assert wide.rows_ladder(128, 100) == [16, 32]      # rows of <= 28 tokens: bucket 32 at most
-    assert wide.rows_ladder(8, 1) == [8]
+    assert wide.rows_ladder(64) == [16, 32, 64]
+    assert wide.rows_ladder(256) == [16, 32, 64, 128]  # rows of <= 127 tokens: bucket 128 at most
+    assert wide.rows_ladder(24) == [16, 24]            # capped at the call's width
+    assert wide.rows_ladder(8) == [8]
     with pytest.raises(ValueError, match="rows_floor must be >= 1, got 0"):
         Sampler(config, rows_floor=0)
     seen, restore = _spy_decode()
