@@ -137,8 +137,9 @@ def test_packed_update_equals_per_row_update_on_real_rows(real):
     mini-batches of 8 step rows: the old-logprob pass and two AdamW steps.
 
     Tolerances: the scores (response-token logprobs ~ -log V) agree to fp32 round-off of two
-    summation orders over a 151936-way softmax, 1e-4 absolute; the loss, KL and gradient norm
-    to 1e-4 relative. The parameters: Adam's epsilon is set to 1, far above every gradient
+    summation orders over a 151936-way softmax: 1e-4 absolute plus 1e-5 relative (the
+    round-off grows with the logprob's magnitude and with the CPU's vector width); the loss,
+    KL and gradient norm to 1e-4 relative. The parameters: Adam's epsilon is set to 1, far above every gradient
     element, so each step is lr times the bias-corrected momentum, linear in the gradient (with
     the default 1e-8 a step is ~lr * sign(g), and an element whose gradient is round-off on
     both paths moves by a sign flip), and lr 0.1 makes the change large against the fp32
@@ -174,7 +175,7 @@ def test_packed_update_equals_per_row_update_on_real_rows(real):
     for f in ("old_logprobs", "ref_logprobs"):
         a, b = np.asarray(getattr(sa, f))[mask], np.asarray(getattr(sb, f))[mask]
         assert np.abs(b).max() > 0.1, f   # real logprobs, not a degenerate pass
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4, err_msg=f)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4, err_msg=f)
     a, ma = packed.update(jax.tree.map(jnp.copy, state), batch, params)
     b, mb = rows.update(jax.tree.map(jnp.copy, state), batch, params)
     assert ma["optimizer_steps"] == mb["optimizer_steps"] == 2
