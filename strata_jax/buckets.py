@@ -4,10 +4,12 @@ sizes, so that the compiled programs a run meets stay few (each new shape is a n
 docs/design.md §6.3 lists who uses which rule:
 
 * `bucket`: next power of two with a floor (the sampler's batch and lengths, per-row keys,
-  the packed update's micro-batch rows, eval and SFT widths);
+  the packed update's micro-batch rows, eval widths, SFT widths under ``sft.shape_rungs=0``);
 * `bucket_size`: two sizes per octave or an explicit bucket list (`SampleBatch` rows and
   widths, `trim_padding`'s prompt columns);
 * `response_columns`: the update's response columns (``train.response_floor``);
+* `plan_rungs`, `rung_for`: a few sizes planned from a whole run's known lengths (the warm
+  start's batch widths, ``sft.shape_rungs``);
 * `pack_shape`, `micro_widths`, `key_index_width`, `response_slots`: the packed update's
   packed-row width and count, micro-batch widths, key-index width and LM-head slots
   (training/prefix_tree/, `Trainer.pack_shape`).
@@ -161,5 +163,77 @@ def response_slots(n: int, slots: int, row_multiple: int = 1, mark: int = 0) -> 
     return min(cap, bucket_size(max(n, slots // 2, mark, 1), None, multiple=unit))
 
 
-__all__ = ["bucket", "bucket_size", "response_columns", "pack_shape", "micro_widths",
-           "key_index_width", "response_slots"]
+def plan_rungs(sizes: Sequence[int], k: int, multiple: int = 1) -> tuple[int, ...]:
+    """At most `k` sizes ("rungs") that hold every entry of `sizes` (one entry per batch: the
+    width that batch needs) at the least total padded width, each a multiple of `multiple`.
+
+    Each entry is rounded up to `multiple`, then padded to the smallest rung that holds it;
+    the rungs minimise the sum of those padded widths over the entries (an optimal 1-D
+    segmentation of the sorted distinct sizes, dynamic programming in O(k n^2) for n distinct
+    sizes), and the largest rung is the largest rounded entry, so the padding never exceeds
+    what the worst batch needs. Fewer than `k` rungs come back only when there are fewer
+    distinct rounded sizes.
+
+    Why: when every batch of a run is known before the first step (behaviour cloning draws
+    its batch order upfront), the widths its programs compile can be chosen for the run
+    rather than per batch, so a run compiles at most `k` widths per axis instead of one per
+    distinct bucket it happens to meet, with less padding than powers of two at the same count.
+
+    Args:
+      sizes: the widths needed, ints >= 0 (0 counts as 1), at least one.
+      k: the most rungs returned, >= 1.
+      multiple: every rung is divisible by it, >= 1.
+    Returns:
+      the rungs, ascending ints (1 to k of them).
+    Raises:
+      ValueError: empty `sizes`, a negative size, or `k` / `multiple` < 1.
+
+    >>> plan_rungs([10, 12, 30, 31, 100], k=2, multiple=8)
+    (32, 104)
+    """
+    if k < 1 or multiple < 1:
+        raise ValueError(f"plan_rungs needs k >= 1 and multiple >= 1, got k={k}, "
+                         f"multiple={multiple}")
+    if not len(sizes) or min(sizes) < 0:
+        raise ValueError(f"plan_rungs needs at least one size, all >= 0, got {list(sizes)[:8]}")
+    counts: dict[int, int] = {}
+    for n in sizes:
+        r = -(-max(int(n), 1) // multiple) * multiple
+        counts[r] = counts.get(r, 0) + 1
+    vals = sorted(counts)
+    below = [0]   # below[j]: entries whose size is < vals[j]
+    for v in vals:
+        below.append(below[-1] + counts[v])
+    inf = float("inf")
+    # cost[m][j]: least padded sum of the entries up to vals[j] with m rungs, the top one vals[j]
+    cost = [[inf] * len(vals) for _ in range(k + 1)]
+    back = [[-1] * len(vals) for _ in range(k + 1)]
+    for j, v in enumerate(vals):
+        cost[1][j] = v * below[j + 1]
+    for m in range(2, k + 1):
+        for j, v in enumerate(vals):
+            for i in range(j):
+                c = cost[m - 1][i] + v * (below[j + 1] - below[i + 1])
+                if c < cost[m][j]:
+                    cost[m][j], back[m][j] = c, i
+    top = len(vals) - 1
+    best = min(range(1, k + 1), key=lambda m: (cost[m][top], m))
+    rungs, j = [], top
+    for m in range(best, 0, -1):
+        rungs.append(vals[j])
+        j = back[m][j]
+    return tuple(sorted(rungs))
+
+
+def rung_for(n: int, rungs: Sequence[int]) -> int:
+    """The smallest of `rungs` that holds `n` (an int).
+    Raises ValueError when `n` exceeds every rung (the plan did not cover it)."""
+    for r in sorted(rungs):
+        if r >= n:
+            return int(r)
+    raise ValueError(f"size {n} exceeds every planned rung {tuple(rungs)}: plan the rungs "
+                     "over every size the run meets (plan_rungs)")
+
+
+__all__ = ["bucket", "bucket_size", "response_columns", "plan_rungs", "rung_for", "pack_shape",
+           "micro_widths", "key_index_width", "response_slots"]

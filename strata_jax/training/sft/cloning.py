@@ -2,10 +2,11 @@
 
 Cross-entropy on response tokens only (the prompt is context, never a target; docs/method.md
 §1.3), token-mean over the batch, AdamW with global-norm clipping (`make_optimizer`), one jitted
-step per batch; prompts are left-padded and responses right-padded to power-of-two buckets so a
-run compiles a handful of programs (docs/design.md §6.3). The forward and the chunked LM-head
-logprobs are the RL trainer's own (`response_states` / `response_logprobs`), so the model
-scores exactly the columns the RL update scores. With ``sft.lora_rank`` > 0 the step trains
+step per batch; prompts are left-padded and responses right-padded to widths planned over the
+whole run (`batch_shapes`), so a run compiles at most ``sft.shape_rungs``^2 step programs
+(docs/design.md §6.3). The forward and the chunked LM-head logprobs are the RL trainer's own
+(`response_states` / `response_logprobs`), so the model scores exactly the columns the RL
+update scores. With ``sft.lora_rank`` > 0 the step trains
 LoRA adapters instead (`strata_jax.models.lora`: the forward runs ``lora_params(base,
 adapters)``, the base is frozen and never donated), with the same loss, data and optimiser.
 """
@@ -23,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from strata_jax.models import Qwen2Config
 from strata_jax.models.lora import init_lora, lora_params, lora_shardings
 from strata_jax.models.tokenizer import ENDOFTEXT_ID
-from strata_jax.sampling import bucket
+from strata_jax.buckets import bucket, plan_rungs, rung_for
 from strata_jax.training.config import TrainConfig
 from strata_jax.training.scoring import response_logprobs, response_states
 from strata_jax.training.sft.config import SFTConfig
@@ -31,22 +32,40 @@ from strata_jax.training.sft.render import SFTExample
 from strata_jax.training.state import make_optimizer
 
 
+# Width multiples of the warm start's batches: prompt columns (also the smallest prompt width)
+# and response columns.
+PROMPT_MULTIPLE = 64
+RESPONSE_MULTIPLE = 8
+
+
 def make_sft_batch(examples: Sequence[SFTExample], rows: int, pad_id: int = ENDOFTEXT_ID,
-                   prompt_floor: int = 64, response_multiple: int = 8) -> dict[str, np.ndarray]:
+                   prompt_floor: int = PROMPT_MULTIPLE,
+                   response_multiple: int = RESPONSE_MULTIPLE,
+                   shape: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
     """Pad examples into one batch (numpy).
 
     Returns prompt_ids / prompt_mask [rows, Tp] (LEFT-padded, as the SampleBatch) and
-    response_ids / response_mask [rows, Tr] (RIGHT-padded); int32 / bool. Tp is a power-of-two
-    bucket (floor 64); Tr is rounded up to a multiple of 8 (the LM head over the response
-    columns dominates the step, so padding there costs the most); rows beyond the examples are
-    all-pad with an empty mask (no loss).
+    response_ids / response_mask [rows, Tr] (RIGHT-padded); int32 / bool. ``shape`` = (Tp, Tr)
+    when given (a run's planned widths, `batch_shapes`); else Tp is a power-of-two bucket
+    (floor `prompt_floor`) and Tr is rounded up to a multiple of `response_multiple`. Rows
+    beyond the examples are all-pad with an empty mask (no loss).
     The loss mask is exactly ``response_mask``: target tokens, never prompt tokens.
-    Raises ValueError for more examples than rows or an empty list.
+    Raises ValueError for more examples than rows, an empty list, or a `shape` too small for
+    an example.
     """
     if not examples or len(examples) > rows:
         raise ValueError(f"need 1..{rows} examples for a batch of {rows} rows, got {len(examples)}")
-    tp = bucket(max(e.prompt.num_tokens for e in examples), prompt_floor)
-    tr = -(-max(len(e.response_ids) for e in examples) // response_multiple) * response_multiple
+    need_p = max(e.prompt.num_tokens for e in examples)
+    need_r = max(len(e.response_ids) for e in examples)
+    if shape is None:
+        tp = bucket(need_p, prompt_floor)
+        tr = -(-need_r // response_multiple) * response_multiple
+    else:
+        tp, tr = shape
+        if need_p > tp or need_r > tr:
+            raise ValueError(f"batch shape {shape} cannot hold a {need_p}-token prompt and a "
+                             f"{need_r}-token response: plan it over these examples "
+                             "(batch_shapes)")
     p_ids = np.full((rows, tp), pad_id, np.int32)
     p_mask = np.zeros((rows, tp), bool)
     r_ids = np.full((rows, tr), pad_id, np.int32)
@@ -190,13 +209,31 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[list[int
     return out
 
 
+def batch_shapes(examples: Sequence[SFTExample], order: Sequence[Sequence[int]],
+                 rungs: int) -> list[tuple[int, int] | None]:
+    """The (prompt, response) width of every step's batch: ``rungs`` > 0 plans at most that
+    many widths per axis over the whole run (`buckets.plan_rungs` over the steps' longest
+    prompt and response, multiples of `PROMPT_MULTIPLE` / `RESPONSE_MULTIPLE`), so the run
+    compiles at most rungs^2 step programs, all known before the first step; 0 returns None
+    per step (`make_sft_batch`'s per-batch buckets: one program per distinct bucket pair met).
+    `order`: the steps' example indices (`batch_order`). Returns one entry per step."""
+    if not rungs:
+        return [None] * len(order)
+    need_p = [max(examples[j].prompt.num_tokens for j in idx) for idx in order]
+    need_r = [max(len(examples[j].response_ids) for j in idx) for idx in order]
+    ps = plan_rungs(need_p, rungs, PROMPT_MULTIPLE)
+    rs = plan_rungs(need_r, rungs, RESPONSE_MULTIPLE)
+    return [(rung_for(p, ps), rung_for(r, rs)) for p, r in zip(need_p, need_r)]
+
+
 def train_sft(params: Any, model_cfg: Qwen2Config, examples: Sequence[SFTExample],
               cfg: SFTConfig, *, pad_id: int = ENDOFTEXT_ID, remat: str = "none",
               log_fn: Callable[[str], None] | None = None) -> tuple[Any, list[float]]:
     """Behaviour cloning: ``cfg.steps`` AdamW steps of `SFTTrainer` over `examples`.
 
-    Batches hold ``min(batch_size, len(examples))`` rows; prompt and response lengths are
-    bucketed per batch; remat is the forward's rematerialisation policy (`sft_loss`). Returns
+    Batches hold ``min(batch_size, len(examples))`` rows; their prompt and response widths
+    are planned over the run (`batch_shapes`, ``cfg.shape_rungs``); remat is the forward's
+    rematerialisation policy (`sft_loss`). Returns
     (trained, loss of every step, measured before its update): trained is the new params, or
     with ``cfg.lora_rank`` > 0 the adapters pytree (`strata_jax.models.lora`, float32) trained
     over `params`, which stay as they are (the warm start is ``apply_lora(params, adapters,
@@ -213,11 +250,19 @@ def train_sft(params: Any, model_cfg: Qwen2Config, examples: Sequence[SFTExample
     losses: list[float] = []
     t0 = last = prev = time.time()
     clock = StepClock()   # the ETA's rate, from steps that compiled nothing
+    order = batch_order(len(examples), cfg.batch_size, cfg.steps, cfg.seed)
+    shapes = batch_shapes(examples, order, cfg.shape_rungs)
     if log_fn:
         what = "" if trainer.lora is None else f" (rank-{cfg.lora_rank} LoRA adapters)"
-        log_fn(f"sft: {cfg.steps} steps of {rows} examples{what}; compiling the first step ...")
-    for i, idx in enumerate(batch_order(len(examples), cfg.batch_size, cfg.steps, cfg.seed)):
-        batch = make_sft_batch([examples[j] for j in idx], rows, pad_id)
+        planned = ""
+        if cfg.shape_rungs:
+            ps, rs = sorted({s[0] for s in shapes}), sorted({s[1] for s in shapes})
+            planned = (f" in {len(set(shapes))} batch shapes (prompt widths "
+                       f"{'/'.join(map(str, ps))}, response widths {'/'.join(map(str, rs))})")
+        log_fn(f"sft: {cfg.steps} steps of {rows} examples{what}{planned}; compiling the first "
+               "step ...")
+    for i, (idx, shape) in enumerate(zip(order, shapes)):
+        batch = make_sft_batch([examples[j] for j in idx], rows, pad_id, shape=shape)
         params, opt_state, loss = trainer.step(params, opt_state, batch, base)
         losses.append(float(loss))
         now = time.time()
@@ -271,5 +316,5 @@ def sft_progress(done: int, total: int, loss: float, elapsed_s: float,
             f"{elapsed_s:.0f} s, {eta}")
 
 
-__all__ = ["make_sft_batch", "sft_loss", "SFTTrainer", "batch_order", "train_sft",
+__all__ = ["make_sft_batch", "sft_loss", "SFTTrainer", "batch_order", "batch_shapes", "train_sft",
            "sft_progress", "SFT_PROGRESS_S", "SFT_ETA_SETTLE", "StepClock"]
