@@ -287,6 +287,31 @@ def test_mesh_sharded_same_tokens(setup, greedy_reference):
     assert got.lengths[2] == 1 and got.finish_reasons[2] == FINISH_STOP
 
 
+def test_fixed_shape_sampler_on_a_mesh_equals_the_single_device_one(setup, greedy_reference):
+    """The fixed-shape setting on a mesh (rows over data x fsdp, kv heads over tensor): a
+    64-column bucket prefilled in 16-column chunks from the first real chunk, the rows packed
+    into their own 16-slot rung (`compact_rows`) before decoding: HF's greedy tokens, and with
+    kept prefixes the plain single-device sampler's tokens."""
+    _, config, params, sampler = setup
+    ps, stop, hf = greedy_reference
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    wide = Sampler(config, mesh=mesh, max_cache_len=192, length_floor=64, rows_floor=16,
+                   prefill_chunk=16)
+    sparams = shard_params(params, config, mesh)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=N_NEW, stop_token_ids=[stop])
+    out = wide.generate(sparams, ps, sp, _keys(len(ps)))
+    assert [g.token_ids.tolist() for g in out] == hf
+    np.testing.assert_allclose(out.logprobs, sampler.generate(params, ps, sp, _keys(len(ps))
+                                                              ).logprobs, atol=1e-4)
+    pre = prompts([10, 4], config.vocab_size, seed=9)
+    suffixes = prompts([3, 6, 1], config.vocab_size, seed=30)
+    sp = SamplingParams(greedy=True, max_new_tokens=12)
+    got = wide.generate_with_prefixes(sparams, pre, [0, 1, 0], suffixes, sp, _keys(3))
+    ref = sampler.generate_with_prefixes(params, pre, [0, 1, 0], suffixes, sp, _keys(3))
+    np.testing.assert_array_equal(got.token_ids, ref.token_ids)
+    np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-4)
+
+
 def test_bad_input(setup):
     _, config, params, sampler = setup
     sp = SamplingParams(max_new_tokens=4)
