@@ -28,6 +28,7 @@ def update_metrics(steps: list[dict], adv_metrics: dict, est: SampleBatch,
     steps = [dict(s) for s in steps if not s.get("empty")]
     # every step reports it (0 off-policy: one compiled step serves both, `micro_loss`)
     own = [s.pop("sampler_abs", None) for s in steps]
+    scored = True   # whether a row the old pass scored is left (off-policy with unscored rows)
     if on_policy and not steps:   # the one mini-batch was empty: no step measured it
         mism = None
     elif on_policy:  # measured inside the one step, against the same pi_old
@@ -38,10 +39,13 @@ def update_metrics(steps: list[dict], adv_metrics: dict, est: SampleBatch,
             mask = mask & ~jnp.asarray(np.pad(unscored, (0, est.num_rows - len(unscored))))[:, None]
         mism = jnp.sum(jnp.where(mask, jnp.abs(est.sampler_logprobs - est.old_logprobs), 0.0)
                        ) / jnp.maximum(jnp.sum(mask), 1)
-        if unscored is not None and not bool(jax.device_get(jnp.any(mask))):
-            mism = None
-    host_steps, host_adv, mism = jax.device_get(
-        (steps, {k: v for k, v in adv_metrics.items() if not k.startswith("row/")}, mism))
+        if unscored is not None:   # no scored row left: nothing measured it
+            scored = jnp.any(mask)
+    # one fetch for everything (whether a row was scored too: no sync of its own)
+    host_steps, host_adv, mism, scored = jax.device_get(
+        (steps, {k: v for k, v in adv_metrics.items() if not k.startswith("row/")}, mism, scored))
+    if not bool(scored):
+        mism = None
     metrics: dict[str, float] = {k: float(v) for k, v in host_adv.items()}
     computed = sum(s.pop("computed_tokens") for s in host_steps)
     real_tokens = sum(s.pop("real_tokens") for s in host_steps)
