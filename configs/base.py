@@ -69,7 +69,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sft.grad_clip = 1.0
     c.sft.warmup_steps = 20
     c.sft.logprob_chunk = 64
-    c.sft.shape_rungs = 2          # <= 2 prompt x 2 response widths, planned over the run
+    c.sft.max_shapes = 4           # batch shapes compiled at most, planned over the run
     c.sft.seed = 0
     c.sft.log_every = 50
     # Exports are keyed by a fingerprint of everything they depend on, so every run and eval of

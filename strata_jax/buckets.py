@@ -4,12 +4,12 @@ sizes, so that the compiled programs a run meets stay few (each new shape is a n
 docs/design.md §6.3 lists who uses which rule:
 
 * `bucket`: next power of two with a floor (the sampler's batch and lengths, per-row keys,
-  the packed update's micro-batch rows, eval widths, SFT widths under ``sft.shape_rungs=0``);
+  the packed update's micro-batch rows, eval widths, SFT widths under ``sft.max_shapes=0``);
 * `bucket_size`: two sizes per octave or an explicit bucket list (`SampleBatch` rows and
   widths, `trim_padding`'s prompt columns);
 * `response_columns`: the update's response columns (``train.response_floor``);
 * `plan_rungs`, `rung_for`: a few sizes planned from a whole run's known lengths (the warm
-  start's batch widths, ``sft.shape_rungs``);
+  start's batch widths, ``sft.max_shapes``);
 * `pack_shape`, `micro_widths`, `key_index_width`, `response_slots`: the packed update's
   packed-row width and count, micro-batch widths, key-index width and LM-head slots
   (training/prefix_tree/, `Trainer.pack_shape`).

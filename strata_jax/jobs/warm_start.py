@@ -196,8 +196,8 @@ def fingerprint(c: Any, model_cfg: Qwen2Config, cfg: SFTConfig) -> str:
                        ("plan_code_keep", 0.0), ("clone_guesses", True)):
         if sft[k] == default:   # the rendering before the option existed: existing
             del sft[k]          # fingerprints stay valid
-    if not cfg.shape_rungs:     # per-batch buckets, as before the planned widths existed
-        del sft["shape_rungs"]
+    if not cfg.max_shapes:      # per-batch buckets, as before the planned widths existed
+        del sft["max_shapes"]
     if not cfg.lora_rank:       # full fine-tuning, as before the LoRA fields existed
         for k in ("lora_rank", "lora_alpha", "lora_targets"):
             del sft[k]

@@ -181,14 +181,14 @@ def test_fingerprint_keeps_old_caches_for_the_default_plan(tok):
     pretrained = fp()
     c.seed = 7
     assert fp() == pretrained
-    # per-batch buckets (shape_rungs 0, the rule before the planned widths) leave the field out
+    # per-batch buckets (max_shapes 0, the rule before the planned widths) leave the field out
     # of the key, so exports trained that way keep their folder; the planned default is keyed
     planned = fp()
     asdict = dataclasses.asdict
     with mock.patch.object(warm_start.dataclasses, "asdict",   # a config without the field
-                           lambda x: {k: v for k, v in asdict(x).items() if k != "shape_rungs"}):
+                           lambda x: {k: v for k, v in asdict(x).items() if k != "max_shapes"}):
         before = fp()
-    c.sft.shape_rungs = 0
+    c.sft.max_shapes = 0
     assert fp() == before != planned
 
 
@@ -508,25 +508,39 @@ def test_the_warm_start_eta_rate_ignores_steps_that_compiled_a_new_shape():
 
 
 def test_planned_batch_shapes_bound_the_compiles_and_change_no_loss(builder, episodes):
-    """``sft.shape_rungs`` plans at most that many prompt and response widths over the run
-    (here 2: 4 shapes; 1: one shape for every step, so one compiled step program), where
-    per-batch buckets (``shape_rungs`` = 0) compile one program per distinct bucket pair met;
-    the padding is masked, so both give the same losses up to float summation order."""
+    """``sft.max_shapes`` plans at most that many (prompt, response) batch shapes over the run,
+    splitting them between the axes by the model's work per column; 1 shape for every step
+    compiles one step program, where per-batch buckets (``max_shapes`` = 0) compile one per
+    distinct bucket pair met; the padding is masked, so both give the same losses up to float
+    summation order."""
     from strata_jax.metrics import CompileCounter
     examples = sft.build_examples(builder, episodes, sft.SFTConfig(strategy_mode="both"))
     order = sft.batch_order(len(examples), 3, 10, 0)
-    planned = sft.batch_shapes(examples, order, 2)
-    for idx, (tp, tr) in zip(order, planned):   # every batch fits its planned shape
-        assert tp % 64 == 0 and tr % 8 == 0
-        assert max(examples[j].prompt.num_tokens for j in idx) <= tp
-        assert max(len(examples[j].response_ids) for j in idx) <= tr
-    assert len({s[0] for s in planned}) == len({s[1] for s in planned}) == 2
+    widths = lambda shapes, axis: {s[axis] for s in shapes}  # noqa: E731
+    # the steps' longest prompts round to 4 widths (192 to 384), their responses to 2 (16, 24):
+    # with prompts costly, 4 shapes go 4 x 1, every batch at its own prompt width
+    need_p = [-(-max(examples[j].prompt.num_tokens for j in idx) // 64) * 64 for idx in order]
+    assert sorted(set(need_p)) == [192, 256, 320, 384]
+    assert sft.batch_shapes(examples, order, 4, (1e6, 1.0)) == [(p, 24) for p in need_p]
+    for costs in ((1.0, 1e6), (1e6, 1.0)):   # 2 shapes: the costly axis gets both
+        planned = sft.batch_shapes(examples, order, 2, costs)
+        for idx, (tp, tr) in zip(order, planned):   # every batch fits its planned shape
+            assert tp % 64 == 0 and tr % 8 == 0
+            assert max(examples[j].prompt.num_tokens for j in idx) <= tp
+            assert max(len(examples[j].response_ids) for j in idx) <= tr
+        # the costly axis gets both widths, the other one width (its widest)
+        cheap, costly = (0, 1) if costs[1] > costs[0] else (1, 0)
+        assert widths(planned, cheap) == {(384, 24)[cheap]}
+        assert widths(planned, costly) == ({256, 384}, {16, 24})[costly]
+    # a real shape's split: the 0.5B's body outweighs its head per column; the tiny's does not
+    body, head = sft.column_costs(PRESETS["tiny"])
+    assert body == 2 * (64 * (2 * 64 + 2 * 32) + 3 * 64 * 128) and head == body + 1024 * 64
     assert sft.batch_shapes(examples, order, 0) == [None] * 10
     per_batch = [tuple(a.shape[1] for a in (b["prompt_ids"], b["response_ids"])) for b in
                  (sft.make_sft_batch([examples[j] for j in idx], 3) for idx in order)]
     one = sft.batch_shapes(examples, order, 1)
     assert len(set(one)) == 1 and len(set(per_batch)) == 4
-    # the planned widths pad less than powers of two: 384 prompt columns where buckets take 512
+    # the planned width pads less than a power of two: 384 prompt columns where buckets take 512
     assert one[0][0] < max(s[0] for s in per_batch)
 
     cfg = Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_layers=1,
@@ -534,13 +548,13 @@ def test_planned_batch_shapes_bound_the_compiles_and_change_no_loss(builder, epi
     params = init_params(cfg, jax.random.PRNGKey(0))
     counter = CompileCounter.install()
     losses = {}
-    for rungs, shapes in ((0, per_batch), (1, one)):
+    for n, shapes in ((0, per_batch), (1, one)):
         scfg = sft.SFTConfig(steps=10, batch_size=3, lr=1e-3, warmup_steps=1, log_every=1,
-                             shape_rungs=rungs)
+                             max_shapes=n)
         seen = []
-        _, losses[rungs] = sft.train_sft(params, cfg, examples, scfg,
-                                         log_fn=lambda _: seen.append(counter.count))
+        _, losses[n] = sft.train_sft(params, cfg, examples, scfg,
+                                     log_fn=lambda _: seen.append(counter.count))
         compiled = [i for i in range(10) if seen[i + 1] > seen[i]]
         # a step compiles exactly when its shape is new to the run
-        assert compiled == [i for i, s in enumerate(shapes) if s not in shapes[:i]], rungs
+        assert compiled == [i for i, s in enumerate(shapes) if s not in shapes[:i]], n
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)

@@ -245,13 +245,13 @@ def test_a_tampered_or_foreign_adapter_file_is_refused(tmp_path, tok):
 
 def test_lora_rank_0_keeps_the_old_fingerprints_and_the_hf_export(tmp_path, tok):
     """The hex values are `fingerprint` of these configs at the commit before the LoRA fields
-    (47a1ccc), with the batch widths of that time (``sft.shape_rungs=0``; the planned widths,
+    (47a1ccc), with the batch widths of that time (``sft.max_shapes=0``; the planned widths,
     the default since, train other bytes and are keyed apart): every existing cached warm start
     is still found."""
     c = builtin.get_config("tiny")
     fp = lambda: warm_start.fingerprint(c, SMALL, sft.SFTConfig.from_config(c))  # noqa: E731
-    assert c.sft.shape_rungs == 2 and fp() != "9f4343203dce"
-    c.sft.shape_rungs = 0
+    assert c.sft.max_shapes == 4 and fp() != "9f4343203dce"
+    c.sft.max_shapes = 0
     assert fp() == "9f4343203dce"
     c.sft.lora_alpha = 8.0                  # unused at rank 0: the same fingerprint
     c.sft.lora_targets = (r"q_proj$",)

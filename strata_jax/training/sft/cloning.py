@@ -3,7 +3,7 @@
 Cross-entropy on response tokens only (the prompt is context, never a target; docs/method.md
 §1.3), token-mean over the batch, AdamW with global-norm clipping (`make_optimizer`), one jitted
 step per batch; prompts are left-padded and responses right-padded to widths planned over the
-whole run (`batch_shapes`), so a run compiles at most ``sft.shape_rungs``^2 step programs
+whole run (`batch_shapes`), so a run compiles at most ``sft.max_shapes`` step programs
 (docs/design.md §6.3). The forward and the chunked LM-head logprobs are the RL trainer's own
 (`response_states` / `response_logprobs`), so the model scores exactly the columns the RL
 update scores. With ``sft.lora_rank`` > 0 the step trains
@@ -209,20 +209,46 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[list[int
     return out
 
 
+def column_costs(model_cfg: Qwen2Config) -> tuple[float, float]:
+    """Multiply-adds per batch column of one behaviour-cloning step's forward, (prompt column,
+    response column): every column runs the decoder layers (the q, k, v, o projections and the
+    gated MLP); a response column also runs the LM head (vocabulary x hidden). Attention's
+    own work (quadratic in the width) is left out: it is a small share at these widths."""
+    h, layers = model_cfg.hidden_size, model_cfg.num_layers
+    q = model_cfg.num_heads * model_cfg.head_dim
+    kv = model_cfg.num_kv_heads * model_cfg.head_dim
+    body = layers * (h * (2 * q + 2 * kv) + 3 * h * model_cfg.intermediate_size)
+    return float(body), float(body + model_cfg.vocab_size * h)
+
+
 def batch_shapes(examples: Sequence[SFTExample], order: Sequence[Sequence[int]],
-                 rungs: int) -> list[tuple[int, int] | None]:
-    """The (prompt, response) width of every step's batch: ``rungs`` > 0 plans at most that
-    many widths per axis over the whole run (`buckets.plan_rungs` over the steps' longest
-    prompt and response, multiples of `PROMPT_MULTIPLE` / `RESPONSE_MULTIPLE`), so the run
-    compiles at most rungs^2 step programs, all known before the first step; 0 returns None
-    per step (`make_sft_batch`'s per-batch buckets: one program per distinct bucket pair met).
+                 max_shapes: int, costs: tuple[float, float] = (1.0, 1.0)
+                 ) -> list[tuple[int, int] | None]:
+    """The (prompt, response) width of every step's batch, planned over the whole run.
+
+    ``max_shapes`` > 0: kp prompt widths and kr response widths with kp * kr <= max_shapes
+    (`buckets.plan_rungs` over the steps' longest prompt and response, multiples of
+    `PROMPT_MULTIPLE` / `RESPONSE_MULTIPLE`), the split (kp, kr) that costs least in all,
+    ``costs[0] * sum(prompt widths) + costs[1] * sum(response widths)`` over the steps
+    (`column_costs`: a model with a large vocabulary and a small body spends its rungs on
+    the responses, a deep one on the prompts); so the run compiles at most max_shapes step
+    programs, all known before the first step. 0: None per step (`make_sft_batch`'s per-batch
+    buckets, one program per distinct bucket pair met).
     `order`: the steps' example indices (`batch_order`). Returns one entry per step."""
-    if not rungs:
+    if not max_shapes:
         return [None] * len(order)
     need_p = [max(examples[j].prompt.num_tokens for j in idx) for idx in order]
     need_r = [max(len(examples[j].response_ids) for j in idx) for idx in order]
-    ps = plan_rungs(need_p, rungs, PROMPT_MULTIPLE)
-    rs = plan_rungs(need_r, rungs, RESPONSE_MULTIPLE)
+
+    best = None
+    for kp in range(1, max_shapes + 1):
+        ps = plan_rungs(need_p, kp, PROMPT_MULTIPLE)
+        rs = plan_rungs(need_r, max_shapes // kp, RESPONSE_MULTIPLE)
+        cost = (costs[0] * sum(rung_for(n, ps) for n in need_p)
+                + costs[1] * sum(rung_for(n, rs) for n in need_r))
+        if best is None or cost < best[0]:
+            best = (cost, ps, rs)
+    _, ps, rs = best
     return [(rung_for(p, ps), rung_for(r, rs)) for p, r in zip(need_p, need_r)]
 
 
@@ -232,7 +258,7 @@ def train_sft(params: Any, model_cfg: Qwen2Config, examples: Sequence[SFTExample
     """Behaviour cloning: ``cfg.steps`` AdamW steps of `SFTTrainer` over `examples`.
 
     Batches hold ``min(batch_size, len(examples))`` rows; their prompt and response widths
-    are planned over the run (`batch_shapes`, ``cfg.shape_rungs``); remat is the forward's
+    are planned over the run (`batch_shapes`, ``cfg.max_shapes``); remat is the forward's
     rematerialisation policy (`sft_loss`). Returns
     (trained, loss of every step, measured before its update): trained is the new params, or
     with ``cfg.lora_rank`` > 0 the adapters pytree (`strata_jax.models.lora`, float32) trained
@@ -251,11 +277,11 @@ def train_sft(params: Any, model_cfg: Qwen2Config, examples: Sequence[SFTExample
     t0 = last = prev = time.time()
     clock = StepClock()   # the ETA's rate, from steps that compiled nothing
     order = batch_order(len(examples), cfg.batch_size, cfg.steps, cfg.seed)
-    shapes = batch_shapes(examples, order, cfg.shape_rungs)
+    shapes = batch_shapes(examples, order, cfg.max_shapes, column_costs(model_cfg))
     if log_fn:
         what = "" if trainer.lora is None else f" (rank-{cfg.lora_rank} LoRA adapters)"
         planned = ""
-        if cfg.shape_rungs:
+        if cfg.max_shapes:
             ps, rs = sorted({s[0] for s in shapes}), sorted({s[1] for s in shapes})
             planned = (f" in {len(set(shapes))} batch shapes (prompt widths "
                        f"{'/'.join(map(str, ps))}, response widths {'/'.join(map(str, rs))})")
@@ -316,5 +342,6 @@ def sft_progress(done: int, total: int, loss: float, elapsed_s: float,
             f"{elapsed_s:.0f} s, {eta}")
 
 
-__all__ = ["make_sft_batch", "sft_loss", "SFTTrainer", "batch_order", "batch_shapes", "train_sft",
+__all__ = ["make_sft_batch", "sft_loss", "SFTTrainer", "batch_order", "batch_shapes", "column_costs",
+           "train_sft",
            "sft_progress", "SFT_PROGRESS_S", "SFT_ETA_SETTLE", "StepClock"]

@@ -53,11 +53,11 @@ class SFTConfig:
       steps, batch_size, lr, weight_decay, grad_clip, warmup_steps: optimisation (AdamW, linear
         warmup then cosine decay to 0 at ``steps``).
       logprob_chunk: response positions per LM-head chunk.
-      shape_rungs: the batch widths a run compiles: at most this many prompt widths and as
-        many response widths, planned over every step's batch before the first step
-        (`strata_jax.training.sft.batch_shapes`), so at most shape_rungs^2 step programs;
-        0 pads each batch to its own buckets (power-of-two prompt, response rounded to 8:
-        one program per distinct pair met, the rule before the option).
+      max_shapes: the batch shapes a run compiles at most: (prompt, response) widths
+        planned over every step's batch before the first step, split between the two axes by
+        the model's work per column (`strata_jax.training.sft.batch_shapes`); 0 pads each
+        batch to its own buckets (power-of-two prompt, response rounded to 8: one program per
+        distinct pair met, the rule before the option).
       seed: data and batch order seed. log_every: steps between loss log lines.
       cache_dir: where `strata_jax.jobs.warm_start` keeps exports, one sub-folder per fingerprint
         (configs/base.py: ``runs/warm_start``; "" = ``<workdir>/warm_start``).
@@ -94,7 +94,7 @@ class SFTConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 20
     logprob_chunk: int = 64
-    shape_rungs: int = 2
+    max_shapes: int = 4
     seed: int = 0
     log_every: int = 50
     cache_dir: str = "runs/warm_start"
@@ -120,9 +120,9 @@ class SFTConfig:
             raise ValueError(f"sft.plan_code_keep must be in [0, 1], got {self.plan_code_keep}")
         if not 0.0 <= self.noise < 1.0:
             raise ValueError(f"sft.noise must be in [0, 1), got {self.noise}")
-        if int(self.shape_rungs) < 0:
-            raise ValueError(f"sft.shape_rungs must be >= 0 (0 = per-batch buckets), "
-                             f"got {self.shape_rungs}")
+        if int(self.max_shapes) < 0:
+            raise ValueError(f"sft.max_shapes must be >= 0 (0 = per-batch buckets), "
+                             f"got {self.max_shapes}")
         for name in ("episodes", "steps", "batch_size", "max_plan_items"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
