@@ -316,6 +316,16 @@ def test_batch_mask_covers_only_response_tokens(builder, episodes):
         assert batch["prompt_mask"][b].sum() == e.prompt.num_tokens
     assert not batch["response_mask"][6:].any()
     assert int(batch["response_mask"].sum()) == sum(len(e.response_ids) for e in examples[:6])
+    # a planned shape: the same rows, padded further (prompts on the left, responses on the
+    # right); one too small for an example is refused, not cut
+    wide = sft.make_sft_batch(examples[:6], rows=8, shape=(tp + 64, tr + 8))
+    np.testing.assert_array_equal(wide["prompt_ids"][:, 64:], batch["prompt_ids"])
+    np.testing.assert_array_equal(wide["prompt_mask"][:, 64:], batch["prompt_mask"])
+    assert not wide["prompt_mask"][:, :64].any()
+    np.testing.assert_array_equal(wide["response_mask"][:, :tr], batch["response_mask"])
+    assert not wide["response_mask"][:, tr:].any()
+    with pytest.raises(ValueError, match="cannot hold a"):
+        sft.make_sft_batch(examples[:6], rows=8, shape=(longest - 1, tr))
 
 
 def test_loss_matches_full_logits():

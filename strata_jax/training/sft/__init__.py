@@ -9,7 +9,8 @@ One job per module: config.py (`SFTConfig`), experts.py (expert play with noise)
 (examples in the rollout's own prompts), cloning.py (batches, loss, the jitted trainer).
 """
 from strata_jax.training.sft.cloning import (SFT_PROGRESS_S, SFTTrainer, batch_order,
-                                             batch_shapes, column_costs, make_sft_batch, sft_loss, sft_progress, train_sft)
+                                             batch_shapes, column_costs, make_sft_batch,
+                                             sft_loss, sft_progress, train_sft)
 from strata_jax.training.sft.config import (PLAN_CODES, PROMPT_HISTORIES, STRATEGY_MODES,
                                             SFTConfig, renders_full)
 from strata_jax.training.sft.experts import (SCIWORLD_NOISE_ACTIONS, ExpertEpisode, ExpertStep,
@@ -24,7 +25,8 @@ __all__ = [
     "play_builtin_expert", "play_gold", "collect_expert_episodes", "plan_text", "mask_codes",
     "MASKED_CODE", "action_response", "judge_response", "render_episode", "build_examples",
     "keeps_code",
-    "make_sft_batch", "sft_loss", "batch_order", "batch_shapes", "column_costs", "train_sft", "sft_progress", "SFT_PROGRESS_S",
+    "make_sft_batch", "sft_loss", "batch_order", "batch_shapes", "column_costs", "train_sft",
+    "sft_progress", "SFT_PROGRESS_S",
     "SCIWORLD_NOISE_ACTIONS", "STRATEGY_MODES", "PLAN_CODES", "KINDS",
     "PROMPT_HISTORIES", "renders_full",
 ]

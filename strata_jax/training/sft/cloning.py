@@ -6,9 +6,9 @@ step per batch; prompts are left-padded and responses right-padded to widths pla
 whole run (`batch_shapes`), so a run compiles at most ``sft.max_shapes`` step programs
 (docs/design.md §6.3). The forward and the chunked LM-head logprobs are the RL trainer's own
 (`response_states` / `response_logprobs`), so the model scores exactly the columns the RL
-update scores. With ``sft.lora_rank`` > 0 the step trains
-LoRA adapters instead (`strata_jax.models.lora`: the forward runs ``lora_params(base,
-adapters)``, the base is frozen and never donated), with the same loss, data and optimiser.
+update scores. With ``sft.lora_rank`` > 0 the step trains LoRA adapters instead
+(`strata_jax.models.lora`: the forward runs ``lora_params(base, adapters)``, the base is
+frozen and never donated), with the same loss, data and optimiser.
 """
 from __future__ import annotations
 
@@ -210,10 +210,12 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[list[int
 
 
 def column_costs(model_cfg: Qwen2Config) -> tuple[float, float]:
-    """Multiply-adds per batch column of one behaviour-cloning step's forward, (prompt column,
-    response column): every column runs the decoder layers (the q, k, v, o projections and the
-    gated MLP); a response column also runs the LM head (vocabulary x hidden). Attention's
-    own work (quadratic in the width) is left out: it is a small share at these widths."""
+    """Multiply-adds per batch column (one token position of one row) of a behaviour-cloning
+    step's forward, as floats (prompt column, response column): every column runs the decoder
+    layers (the q, k, v, o projections and the gated MLP, Qwen2's shapes); a response column
+    also runs the LM head (vocabulary x hidden). The backward's work is proportional, so the
+    ratio is the step's. Attention's own work (quadratic in the width) is left out: a small
+    share at warm-start widths. Only the ratio matters to `batch_shapes`."""
     h, layers = model_cfg.hidden_size, model_cfg.num_layers
     q = model_cfg.num_heads * model_cfg.head_dim
     kv = model_cfg.num_kv_heads * model_cfg.head_dim
@@ -234,7 +236,14 @@ def batch_shapes(examples: Sequence[SFTExample], order: Sequence[Sequence[int]],
     the responses, a deep one on the prompts); so the run compiles at most max_shapes step
     programs, all known before the first step. 0: None per step (`make_sft_batch`'s per-batch
     buckets, one program per distinct bucket pair met).
-    `order`: the steps' example indices (`batch_order`). Returns one entry per step."""
+
+    Args:
+      examples: the run's examples. order: the steps' example indices (`batch_order`).
+      max_shapes: >= 0. costs: (prompt, response) work per column, any unit (`column_costs`).
+    Returns:
+      one (prompt width, response width) int pair per step, or None per step for 0.
+    Raises:
+      ValueError: an empty `order` or an empty step (`buckets.plan_rungs`)."""
     if not max_shapes:
         return [None] * len(order)
     need_p = [max(examples[j].prompt.num_tokens for j in idx) for idx in order]
@@ -342,6 +351,6 @@ def sft_progress(done: int, total: int, loss: float, elapsed_s: float,
             f"{elapsed_s:.0f} s, {eta}")
 
 
-__all__ = ["make_sft_batch", "sft_loss", "SFTTrainer", "batch_order", "batch_shapes", "column_costs",
-           "train_sft",
-           "sft_progress", "SFT_PROGRESS_S", "SFT_ETA_SETTLE", "StepClock"]
+__all__ = ["make_sft_batch", "sft_loss", "SFTTrainer", "batch_order", "batch_shapes",
+           "column_costs", "train_sft", "sft_progress", "SFT_PROGRESS_S", "SFT_ETA_SETTLE",
+           "StepClock"]
